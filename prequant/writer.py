@@ -1,0 +1,151 @@
+"""Streaming safetensors writer: the layout is fixed from the plan, tensors land in place as they come.
+
+A shard's header is computed before any data: every tensor's size follows from its shape. The only
+entries whose size is unknown up front are the quant-state JSON blobs (their text holds a float), so
+they go at the end of the data section and the header is given reserved room, padded with spaces as
+the safetensors format allows. Data is ordered by element size, then name, as safetensors' own writer
+orders it, which keeps every tensor aligned.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .dtypes import itemsize
+from .errors import PrequantError
+from .plan import OutTensor
+
+_PLACEHOLDER_LEN = 9_999_999  # longer than any quant-state JSON: makes the reserved header big enough
+
+
+class ShardWriter:
+    """Writes one output shard; `write` may be called from any thread, in any order."""
+
+    def __init__(self, path: Path, entries: list[OutTensor], metadata: dict[str, str] | None = None) -> None:
+        self.path = path
+        self.partial = path.with_name(path.name + ".partial")
+        self.metadata = metadata or {"format": "pt"}
+        self._fixed = sorted((e for e in entries if e.shape is not None), key=lambda e: (-itemsize(e.dtype), e.key))
+        self._variable = sorted((e for e in entries if e.shape is None), key=lambda e: e.key)
+        self._offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for e in self._fixed:
+            self._offsets[e.key] = (pos, pos + e.nbytes)
+            pos += e.nbytes
+        self._fixed_end = pos
+        self._blobs: dict[str, bytes] = {}
+        self._pending = {e.key for e in entries}
+        self._lock = threading.Lock()
+        longest = self._header({e.key: _PLACEHOLDER_LEN for e in self._variable})
+        self._reserved = _round8(len(longest))
+        self._data_start = 8 + self._reserved
+        self._fd = _open_for_write(self.partial)
+        try:
+            _preallocate(self._fd, self._data_start + self._fixed_end, self.partial)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _header(self, variable_sizes: dict[str, int]) -> bytes:
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        for e in self._fixed:
+            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape or ()), "data_offsets": list(self._offsets[e.key])}
+        pos = self._fixed_end
+        for e in self._variable:
+            size = variable_sizes[e.key]
+            header[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
+            pos += size
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    def write(self, key: str, data: torch.Tensor) -> None:
+        """Store one tensor's bytes (a CPU tensor; a memory-mapped view is written without a copy)."""
+        raw = data.detach().contiguous().view(-1).view(torch.uint8)
+        if key in self._offsets:
+            begin, end = self._offsets[key]
+            if raw.numel() != end - begin:
+                raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
+            _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
+        else:
+            self._blobs[key] = raw.numpy().tobytes()
+        with self._lock:
+            self._pending.discard(key)
+
+    def finalize(self) -> Path:
+        """Write the quant-state blobs and the header, flush, and rename into place."""
+        if self._pending:
+            raise PrequantError(f"internal: {self.path.name} finalized with {len(self._pending)} tensors missing")
+        pos = self._data_start + self._fixed_end
+        for e in self._variable:
+            _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
+            pos += len(self._blobs[e.key])
+        header = self._header({k: len(v) for k, v in self._blobs.items()})
+        padded = header + b" " * (self._reserved - len(header))
+        _pwrite_all(self._fd, memoryview(len(padded).to_bytes(8, "little") + padded), 0, self.partial)
+        os.ftruncate(self._fd, pos)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        os.replace(self.partial, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Close without publishing (the .partial file stays for inspection or is cleaned by the caller)."""
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def _open_for_write(path: Path) -> int:
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except PermissionError as e:
+        raise PrequantError(f"{path.parent}: permission denied; choose a writable OUTPUT_DIR") from e
+
+
+def _preallocate(fd: int, size: int, path: Path) -> None:
+    """Reserve the shard's space now, so a full disk fails at the start of the shard, not hours later."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(path, size) from e
+        os.ftruncate(fd, size)  # filesystems without fallocate: a sparse file, space taken as written
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    try:
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise _disk_full(path, len(data) - done) from e
+        raise PrequantError(f"{path}: write failed ({e.strerror})") from e
+
+
+def _disk_full(path: Path, needed: int) -> PrequantError:
+    return PrequantError(
+        f"{path.parent}: no space left on the device (needed {needed:,} more bytes for {path.name}); free space "
+        "or choose another OUTPUT_DIR, then rerun with --resume"
+    )
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def write_json(path: Path, obj: object, *, sort_keys: bool = True) -> None:
+    """Write JSON atomically (temp file + rename), indented as transformers writes it."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
+    os.replace(tmp, path)
