@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from .errors import PrequantError, UsageError
-
 __version__ = "0.1.0"
-__all__ = ["PrequantError", "UsageError", "__version__", "convert", "quantize_tensor"]
 
-if TYPE_CHECKING:
-    from .convert import convert
-    from .quantize import quantize_tensor
+# Imported eagerly on purpose: `prequant.convert` must be the function, not the submodule of the
+# same name (a lazy import would let the submodule shadow it).
+from .convert import Summary, convert  # noqa: E402
+from .errors import PrequantError, UsageError  # noqa: E402
+from .plan import Plan  # noqa: E402
+from .quantize import quantize_tensor  # noqa: E402
 
-
-def __getattr__(name: str) -> Any:
-    # Lazy: `import prequant` (and the CLI's --help) must not pay for importing torch.
-    if name == "convert":
-        from .convert import convert
-
-        return convert
-    if name == "quantize_tensor":
-        from .quantize import quantize_tensor
-
-        return quantize_tensor
-    raise AttributeError(f"module 'prequant' has no attribute {name!r}")
+__all__ = ["Plan", "PrequantError", "Summary", "UsageError", "__version__", "convert", "quantize_tensor"]

@@ -103,7 +103,7 @@ def convert(
         source=src.describe(),
         device=str(quantizer.device),
         input_bytes=plan.input_bytes,
-        output_bytes=sum(shard_sizes.values()),
+        output_bytes=sum((out / name).stat().st_size for name in plan.shards),
         tensors_quantized=sum(s.quantize for s in plan.steps),
         tensors_kept=sum(not s.quantize for s in plan.steps),
         shards=len(plan.shards),

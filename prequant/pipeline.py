@@ -74,7 +74,7 @@ def run(
     on_step: Callable[[Step], None] = lambda step: None,
     skip_steps: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
-    """Convert every step of the plan into shards under `staging`; return each shard's size in bytes.
+    """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
     `on_step` is called (from the writer thread) after each step's outputs are written; steps whose
     source name is in `skip_steps` are taken as already done (resume)."""
@@ -120,7 +120,8 @@ def run(
                     writer.write(key, tensor)
                 del entries, item
                 if writer.done:
-                    sizes[step.shard] = writer.finalize().stat().st_size
+                    writer.finalize()
+                    sizes[step.shard] = writer.data_bytes
                     del writers[step.shard]
                 on_step(step)
         finally:

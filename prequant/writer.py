@@ -91,6 +91,7 @@ class ShardWriter:
         header = self._header({k: len(v) for k, v in self._blobs.items()})
         padded = header + b" " * (self._reserved - len(header))
         _pwrite_all(self._fd, memoryview(len(padded).to_bytes(8, "little") + padded), 0, self.partial)
+        self.data_bytes = pos - self._data_start
         os.ftruncate(self._fd, pos)
         os.fsync(self._fd)
         os.close(self._fd)

@@ -1,0 +1,116 @@
+"""Shared test helpers: tiny checkpoints built from transformers configs, the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+
+
+def model_config(kind: str):
+    """A tiny config for each decoder layout users bring."""
+    import transformers as tf
+
+    if kind == "llama":
+        return tf.LlamaConfig(**SMALL, num_key_value_heads=2)
+    if kind == "llama_tied":  # tied input/output embeddings
+        return tf.LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)
+    if kind == "gpt2":  # Conv1D layers stored [in, out], biases, tied embeddings, fp32
+        return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
+    if kind == "qwen2":  # q/k/v projections with biases
+        return tf.Qwen2Config(**SMALL, num_key_value_heads=2)
+    if kind == "mixtral":  # native MoE: transformers 5 fuses the experts into 3-D parameters
+        return tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(kind)
+
+
+DTYPES = {"gpt2": torch.float32}
+
+
+def build_checkpoint(kind: str, path: Path, *, max_shard_size: str | None = None, seed: int = 0) -> Path:
+    """Save a randomly initialised tiny model as a Hugging Face checkpoint (safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(kind), dtype=DTYPES.get(kind, torch.bfloat16))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    (path / "LICENSE").write_text("test licence\n")
+    return path
+
+
+def bnb_config(**overrides):
+    from transformers import BitsAndBytesConfig
+
+    args = dict(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    args.update(overrides)
+    return BitsAndBytesConfig(**args)
+
+
+def transformers_reference(src: Path, out: Path, device: str = "cpu", **overrides) -> Path:
+    """What users do today: quantize on load, then save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=bnb_config(**overrides), device_map=device)
+    model.save_pretrained(out)
+    return out
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, by key (tiny checkpoints only)."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            for k in h.keys():
+                tensors[k] = h.get_tensor(k)
+    return tensors
+
+
+def run_cli(*args: str, env: dict | None = None, check: bool | None = None) -> subprocess.CompletedProcess:
+    """`python -m prequant ARGS` in a subprocess, as a user runs it."""
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "prequant", *args], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=600
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Build each tiny checkpoint once per session: `checkpoints(kind)` -> its directory."""
+    made: dict[tuple, Path] = {}
+
+    def get(kind: str, max_shard_size: str | None = None) -> Path:
+        key = (kind, max_shard_size)
+        if key not in made:
+            made[key] = build_checkpoint(kind, tmp_path_factory.mktemp(f"{kind}-src"), max_shard_size=max_shard_size)
+        return made[key]
+
+    return get

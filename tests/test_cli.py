@@ -1,0 +1,99 @@
+"""The command line as a user meets it: exit codes, one-line errors, stdout results."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+
+def _one_line_error(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: ")
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_convert_prints_summary_on_stdout(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["tensors_quantized"] == 14 and summary["tensors_kept"] == 7
+    assert summary["output_bytes"] == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors"))
+
+
+def test_dry_run_json_is_the_plan(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["quantized_tensors"] == 14
+    assert set(plan["shards"]) == {"model.safetensors"}
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_text_names_each_tensor(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "quantize model.layers.0.mlp.down_proj.weight" in " ".join(proc.stdout.split())
+    assert "keep lm_head.weight" in " ".join(proc.stdout.split())
+
+
+def test_missing_source(tmp_path):
+    proc = run_cli("convert", str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "does not exist" in _one_line_error(proc)
+    assert not (tmp_path / "out").exists()
+
+
+def test_directory_without_weights(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{}")
+    proc = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "no model weights found" in _one_line_error(proc)
+
+
+def test_non_empty_output_needs_overwrite_and_is_left_alone(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_cli("convert", str(checkpoints("llama")), str(out), "--device", "cpu")
+    assert proc.returncode == 2
+    assert "--overwrite" in _one_line_error(proc)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_overwrite_replaces_checkpoint_but_keeps_other_files(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00009.safetensors").write_bytes(b"stale shard of an older conversion")
+    proc = run_cli("convert", str(checkpoints("llama")), str(out), "--device", "cpu", "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "model-00001-of-00009.safetensors").exists()
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+
+
+def test_bad_option_value_is_a_usage_error(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--quant-type", "int3")
+    assert proc.returncode == 2
+    assert "nf4 or fp4" in _one_line_error(proc)
+
+
+def test_cuda_without_gpu_is_a_usage_error(checkpoints, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cuda")
+    assert proc.returncode == 2
+    assert "no CUDA GPU" in _one_line_error(proc)
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_shows_examples():
+    proc = run_cli("convert", "--help")
+    assert proc.returncode == 0
+    assert "--max-shard-size" in proc.stdout and "Examples" in proc.stdout
