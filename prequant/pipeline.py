@@ -65,6 +65,9 @@ class _Stage:
 
 _END = object()
 
+# inspect(step, source tensor, entries by short name ("weight", "absmax", ...)), on the quantizing device.
+Inspect = Callable[[Step, torch.Tensor, dict[str, torch.Tensor]], None]
+
 
 def run(
     plan: Plan,
@@ -73,11 +76,15 @@ def run(
     staging: Path,
     on_step: Callable[[Step], None] = lambda step: None,
     skip_steps: frozenset[str] = frozenset(),
+    inspect: Inspect | None = None,
+    on_shard: Callable[[Path], None] = lambda path: None,
 ) -> dict[str, int]:
     """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
     `on_step` is called (from the writer thread) after each step's outputs are written; steps whose
-    source name is in `skip_steps` are taken as already done (resume)."""
+    source name is in `skip_steps` are taken as already done (resume). `inspect(step, source, entries)`
+    is called on the quantizing thread with both on the quantizing device (statistics are cheap there);
+    `on_shard(path)` (writer thread) when a shard file is complete."""
     failed = threading.Event()
     errors: list[BaseException] = []
     loaded, quantized = _Stage(failed), _Stage(failed)
@@ -120,7 +127,7 @@ def run(
                     writer.write(key, tensor)
                 del entries, item
                 if writer.done:
-                    writer.finalize()
+                    on_shard(writer.finalize())
                     sizes[step.shard] = writer.data_bytes
                     del writers[step.shard]
                 on_step(step)
@@ -132,7 +139,7 @@ def run(
     for t in threads:
         t.start()
     try:
-        guarded(lambda: _quantize_all(loaded, quantized, quantizer))()
+        guarded(lambda: _quantize_all(loaded, quantized, quantizer, inspect))()
     finally:
         if errors:
             failed.set()
@@ -143,7 +150,7 @@ def run(
     return sizes
 
 
-def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer) -> None:
+def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspect: Inspect | None) -> None:
     cuda = quantizer.device.type == "cuda"
     while (item := loaded.get()) is not _END:
         step, (tensor, ready) = item  # type: ignore[misc]
@@ -154,6 +161,8 @@ def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer) -> No
             torch.cuda.current_stream(quantizer.device).wait_event(ready)
         x = tensor.t() if step.decision.transpose else tensor
         entries = quantizer(x, step.source.name)
+        if inspect is not None:
+            inspect(step, x, entries)
         if cuda:
             # Synchronous device-to-host: the writer needs host bytes, and its queue bounds what waits.
             entries = {k: v.cpu() for k, v in entries.items()}
