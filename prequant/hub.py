@@ -1,0 +1,456 @@
+"""Hub access through huggingface_hub: resolve a repo to a commit, download or evict one file, upload a folder.
+
+Settings are read from the environment at call time (HF_ENDPOINT, HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE,
+HF_TOKEN), not only when huggingface_hub was imported, so a library caller can change them between calls.
+Every failure becomes one `PrequantError` line that names the repo (and the file) and says what to do;
+tokens never appear in messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import HfApi, constants, errors, hf_hub_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
+
+from .errors import PrequantError, UsageError
+
+# A missing file on the Hub (huggingface_hub < 1.0 had no Remote- prefix and no Local/Remote split).
+_RemoteEntryNotFound = getattr(errors, "RemoteEntryNotFoundError", None) or errors.EntryNotFoundError
+
+try:  # Per-commit file listing cache (huggingface_hub >= 2.x; snapshot_download writes it too)
+    from huggingface_hub._tree_cache import TreeCacheEntry, read_tree_cache, write_tree_cache
+except ImportError:  # pragma: no cover - older huggingface_hub: offline resolve lists the snapshot folder
+    TreeCacheEntry = read_tree_cache = write_tree_cache = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
+
+# Waits before the 2nd and 3rd download attempts. huggingface_hub already resumes a body cut mid-way
+# (5 times) and retries failing HEAD calls; these cover what it does not retry: a 5xx on GET, an
+# incomplete file.
+_RETRY_DELAYS_S = (1.0, 3.0)
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_API_TIMEOUT_S = 60.0
+_SHA_RE = re.compile(r"[0-9a-f]{40}")
+_NETWORK_FIX = "check the network or HF_ENDPOINT, or download the repo and pass its local directory"
+_LOGIN_FIX = "set HF_TOKEN or run `hf auth login`"
+_LISTINGS: dict[tuple[str, str], dict] = {}  # (repo_id, sha) -> file listing, from resolve() until a download
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """A Hub repo pinned to one commit, with every file of that commit and its size."""
+
+    repo_id: str
+    revision: str | None  # as requested (branch, tag or sha); None means the default branch
+    sha: str  # resolved commit sha
+    files: dict[str, int]  # path -> size in bytes
+
+
+def parse_repo_spec(spec: str) -> tuple[str, str | None]:
+    """Split ``org/name[@revision]`` into ``(repo_id, revision)``; raises `UsageError` if malformed."""
+    repo_id, at, revision = spec.strip().partition("@")
+    example = "expected org/name or org/name@revision, e.g. keyfan/grok-1-hf@main"
+    if repo_id.count("/") != 1:
+        raise UsageError(f"invalid Hub repo '{spec}': {example}")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise UsageError(f"invalid Hub repo '{spec}': {_first_line(str(error)).rstrip('.')}; {example}") from None
+    if at and (not revision or re.search(r"\s", revision)):
+        raise UsageError(f"invalid revision in '{spec}': {example}")
+    return repo_id, revision or None
+
+
+def resolve(
+    repo_id: str, revision: str | None = None, *, token: str | None = None, alias: str | None = None
+) -> HubSource:
+    """Resolve ``repo_id`` at ``revision`` to a commit sha and its file list, in one Hub call.
+
+    With HF_HUB_OFFLINE set, resolves from the local cache instead. ``alias`` is the name the user typed
+    (e.g. ``grok-1``), used only in messages.
+    """
+    label = _label(repo_id, revision, alias)
+    if _offline():
+        return _resolve_offline(repo_id, revision, label)
+    try:
+        info = _api(token).model_info(repo_id, revision=revision, files_metadata=True, timeout=_API_TIMEOUT_S)
+    except Exception as error:
+        raise PrequantError(_explain(error, f"resolve {label}", repo_id, revision, token)) from error
+    files = {sibling.rfilename: sibling.size for sibling in info.siblings or []}
+    if info.sha is None or info.siblings is None or any(size is None for size in files.values()):
+        raise PrequantError(
+            f"the Hub at {_endpoint()} returned no commit sha or file list for {label}; check that HF_ENDPOINT "
+            "points to a Hugging Face Hub"
+        )
+    _keep_listing(repo_id, info.sha, info.siblings or [])
+    return HubSource(repo_id=repo_id, revision=revision, sha=info.sha, files=files)  # type: ignore[arg-type]
+
+
+def download(source: HubSource, filename: str, *, token: str | None = None) -> Path:
+    """Download ``filename`` at ``source.sha`` into the Hugging Face cache and return its local path.
+
+    Transient failures are retried a few times; a failed or incomplete download raises `PrequantError`
+    naming the file (a shard is never silently skipped).
+    """
+    label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
+    if filename not in source.files:
+        raise PrequantError(
+            f"{source.repo_id} has no file {filename} at commit {source.sha}; the repo lists {len(source.files)} files"
+        )
+    for delay in (*_RETRY_DELAYS_S, None):
+        try:
+            path = _fetch(source, filename, token)
+        except Exception as error:
+            if _offline():
+                raise PrequantError(
+                    f"cannot download {label}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache "
+                    f"at {_cache_dir()}; unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
+                ) from error
+            if delay is None or not _is_transient(error):
+                raise PrequantError(_explain(error, f"download {label}", source.repo_id, source.sha, token)) from error
+            log.warning("download of %s failed (%s); retrying in %.0fs", label, _short(error, token), delay)
+            time.sleep(delay)
+        else:
+            _remember(source)
+            return path
+    raise AssertionError("unreachable")
+
+
+def evict(source: HubSource, filename: str) -> None:
+    """Delete a downloaded file (its snapshot pointer and blob) from the cache; does nothing if absent."""
+    storage = _storage_folder(source.repo_id)
+    pointer = storage / "snapshots" / source.sha / filename
+    if pointer.is_symlink():
+        blob = Path(os.path.normpath(pointer.parent / os.readlink(pointer)))
+        pointer.unlink()
+        if blob.parent == storage / "blobs":  # never follow a link out of this repo's cache
+            blob.unlink(missing_ok=True)
+    elif pointer.is_file():  # no-symlink caches keep the file itself in the snapshot
+        pointer.unlink()
+
+
+def upload(
+    folder: Path,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    commit_message: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Create ``repo_id`` if needed and upload ``folder`` to it in one commit; returns the commit URL.
+
+    ``repo_id`` may carry the branch as ``org/name@branch`` instead of ``revision``; a new branch is
+    created from main.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"cannot upload {folder}: not a directory")
+    repo_id, spec_revision = parse_repo_spec(repo_id)
+    if spec_revision is not None and revision not in (None, spec_revision):
+        raise UsageError(f"two revisions given for the upload to {repo_id}: {spec_revision} and {revision}")
+    revision = revision or spec_revision
+    if revision is not None and _SHA_RE.fullmatch(revision):
+        raise UsageError(f"cannot upload to commit {revision} of {repo_id}: pass a branch name")
+    action = f"upload {folder} to {repo_id}" + (f"@{revision}" if revision else "")
+    if _offline():
+        raise PrequantError(f"cannot {action}: HF_HUB_OFFLINE is set; unset it to upload")
+    api = _api(token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision not in (None, constants.DEFAULT_REVISION):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)  # type: ignore[arg-type]
+        info = api.upload_folder(
+            folder_path=folder,
+            repo_id=repo_id,
+            revision=revision,
+            commit_message=commit_message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
+        )
+    except Exception as error:
+        raise PrequantError(_explain(error, action, repo_id, revision, token, writing=True)) from error
+    return info.commit_url
+
+
+# ------------------------------------------------------------------------------------------- settings
+
+
+def _endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _cache_dir() -> Path:
+    """The hub cache, resolved like huggingface_hub does at import, but from the current environment."""
+    env = os.environ
+    xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = env.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def _offline() -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return constants.HF_HUB_OFFLINE if value is None else value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _api(token: str | None) -> HfApi:
+    return HfApi(endpoint=_endpoint(), token=token, library_name="prequant")
+
+
+def _storage_folder(repo_id: str) -> Path:
+    return _cache_dir() / f"models--{repo_id.replace('/', '--')}"
+
+
+def _label(repo_id: str, revision: str | None, alias: str | None) -> str:
+    spec = repo_id + (f"@{revision}" if revision else "")
+    return f"{alias} ({spec})" if alias else spec
+
+
+# --------------------------------------------------------------------------------------- downloading
+
+
+class _IncompleteDownload(Exception):
+    """The file on disk does not have the size the Hub lists."""
+
+
+def _fetch(source: HubSource, filename: str, token: str | None) -> Path:
+    # Pinned to the sha: a cached file is returned without any network call.
+    path = Path(
+        hf_hub_download(
+            source.repo_id,
+            filename,
+            revision=source.sha,
+            cache_dir=_cache_dir(),
+            endpoint=_endpoint(),
+            token=token,
+            local_files_only=_offline(),
+            library_name="prequant",
+        )
+    )
+    size, expected = path.stat().st_size, source.files[filename]
+    if size != expected:
+        evict(source, filename)  # never leave a wrong-sized file for the next run to trust
+        raise _IncompleteDownload(f"got {size} bytes, the Hub lists {expected}")
+    return path
+
+
+def _is_transient(error: BaseException) -> bool:
+    if isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError, _RemoteEntryNotFound)):
+        return False
+    if isinstance(error, HfHubHTTPError):
+        return error.response is not None and error.response.status_code in _RETRY_STATUSES
+    return _is_incomplete(error)
+
+
+def _is_incomplete(error: BaseException) -> bool:
+    # Ours, or huggingface_hub's own size check after a body that ended early.
+    return isinstance(error, _IncompleteDownload) or (
+        isinstance(error, OSError) and "Consistency check failed" in str(error)
+    )
+
+
+# --------------------------------------------------------------------------------- offline resolving
+
+
+def _keep_listing(repo_id: str, sha: str, siblings: list) -> None:
+    """Hold the commit's full listing until a download creates its snapshot folder (see `_remember`)."""
+    if TreeCacheEntry is not None and all(s.blob_id and s.size is not None for s in siblings):
+        _LISTINGS[(repo_id, sha)] = {
+            s.rfilename: TreeCacheEntry(
+                size=s.size,
+                blob_id=s.blob_id,
+                lfs_sha256=s.lfs.sha256 if s.lfs else None,
+                lfs_size=s.lfs.size if s.lfs else None,
+            )
+            for s in siblings
+        }
+
+
+def _remember(source: HubSource) -> None:
+    """Record revision -> sha and the full file listing in the cache, so that an offline run can resolve.
+
+    Downloads are pinned to the sha, so huggingface_hub writes no ref itself. Done only once a file is
+    downloaded: a cache entry without a snapshot folder would look corrupted to `hf cache`.
+    """
+    storage = _storage_folder(source.repo_id)
+    ref = source.revision or constants.DEFAULT_REVISION
+    try:
+        if not _SHA_RE.fullmatch(ref) and _read_ref(storage / "refs" / ref) != source.sha:
+            (storage / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+            (storage / "refs" / ref).write_text(source.sha)
+        listing = _LISTINGS.pop((source.repo_id, source.sha), None)
+        if listing is not None and read_tree_cache(str(storage), source.sha) is None:
+            write_tree_cache(str(storage), source.sha, listing)
+    except OSError as error:  # a cache we cannot annotate only costs offline resolves
+        log.debug("could not record %s@%s in the cache: %s", source.repo_id, ref, error)
+
+
+def _resolve_offline(repo_id: str, revision: str | None, label: str) -> HubSource:
+    storage = _storage_folder(repo_id)
+    ref = revision or constants.DEFAULT_REVISION
+    sha = ref if _SHA_RE.fullmatch(ref) else _read_ref(storage / "refs" / ref)
+    snapshot = storage / "snapshots" / (sha or "-")
+    if sha is None or not snapshot.is_dir():
+        raise PrequantError(
+            f"cannot resolve {label} offline: it is not in the Hugging Face cache at {_cache_dir()}; unset "
+            "HF_HUB_OFFLINE to download it, or pass the model's local directory"
+        )
+    return HubSource(repo_id=repo_id, revision=revision, sha=sha, files=_cached_files(storage, sha, snapshot))
+
+
+def _read_ref(path: Path) -> str | None:
+    try:
+        sha = path.read_text().strip()
+    except OSError:
+        return None
+    return sha if _SHA_RE.fullmatch(sha) else None
+
+
+def _cached_files(storage: Path, sha: str, snapshot: Path) -> dict[str, int]:
+    """The commit's full listing if cached, else what the snapshot folder holds (possibly partial)."""
+    if read_tree_cache is not None:
+        entries = read_tree_cache(str(storage), sha)
+        if entries is not None:
+            return {path: entry.size for path, entry in entries.items()}
+    log.warning("no cached file listing for %s; using the files present in %s", sha, snapshot)
+    return {
+        path.relative_to(snapshot).as_posix(): path.stat().st_size
+        for path in sorted(snapshot.rglob("*"))
+        if path.is_file()
+    }
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def _explain(
+    error: BaseException,
+    action: str,
+    repo_id: str,
+    revision: str | None,
+    token: str | None,
+    *,
+    writing: bool = False,
+) -> str:
+    """One line: what failed, why, and what to do."""
+    # huggingface_hub wraps some HTTP errors (e.g. a failed HEAD becomes LocalEntryNotFoundError): use the HTTP one.
+    error = next((e for e in _chain(error) if isinstance(e, HfHubHTTPError)), error)
+    endpoint = _endpoint()
+    secrets = _known_tokens(token)
+    reason = _short(error, token)
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(error, GatedRepoError):
+        return (
+            f"cannot {action}: {repo_id} is a gated repo; accept its conditions at {endpoint}/{repo_id}, "
+            f"then {_LOGIN_FIX} with that account"
+        )
+    if isinstance(error, RepositoryNotFoundError):
+        if secrets:
+            return (
+                f"cannot {action}: repository {repo_id} was not found on {endpoint}, or your token has no "
+                "access to it; check the name and the token (HF_TOKEN or `hf auth login`)"
+            )
+        return (
+            f"cannot {action}: repository {repo_id} was not found on {endpoint}; check the name, or if it is "
+            f"private {_LOGIN_FIX}"
+        )
+    if isinstance(error, RevisionNotFoundError):
+        return (
+            f"cannot {action}: revision '{revision}' does not exist in {repo_id}; pass an existing branch, "
+            "tag or full commit sha as org/name@revision"
+        )
+    if isinstance(error, _RemoteEntryNotFound) and not isinstance(error, LocalEntryNotFoundError):
+        return f"cannot {action}: the file does not exist at that commit ({reason})"
+    if isinstance(error, OfflineModeIsEnabled):
+        return f"cannot {action}: offline mode is enabled (HF_HUB_OFFLINE); unset it, or pass a local directory"
+    if status == 401:
+        fix = "set a valid HF_TOKEN or run `hf auth login`" if secrets else _LOGIN_FIX
+        return f"cannot {action}: the Hub at {endpoint} refused the credentials (401: {reason}); {fix}"
+    if status == 403:
+        need = "write access to" if writing else "access to"
+        return f"cannot {action}: the token lacks {need} {repo_id} (403); use a token with that permission"
+    if isinstance(error, HfHubHTTPError):
+        return f"cannot {action}: the Hub at {endpoint} answered {status or 'an error'} ({reason}); try again later"
+    if _is_incomplete(error):
+        return f"cannot {action}: the file is incomplete ({reason}); run again, or check the disk and the network"
+    if any(isinstance(e, json.JSONDecodeError) for e in _chain(error)):
+        return f"cannot {action}: {endpoint} did not answer like a Hugging Face Hub ({reason}); check HF_ENDPOINT"
+    if _is_network_error(error):
+        fix = "check the network or HF_ENDPOINT" if writing else _NETWORK_FIX
+        return f"cannot reach the Hugging Face Hub at {endpoint} to {action}: {_short(_root(error), token)}; {fix}"
+    return f"cannot {action}: {type(error).__name__}: {reason}"
+
+
+def _network_error_types() -> tuple[type[BaseException], ...]:
+    """Transport failures of whichever HTTP client huggingface_hub has loaded (httpx2, httpx or requests)."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, name in (
+        ("httpx2", "TransportError"),
+        ("httpx", "TransportError"),
+        ("requests", "ConnectionError"),
+        ("requests", "Timeout"),
+    ):
+        loaded = sys.modules.get(module)  # never import a client just to name its errors
+        if loaded is not None and isinstance(getattr(loaded, name, None), type):
+            types.append(getattr(loaded, name))
+    return tuple(types)
+
+
+def _is_network_error(error: BaseException) -> bool:
+    return any(isinstance(e, _network_error_types()) for e in _chain(error))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _root(error: BaseException) -> BaseException:
+    """The innermost network error behind a wrapped one (the useful "why")."""
+    network = [e for e in _chain(error) if isinstance(e, _network_error_types())]
+    return network[-1] if network else error
+
+
+def _short(error: BaseException, token: str | None) -> str:
+    """The error's reason as a short line, without any token."""
+    text = _first_line(getattr(error, "server_message", None) or str(error)) or type(error).__name__
+    for secret in _known_tokens(token):
+        text = text.replace(secret, "***")
+    return text[:300]
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def _known_tokens(token: str | None) -> list[str]:
+    """Tokens this process may send, so that messages can be scrubbed of them."""
+    candidates = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    try:
+        candidates.append(Path(constants.HF_TOKEN_PATH).read_text().strip())
+    except OSError:
+        pass
+    return [t for t in candidates if t and len(t) >= 8]
+
+
+__all__ = ["HubSource", "download", "evict", "parse_repo_spec", "resolve", "upload"]
