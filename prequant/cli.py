@@ -52,9 +52,19 @@ def convert(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     as_json: JsonOpt = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint in a non-empty OUTPUT_DIR.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted conversion into OUTPUT_DIR (same source and options).")
+    ] = False,
     trust_remote_code: Annotated[
         bool, typer.Option("--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")
     ] = False,
+    stats: Annotated[
+        bool, typer.Option("--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")
+    ] = True,
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload to this Hub repo (org/name[@branch])."),
+    ] = None,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
     from .convert import convert as run_convert
@@ -72,9 +82,69 @@ def convert(
         device=device,
         dry_run=dry_run,
         overwrite=overwrite,
+        resume=resume,
         trust_remote_code=trust_remote_code,
+        stats=stats,
+        push_to_hub=push_to_hub,
     )
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
+
+
+@app.command(
+    epilog=(
+        "Exit status: 0 when every check passes, 1 when one fails (the first problem on stderr, the full report "
+        "on stdout), 2 for usage errors.\n\n"
+        "Examples:\n\n"
+        "  prequant verify ./llama3-8b-nf4\n\n"
+        "  prequant verify ./llama3-8b-nf4 --source ./Meta-Llama-3-8B --json"
+    )
+)
+def verify(
+    output_dir: Annotated[str, typer.Argument(help="A folder written by prequant convert.")],
+    source: Annotated[
+        str | None, typer.Option("--source", help="The original checkpoint: also measure each tensor's error against it.")
+    ] = None,
+    max_rel_error: Annotated[
+        float | None,
+        typer.Option("--max-rel-error", help="With --source, fail tensors above this relative error (default: 4x the "
+                     "Gaussian figure for the settings, e.g. 0.368 for NF4 block 64)."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check OUTPUT_DIR: files against prequant.json (size, sha256), index against shards, quant states, config."""
+    from .verify import VerificationFailed
+    from .verify import verify as run_verify
+
+    report = run_verify(output_dir, source, max_rel_error=max_rel_error)
+    print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
+    if not report.ok:
+        raise VerificationFailed(report)
+
+
+@app.command(
+    epilog=(
+        "The token comes from HF_TOKEN or `hf auth login`. Nothing is sent unless OUTPUT_DIR verifies.\n\n"
+        "Examples:\n\n"
+        "  prequant upload ./llama3-8b-nf4 my-org/llama3-8b-bnb-nf4\n\n"
+        "  prequant upload ./llama3-8b-nf4 my-org/llama3-8b-bnb --revision nf4 --private --json"
+    )
+)
+def upload(
+    output_dir: Annotated[str, typer.Argument(help="A folder written by prequant convert.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub model repo, org/name (created if missing).")],
+    revision: Annotated[str | None, typer.Option("--revision", help="Branch to commit to (created from main).")] = None,
+    private: Annotated[bool, typer.Option("--private", help="Create the repo as private.")] = False,
+    commit_message: Annotated[str | None, typer.Option("--commit-message", help="Message of the Hub commit.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Verify OUTPUT_DIR, then upload it to a Hub model repo in one commit (refused if it does not verify)."""
+    from .verify import upload as run_upload
+
+    result = run_upload(output_dir, repo_id, revision=revision, private=private, commit_message=commit_message)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"uploaded {len(result['files'])} files ({result['bytes'] / 1e9:.3f} GB) to {result['commit_url']}")
 
 
 @app.command()
@@ -92,7 +162,8 @@ def main() -> None:
     except PrequantError as e:
         if os.environ.get("PREQUANT_DEBUG"):
             raise
-        print(f"Error: {e.message}", file=sys.stderr)
+        # One line whatever the message holds: names taken from a corrupt file may contain newlines.
+        print("Error: " + " ".join(e.message.splitlines()), file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)

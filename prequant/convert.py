@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import architectures, metadata, output, pipeline, reader
+from . import __version__, architectures, metadata, output, pipeline, reader
 from . import source as sources
+from . import manifest
+from . import verify as verification
+from .errors import Interrupted
+from .journal import Journal, fingerprint
 from .plan import Plan, Settings, make_plan, parse_size
 from .progress import Progress
 from .quantize import Quantizer, pick_device
@@ -27,8 +35,11 @@ class Summary:
     tensors_kept: int
     shards: int
     seconds: float
+    peak_gpu_bytes: int | None = None
     unquantized_parameters: dict[str, int] = field(default_factory=dict)
     copied_files: list[str] = field(default_factory=list)
+    stats: dict | None = None  # relative error of the dequantized tensors (median, worst), when measured
+    hub_commit_url: str | None = None  # with push_to_hub
 
     @property
     def gb_per_s(self) -> float:
@@ -46,6 +57,11 @@ class Summary:
             f"time: {self.seconds:.1f} s on {self.device}, {self.gb_per_s:.2f} GB/s of input",
         ]
         lines += [f"unquantized: {n:,} parameters ({why})" for why, n in self.unquantized_parameters.items()]
+        if self.stats and self.stats.get("tensors"):
+            lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
+                         f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")
+        if self.hub_commit_url:
+            lines.append(f"uploaded: {self.hub_commit_url}")
         return "\n".join(lines)
 
 
@@ -63,13 +79,18 @@ def convert(
     device: str = "auto",
     dry_run: bool = False,
     overwrite: bool = False,
+    resume: bool = False,
     trust_remote_code: bool = False,
     progress: bool = True,
+    stats: bool = True,
+    push_to_hub: str | None = None,
 ) -> Summary | Plan:
     """Convert a checkpoint to bitsandbytes 4-bit, streaming one tensor at a time.
 
     Returns the Plan when `dry_run`, else the Summary. Raises PrequantError with a one-line message
-    on any bad input; OUTPUT_DIR then holds no checkpoint-looking files.
+    on any bad input; OUTPUT_DIR then holds no checkpoint-looking files. After an interruption (SIGINT,
+    SIGTERM, SIGKILL, a full disk), the same call with `resume=True` continues where it stopped and
+    gives the same bytes as an uninterrupted run.
     """
     started = time.monotonic()
     settings = Settings(quant_type, double_quant, blocksize, compute_dtype, quant_storage)
@@ -77,7 +98,8 @@ def convert(
     src = sources.resolve(str(source))
     out = Path(output_dir)
     if not dry_run:
-        output.check(out, overwrite)
+        output.check_not_source(out, src.path)
+        output.check(out, overwrite or resume)
     tensors = reader.scan(src.weight_files)
     if src.index_file is not None:
         reader.check_index(src.index_file, tensors)
@@ -89,14 +111,27 @@ def convert(
         return plan
 
     quantizer = Quantizer(settings, pick_device(device))
-    staging = output.staging_dir(out)
-    with reader.TensorSource() as data, Progress(plan.input_bytes, enabled=progress) as bar:
-        shard_sizes = pipeline.run(plan, data, quantizer, staging, on_step=lambda s: bar.advance(s.source.nbytes))
+    record = manifest.Recorder(src, plan, stats=stats, options={"skip": list(skip), "max_shard_size": shard_limit})
+    staging = output.staging_dir(out, keep=resume)
     side = metadata.side_files(src.path)
-    metadata.copy_side_files(src.path, staging, side)
-    metadata.write_index(staging, plan, shard_sizes)
-    metadata.write_config(staging, config, plan)
-    output.publish(out, staging)
+    with _interruptible():
+        if not (resume and output.publishing(staging)):
+            journal = Journal(staging, fingerprint(plan, src.weight_files, __version__), resume=resume)
+            if journal.resumed and progress:
+                print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
+                      file=sys.stderr)
+            with reader.TensorSource() as data, Progress(plan.input_bytes, enabled=progress) as bar:
+                shard_sizes = pipeline.run(
+                    plan, data, quantizer, staging, journal, on_step=lambda s: bar.advance(s.source.nbytes),
+                    inspect=record.inspect, on_shard=record.on_shard,
+                )
+            journal.close()
+            metadata.copy_side_files(src.path, staging, side)
+            metadata.write_index(staging, plan, shard_sizes)
+            metadata.write_config(staging, config, plan)
+            record.finish(staging, side, device=str(quantizer.device), repo_id=push_to_hub)
+        output.publish(out, staging)
+    hub_url = verification.push_converted(out, push_to_hub, progress=progress) if push_to_hub else None
 
     return Summary(
         output_dir=str(out),
@@ -108,6 +143,32 @@ def convert(
         tensors_kept=sum(not s.quantize for s in plan.steps),
         shards=len(plan.shards),
         seconds=time.monotonic() - started,
+        peak_gpu_bytes=_peak_gpu_bytes(quantizer.device),
         unquantized_parameters=plan.unquantized(),
         copied_files=[p.as_posix() for p in side],
+        stats=manifest.load(out)["stats"]["summary"],
+        hub_commit_url=hub_url,
     )
+
+
+@contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGINT and SIGTERM stop the conversion cleanly (threads joined, journal flushed) as Interrupted."""
+    def on_term(signum: int, frame: object) -> None:
+        raise Interrupted("SIGTERM", 128 + signal.SIGTERM)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted("SIGINT", 128 + signal.SIGINT) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _peak_gpu_bytes(device) -> int | None:
+    import torch
+
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None

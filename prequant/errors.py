@@ -21,3 +21,14 @@ class UsageError(PrequantError):
     """The command line or the options are wrong (exit code 2)."""
 
     exit_code = 2
+
+
+class Interrupted(PrequantError):
+    """SIGINT or SIGTERM stopped a conversion; the work done so far is kept for --resume."""
+
+    def __init__(self, signal_name: str, exit_code: int) -> None:
+        super().__init__(
+            f"interrupted by {signal_name}; the work done so far is kept: rerun the same command with --resume "
+            "to continue"
+        )
+        self.exit_code = exit_code

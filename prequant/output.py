@@ -10,9 +10,12 @@ import os
 import shutil
 from pathlib import Path
 
+from . import failpoints
 from .errors import PrequantError, UsageError
 
 STAGING = ".prequant-staging"
+PUBLISHING = "PUBLISHING"  # marker: everything is written, files are being moved into place
+_BOOKKEEPING = ("job.json", "journal.jsonl", PUBLISHING)
 # What a previous conversion into the same directory may have left and a new one replaces.
 _REPLACED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "prequant.json")
 _REPLACED_GLOBS = ("model*.safetensors", "pytorch_model*.bin")
@@ -29,6 +32,19 @@ def check(output_dir: Path, overwrite: bool) -> None:
                 f"OUTPUT_DIR {output_dir} is not empty ({len(existing)} entries, e.g. {existing[0]}); pass --overwrite "
                 "to replace the checkpoint in it, or choose an empty directory"
             )
+
+
+def check_not_source(output_dir: Path, source_dir: Path) -> None:
+    """Refuse OUTPUT_DIR = SOURCE: publishing replaces config.json and model*.safetensors there, the originals."""
+    try:
+        same = output_dir.exists() and output_dir.samefile(source_dir)
+    except OSError:
+        same = False
+    if same:
+        raise UsageError(
+            f"OUTPUT_DIR {output_dir} is the source directory; writing there would replace the original weights, "
+            "choose another OUTPUT_DIR"
+        )
 
 
 def staging_dir(output_dir: Path, keep: bool = False) -> Path:
@@ -52,19 +68,26 @@ def publish(output_dir: Path, staging: Path, last: tuple[str, ...] = ("model.saf
     """Move everything from staging into OUTPUT_DIR; the files in `last` go last, in that order.
 
     With --overwrite, the old checkpoint's config and index go first, so that at no moment does the
-    directory hold an old config over a mix of old and new shards.
+    directory hold an old config over a mix of old and new shards. A publish interrupted half-way is
+    finished by the next run with --resume (the marker says the old files are already gone).
     """
-    for name in _REPLACED:
-        (output_dir / name).unlink(missing_ok=True)
-    for pattern in _REPLACED_GLOBS:
-        for old in output_dir.glob(pattern):
-            old.unlink()
-    files = sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
+    marker = staging / PUBLISHING
+    if not marker.exists():
+        for name in _REPLACED:
+            (output_dir / name).unlink(missing_ok=True)
+        for pattern in _REPLACED_GLOBS:
+            for old in output_dir.glob(pattern):
+                old.unlink()
+        marker.write_text("")
+    files = sorted(
+        p.relative_to(staging) for p in staging.rglob("*") if p.is_file() and p.relative_to(staging).as_posix() not in _BOOKKEEPING
+    )
     order = sorted(files, key=lambda rel: (rel.as_posix() in last, last.index(rel.as_posix()) if rel.as_posix() in last else 0))
     for rel in order:
         target = output_dir / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / rel, target)
+        failpoints.hit("publish-file")
     shutil.rmtree(staging, ignore_errors=True)
     _fsync_dir(output_dir)
 
@@ -75,3 +98,8 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publishing(staging: Path) -> bool:
+    """True when an interrupted run had finished writing and was moving files into place."""
+    return (staging / PUBLISHING).exists()

@@ -26,6 +26,8 @@ from .dtypes import SAFETENSORS_DTYPES
 from .plan import Plan, Step
 from .quantize import Quantizer
 from .reader import TensorRef, TensorSource
+from . import failpoints
+from .journal import Journal
 from .writer import ShardWriter
 
 CHUNK_BYTES = 64 * 1024 * 1024  # pinned staging buffer size for host-to-device copies
@@ -74,22 +76,27 @@ def run(
     source: TensorSource,
     quantizer: Quantizer,
     staging: Path,
+    journal: Journal | None = None,
     on_step: Callable[[Step], None] = lambda step: None,
-    skip_steps: frozenset[str] = frozenset(),
     inspect: Inspect | None = None,
     on_shard: Callable[[Path], None] = lambda path: None,
 ) -> dict[str, int]:
     """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
-    `on_step` is called (from the writer thread) after each step's outputs are written; steps whose
-    source name is in `skip_steps` are taken as already done (resume). `inspect(step, source, entries)`
-    is called on the quantizing thread with both on the quantizing device (statistics are cheap there);
-    `on_shard(path)` (writer thread) when a shard file is complete."""
+    With a journal, finished work is recorded as it lands and work a previous run finished is skipped.
+    `on_step` is called (from the writer thread) after each step's outputs are written, or at start for
+    each step already done; `inspect(step, source, entries)` is called on the quantizing thread with both
+    on the quantizing device (statistics are cheap there); `on_shard(path)` (writer thread) when a shard
+    file is complete.
+    """
     failed = threading.Event()
     errors: list[BaseException] = []
     loaded, quantized = _Stage(failed), _Stage(failed)
-    sizes: dict[str, int] = {}
-    todo = [s for s in plan.steps if s.source.name not in skip_steps]
+    shards = _Shards(plan, staging, journal, on_shard)
+    todo = [s for s in plan.steps if not shards.is_done(s)]
+    for step in plan.steps:
+        if shards.is_done(step):
+            on_step(step)
     device = quantizer.device
 
     def guarded(fn: Callable[[], None]) -> Callable[[], None]:
@@ -116,24 +123,15 @@ def run(
         loaded.put(_END)
 
     def write_all() -> None:
-        writers: dict[str, ShardWriter] = {}
         try:
+            shards.finish_resumed()
             while (item := quantized.get()) is not _END:
                 step, entries = item  # type: ignore[misc]
-                writer = writers.get(step.shard)
-                if writer is None:
-                    writer = writers[step.shard] = _open_shard(plan, step.shard, staging)
-                for key, tensor in entries.items():
-                    writer.write(key, tensor)
+                shards.write(step, entries)
                 del entries, item
-                if writer.done:
-                    on_shard(writer.finalize())
-                    sizes[step.shard] = writer.data_bytes
-                    del writers[step.shard]
                 on_step(step)
         finally:
-            for w in writers.values():
-                w.abort()
+            shards.abort()
 
     threads = [threading.Thread(target=guarded(f), name=f"prequant-{f.__name__}") for f in (read_all, write_all)]
     for t in threads:
@@ -147,7 +145,82 @@ def run(
             t.join()
     if errors:
         raise errors[0]
-    return sizes
+    return shards.sizes
+
+
+class _Shards:
+    """The open shard writers, journaling finished steps and shards (writer thread only)."""
+
+    def __init__(self, plan: Plan, staging: Path, journal: Journal | None, on_shard: Callable[[Path], None]) -> None:
+        self.plan, self.staging, self.journal, self.on_shard = plan, staging, journal, on_shard
+        self.open: dict[str, ShardWriter] = {}
+        self.sizes: dict[str, int] = {}
+        self.steps_of: dict[str, list[Step]] = {}
+        for step in plan.steps:
+            self.steps_of.setdefault(step.shard, []).append(step)
+        done = journal.done if journal else None
+        # A shard's finished steps count only while its file (final or partial) is still there.
+        self.finished = {s for s in (done.shards if done else ()) if (staging / s).exists()}
+        self.done_steps = {
+            step.source.name
+            for step in plan.steps
+            if done
+            and step.source.name in done.steps
+            and (step.shard in self.finished or (staging / f"{step.shard}.partial").exists())
+        }
+
+    def is_done(self, step: Step) -> bool:
+        return step.shard in self.finished or step.source.name in self.done_steps
+
+    def finish_resumed(self) -> None:
+        """Finalize shards whose every step was done before an interruption (killed while finalizing)."""
+        for shard, steps in self.steps_of.items():
+            if shard in self.finished:
+                self.sizes[shard] = self._data_bytes(shard)
+                self.on_shard(self.staging / shard)
+            elif all(s.source.name in self.done_steps for s in steps):
+                self._finalize(self._writer(shard))
+
+    def write(self, step: Step, entries: dict[str, torch.Tensor]) -> None:
+        writer = self._writer(step.shard)
+        for key, tensor in entries.items():
+            writer.write(key, tensor)
+            failpoints.hit("tensor-written")
+        if self.journal is not None:
+            self.journal.step_done(step.source.name, {o.key: writer.blob(o.key) for o in step.outputs if o.shape is None})
+            failpoints.hit("step-journaled")
+        if writer.done:
+            self._finalize(writer)
+
+    def _writer(self, shard: str) -> ShardWriter:
+        if shard not in self.open:
+            steps = self.steps_of[shard]
+            resumed = [s for s in steps if s.source.name in self.done_steps]
+            writer = ShardWriter(self.staging / shard, [o for s in steps for o in s.outputs], resume=bool(resumed))
+            blobs = self.journal.done.steps if self.journal else {}
+            for step in resumed:
+                for o in step.outputs:
+                    writer.restore(o.key, blobs[step.source.name].get(o.key))
+            self.open[shard] = writer
+        return self.open[shard]
+
+    def _finalize(self, writer: ShardWriter) -> None:
+        shard = writer.path.name
+        self.on_shard(writer.finalize())
+        self.sizes[shard] = writer.data_bytes
+        del self.open[shard]
+        if self.journal is not None:
+            self.journal.shard_done(shard)
+            failpoints.hit("shard-journaled")
+
+    def _data_bytes(self, shard: str) -> int:
+        with open(self.staging / shard, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+        return (self.staging / shard).stat().st_size - 8 - header_len
+
+    def abort(self) -> None:
+        for w in self.open.values():
+            w.abort()
 
 
 def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspect: Inspect | None) -> None:
@@ -170,11 +243,6 @@ def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspe
         quantized.put((step, {prefix if k == "weight" else f"{prefix}.{k}": v for k, v in entries.items()}))
         del tensor, x, entries, item
     quantized.put(_END)
-
-
-def _open_shard(plan: Plan, shard: str, staging: Path) -> ShardWriter:
-    entries = [o for s in plan.steps if s.shard == shard for o in s.outputs]
-    return ShardWriter(staging / shard, entries)
 
 
 class _GpuLoader:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import failpoints
 from .dtypes import itemsize
 from .errors import PrequantError
 from .plan import OutTensor
@@ -27,7 +28,9 @@ _PLACEHOLDER_LEN = 9_999_999  # longer than any quant-state JSON: makes the rese
 class ShardWriter:
     """Writes one output shard; `write` may be called from any thread, in any order."""
 
-    def __init__(self, path: Path, entries: list[OutTensor], metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, path: Path, entries: list[OutTensor], metadata: dict[str, str] | None = None, *, resume: bool = False
+    ) -> None:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
         self.metadata = metadata or {"format": "pt"}
@@ -45,7 +48,8 @@ class ShardWriter:
         longest = self._header({e.key: _PLACEHOLDER_LEN for e in self._variable})
         self._reserved = _round8(len(longest))
         self._data_start = 8 + self._reserved
-        self._fd = _open_for_write(self.partial)
+        # Resuming keeps the bytes already written; the layout is the same, since the plan is.
+        self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
         try:
             _preallocate(self._fd, self._data_start + self._fixed_end, self.partial)
         except BaseException:
@@ -62,6 +66,17 @@ class ShardWriter:
             header[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
             pos += size
         return json.dumps(header, separators=(",", ":")).encode()
+
+    def restore(self, key: str, blob: bytes | None = None) -> None:
+        """Mark a tensor written by an interrupted run (its bytes are already in the .partial file)."""
+        if blob is not None:
+            self._blobs[key] = blob
+        with self._lock:
+            self._pending.discard(key)
+
+    def blob(self, key: str) -> bytes | None:
+        """The bytes of a variable-size tensor (quant-state JSON), which the resume journal keeps."""
+        return self._blobs.get(key)
 
     @property
     def done(self) -> bool:
@@ -88,14 +103,18 @@ class ShardWriter:
         for e in self._variable:
             _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
             pos += len(self._blobs[e.key])
+        failpoints.hit("shard-finalize")
         header = self._header({k: len(v) for k, v in self._blobs.items()})
         padded = header + b" " * (self._reserved - len(header))
         _pwrite_all(self._fd, memoryview(len(padded).to_bytes(8, "little") + padded), 0, self.partial)
         self.data_bytes = pos - self._data_start
-        os.ftruncate(self._fd, pos)
-        os.fsync(self._fd)
-        os.close(self._fd)
-        os.replace(self.partial, self.path)
+        try:
+            os.ftruncate(self._fd, pos)
+            os.fsync(self._fd)  # a full disk or quota can surface only here (delayed allocation, NFS)
+            os.close(self._fd)
+            os.replace(self.partial, self.path)
+        except OSError as e:
+            raise write_error(self.partial, e) from e
         return self.path
 
     def abort(self) -> None:
@@ -106,9 +125,9 @@ class ShardWriter:
             pass
 
 
-def _open_for_write(path: Path) -> int:
+def _open_for_write(path: Path, truncate: bool = True) -> int:
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), 0o644)
     except PermissionError as e:
         raise PrequantError(f"{path.parent}: permission denied; choose a writable OUTPUT_DIR") from e
 
@@ -118,9 +137,18 @@ def _preallocate(fd: int, size: int, path: Path) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno == errno.ENOSPC:
+        if e.errno in _FULL:
             raise _disk_full(path, size) from e
-        os.ftruncate(fd, size)  # filesystems without fallocate: a sparse file, space taken as written
+        try:
+            os.ftruncate(fd, size)  # filesystems without fallocate: a sparse file, space taken as written
+        except OSError as e2:
+            if e2.errno in _FULL:
+                raise _disk_full(path, size) from e2
+            raise PrequantError(f"{path}: cannot size the file ({e2.strerror}); choose another OUTPUT_DIR") from e2
+
+
+# A full disk, a full quota and a file-size limit (EFBIG, e.g. ulimit -f) all mean: make room, then resume.
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
@@ -129,16 +157,26 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
         while done < len(data):
             done += os.pwrite(fd, data[done:], offset + done)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if e.errno in _FULL:
             raise _disk_full(path, len(data) - done) from e
         raise PrequantError(f"{path}: write failed ({e.strerror})") from e
 
 
 def _disk_full(path: Path, needed: int) -> PrequantError:
+    more = f"needed {needed:,} more bytes for {path.name}" if needed else f"writing {path.name}"
     return PrequantError(
-        f"{path.parent}: no space left on the device (needed {needed:,} more bytes for {path.name}); free space "
+        f"{path.parent}: no space left on the device ({more}); free space "
         "or choose another OUTPUT_DIR, then rerun with --resume"
     )
+
+
+def write_error(path: Path, e: OSError) -> PrequantError:
+    """A failed write as a one-line error: a full disk says how to continue, anything else names the file."""
+    if e.errno in _FULL:
+        return _disk_full(path, 0)
+    if isinstance(e, PermissionError):
+        return PrequantError(f"{path.parent}: permission denied writing {path.name}; choose a writable OUTPUT_DIR")
+    return PrequantError(f"{path}: write failed ({e.strerror or e}); check the disk, then rerun with --resume")
 
 
 def _round8(n: int) -> int:
@@ -148,5 +186,8 @@ def _round8(n: int) -> int:
 def write_json(path: Path, obj: object, *, sort_keys: bool = True) -> None:
     """Write JSON atomically (temp file + rename), indented as transformers writes it."""
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise write_error(tmp, e) from e

@@ -1,0 +1,156 @@
+"""GPU-only tests: bitsandbytes' CUDA kernel is the reference; run them on a CUDA machine.
+
+    python -m pytest -q -m gpu tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DATA, build_checkpoint, read_checkpoint, transformers_reference
+
+import prequant
+from prequant import quantize as quantize_mod
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+VARIANTS = {
+    "nf4_dq64": dict(quant_type="nf4", blocksize=64, double_quant=True),
+    "nf4_64": dict(quant_type="nf4", blocksize=64, double_quant=False),
+    "fp4_dq64": dict(quant_type="fp4", blocksize=64, double_quant=True),
+    "nf4_dq128": dict(quant_type="nf4", blocksize=128, double_quant=True),
+    "nf4_dq256": dict(quant_type="nf4", blocksize=256, double_quant=True),
+}
+
+
+def _golden():
+    from safetensors import safe_open
+
+    with safe_open(DATA / "golden.safetensors", "pt") as f:
+        cases = json.loads(f.metadata()["cases"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return cases, tensors
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_quantize_tensor_reproduces_golden_cuda_outputs(device):
+    cases, tensors = _golden()
+    for cv, state in cases.items():
+        case, variant = cv.split("/")
+        got = prequant.quantize_tensor(tensors[f"{case}/input"], device=device, **VARIANTS[variant])
+        for name in ("weight", "absmax", "quant_map", "nested_absmax", "nested_quant_map"):
+            if f"{cv}/{name}" in tensors:
+                assert _same_bytes(got[name], tensors[f"{cv}/{name}"]), (device, cv, name)
+        packed = {k: v for k, v in state.items() if k != "_packed_key"}
+        assert json.loads(bytes(got[state["_packed_key"]].tolist())) == packed, (device, cv)
+
+
+SHAPES = [(4096, 4096), (1, 3), (7, 129), (33, 4097), (11008,), (300, 64, 5), (2, 2**20 + 77)]
+DISTRIBUTIONS = {
+    "normal": lambda g, s: torch.randn(s, generator=g),
+    "uniform": lambda g, s: torch.rand(s, generator=g) * 2 - 1,
+    "heavy": lambda g, s: torch.randn(s, generator=g) ** 5,
+    "sparse": lambda g, s: torch.randn(s, generator=g) * (torch.rand(s, generator=g) < 0.05),
+    "tiny": lambda g, s: torch.randn(s, generator=g) * 1e-30,
+    "grid": lambda g, s: torch.randint(-8, 9, s, generator=g) / 8.0,  # exact ties against the code tables
+}
+
+
+@pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_kernel_equals_cuda_kernel_on_unseen_inputs(dist, dtype):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dist}-{dtype}".encode()))
+    for i, shape in enumerate(SHAPES):
+        x = DISTRIBUTIONS[dist](g, shape).to(dtype)
+        for quant_type in ("nf4", "fp4"):
+            for blocksize in (64, 256, 4096) if i % 2 else (128, 512, 1024, 2048):
+                opts = dict(quant_type=quant_type, blocksize=blocksize, double_quant=True)
+                cpu, gpu = prequant.quantize_tensor(x, device="cpu", **opts), prequant.quantize_tensor(x, device="cuda", **opts)
+                assert cpu.keys() == gpu.keys()
+                for k in cpu:
+                    assert _same_bytes(cpu[k], gpu[k]), (dist, dtype, shape, opts, k)
+
+
+def test_pieces_over_the_int32_limit_are_byte_identical_to_one_call(monkeypatch):
+    x = torch.randn(3 * 2**20 + 4096, dtype=torch.bfloat16)
+    whole = prequant.quantize_tensor(x, device="cuda")
+    monkeypatch.setattr(quantize_mod, "MAX_KERNEL_ELEMENTS", 2**20 + 1000)  # forces 4 pieces
+    pieces = prequant.quantize_tensor(x, device="cuda")
+    for k in whole:
+        assert _same_bytes(whole[k], pieces[k]), k
+
+
+@pytest.mark.slow
+def test_tensor_over_2g_elements_matches_cpu_kernel():
+    n = 2**31 + 3 * 2**20 + 64
+    x = torch.randn(n, dtype=torch.bfloat16, device="cuda").cpu()
+    gpu = prequant.quantize_tensor(x, device="cuda")
+    cpu = prequant.quantize_tensor(x, device="cpu")
+    for k in gpu:
+        assert _same_bytes(gpu[k], cpu[k]), k
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    src = build_checkpoint("llama", tmp_path_factory.mktemp("gpu-src"))
+    ref = transformers_reference(src, tmp_path_factory.mktemp("gpu-ref"), device="cuda")
+    return src, ref
+
+
+def _assert_identical_checkpoints(a: Path, b: Path) -> None:
+    ta, tb = read_checkpoint(a), read_checkpoint(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert _same_bytes(ta[k], tb[k]), k
+    ca, cb = (json.loads((d / "config.json").read_text()) for d in (a, b))
+    assert ca["quantization_config"] == cb["quantization_config"]
+
+
+def test_cuda_convert_is_byte_identical_to_transformers(tiny, tmp_path):
+    src, ref = tiny
+    prequant.convert(src, tmp_path / "out", device="cuda", progress=False)
+    _assert_identical_checkpoints(tmp_path / "out", ref)
+
+
+def test_cpu_convert_is_byte_identical_to_transformers_on_cuda(tiny, tmp_path):
+    src, ref = tiny
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
+    _assert_identical_checkpoints(tmp_path / "out", ref)
+
+
+def test_cuda_logits_identical_to_on_the_fly_quantization(tiny, tmp_path):
+    from conftest import bnb_config
+    from transformers import AutoModelForCausalLM
+
+    src, _ = tiny
+    prequant.convert(src, tmp_path / "out", device="cuda", progress=False)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", device_map="cuda")
+    fly = AutoModelForCausalLM.from_pretrained(src, quantization_config=bnb_config(), device_map="cuda")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, fly(ids).logits)
+
+
+def test_real_size_layer_is_byte_identical_to_transformers(tmp_path):
+    """One Llama-3-8B-sized decoder layer (4096 x 14336 MLP), converted on the GPU and on the CPU."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=512,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "src")
+    ref = transformers_reference(tmp_path / "src", tmp_path / "ref", device="cuda")
+    prequant.convert(tmp_path / "src", tmp_path / "cuda", device="cuda", progress=False)
+    _assert_identical_checkpoints(tmp_path / "cuda", ref)
+    prequant.convert(tmp_path / "src", tmp_path / "cpu", device="cpu", progress=False)
+    _assert_identical_checkpoints(tmp_path / "cpu", ref)
