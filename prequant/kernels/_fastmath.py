@@ -1,0 +1,74 @@
+"""float32 arithmetic as bitsandbytes' CUDA kernels do it: built with ``--use_fast_math``.
+
+Fast math changes two things that reach the output bytes:
+
+* flush-to-zero: every float operation (``abs``, ``max``, ``mul``, compares) treats a denormal operand as
+  a zero of the same sign and flushes a denormal result to zero;
+* ``1.0f / absmax`` is not a division but ``rcp.approx.ftz.f32`` (SASS ``MUFU.RCP``), which is one of the
+  two float32 neighbours of the exact reciprocal, not always the nearest (see `_mufu_rcp_table`).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import zlib
+
+import torch
+
+FLT_MIN = 2.0**-126  # smallest normal float32
+_LARGEST_DENORMAL = float(torch.tensor(0x007FFFFF, dtype=torch.int32).view(torch.float32))
+_MANTISSA_MASK = 0x007FFFFF
+# Inputs at or above 2**126 have a reciprocal below FLT_MIN: MUFU.RCP flushes it to 0, except for 2**126
+# itself, whose reciprocal 2**-126 is still normal (measured on the GPU).
+_RCP_FLUSH_ABOVE = 2.0**126
+
+
+def mul_ftz_flushes(exact: torch.Tensor) -> torch.Tensor:
+    """Whether ``mul.ftz.f32`` returns zero for a product whose exact value (float64) is ``exact``.
+
+    Measured on the GPU: it rounds to 24 significant bits as if the exponent were unbounded and flushes
+    when that is below FLT_MIN, i.e. when |exact| < FLT_MIN * (1 - 2**-25) (the tie rounds up to FLT_MIN).
+    IEEE rounding onto the denormal grid instead rounds up from FLT_MIN * (1 - 2**-24).
+    """
+    return exact.abs() < FLT_MIN * (1.0 - 2.0**-25)
+
+
+def flush_denormals_(x: torch.Tensor) -> torch.Tensor:
+    """Replace denormal float32 values by zero, in place (what an ``.ftz`` instruction sees).
+
+    ``hardshrink`` keeps exactly the values whose magnitude exceeds the largest denormal, in one pass.
+    The sign of a flushed value is irrelevant downstream: every use multiplies or compares it.
+    """
+    return torch.hardshrink(x, _LARGEST_DENORMAL, out=x)
+
+
+@functools.cache
+def _rcp_flips() -> torch.Tensor:
+    """uint8 [2**23]: 1 where MUFU.RCP takes the farther neighbour of the exact reciprocal."""
+    from . import _mufu_rcp_table as table
+
+    raw = zlib.decompress(base64.b64decode(table.FLIPS_ZLIB_B64))
+    if hashlib.sha256(raw).hexdigest() != table.FLIPS_SHA256:
+        raise RuntimeError("prequant/kernels/_mufu_rcp_table.py is corrupt (hash mismatch); reinstall prequant")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def rcp_approx_ftz(a: torch.Tensor) -> torch.Tensor:
+    """``rcp.approx.ftz.f32`` of a non-negative float32 tensor, bit for bit as an H100/H200 computes it.
+
+    Zero (and denormal, flushed) inputs give +inf; inputs above 2**126 give 0 (the denormal result is
+    flushed). Otherwise the GPU returns one of the two float32 values around 1/a: start from the correctly
+    rounded one and, where the measured table says so, step one ulp to the other side of 1/a.
+    """
+    a = a.to(torch.float32)
+    wide = a.double()
+    nearest = (1.0 / wide).float()  # correctly rounded: float64 has > 2 * 24 + 2 bits (no double rounding)
+    # Which side of 1/a is `nearest` on? The product of two float32 values is exact in float64.
+    below = nearest.double() * wide < 1.0
+    flip = _rcp_flips().index_select(0, (a.view(torch.int32) & _MANTISSA_MASK).long()).to(torch.int32)
+    step = torch.where(below, flip, -flip)
+    out = (nearest.view(torch.int32) + step).view(torch.float32)
+    out = torch.where(a < FLT_MIN, float("inf"), out)
+    return torch.where(a > _RCP_FLUSH_ABOVE, 0.0, out)

@@ -1,0 +1,273 @@
+"""A CPU 4-bit quantizer whose bytes equal bitsandbytes' CUDA kernel (``kQuantizeBlockwise``).
+
+What the CUDA kernel does, per block of ``blocksize`` consecutive elements of the flattened tensor:
+
+1. ``absmax = max |x|`` over the block (flush-to-zero: denormals count as 0);
+2. ``r = 1.0f / absmax``, compiled under fast math to the approximate reciprocal ``MUFU.RCP``;
+3. each element's code is a decision tree on ``y = x * r`` (``dQuantizeNF4`` / ``dQuantizeFP4``);
+4. two codes per byte, element 2j in the high nibble; an odd tail is padded with a zero input.
+
+An all-zero block has ``r = inf`` and ``0 * inf = NaN``, which every comparison rejects: code 0.
+
+This module does the same with vectorized torch operations over fixed-size chunks, so the extra memory
+is a few MiB whatever the tensor size, and torch's intra-op threads use every core. The pieces that make
+the bytes exact live beside it: `_fastmath` (flush-to-zero, the measured reciprocal), `_tables` (code
+tables, the decision tree as lookup tables), `_cuda_mean` (torch's CUDA mean, for double quantization).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _fastmath, _tables
+from ._cuda_mean import cuda_mean
+
+__all__ = ["NonFiniteError", "code_table", "dynamic_map", "quantize_4bit", "quantize_nested"]
+
+BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+QUANT_TYPES = ("nf4", "fp4")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Elements per chunk: a multiple of every blocksize (and even), small enough for the working set
+# (about 14 bytes per element) to stay in a core's L2 cache, large enough to amortize per-op overhead.
+CHUNK_ELEMENTS = 1 << 18
+
+
+class NonFiniteError(ValueError):
+    """input holds NaN or Inf"""
+
+
+def code_table(quant_type: str) -> torch.Tensor:
+    """float32 [16]: the table stored as ``quant_map`` (bytes equal to bitsandbytes' table)."""
+    return _tables.code_table(quant_type).clone()
+
+
+def dynamic_map() -> torch.Tensor:
+    """float32 [256]: the table stored as ``nested_quant_map`` (bitsandbytes' signed dynamic map)."""
+    return _tables.dynamic_map().clone()
+
+
+def quantize_4bit(x: torch.Tensor, *, quant_type: str, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to packed 4-bit codes exactly as bitsandbytes' CUDA ``quantize_4bit`` does.
+
+    x: any shape, float32/float16/bfloat16, on the CPU, contiguous or not (read in chunks, never copied
+    whole). Returns (packed, absmax): packed uint8 1-D of length ceil(n/2) (element 2j in the high nibble,
+    2j+1 in the low), absmax float32 1-D of length ceil(n/blocksize). Raises NonFiniteError if x holds NaN
+    or Inf, ValueError for an unsupported quant_type, blocksize, dtype or device.
+    """
+    _check_args(x, quant_type, blocksize)
+    n = x.numel()
+    packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
+    quantizer = _ChunkQuantizer(quant_type, blocksize, flush_inputs=x.dtype != torch.float16)
+    source = x if x.is_contiguous() else None
+    flat = x.reshape(-1) if source is not None else None
+    for start in range(0, n, CHUNK_ELEMENTS):
+        stop = min(start + CHUNK_ELEMENTS, n)
+        buf = quantizer.input_buffer(stop - start)
+        if flat is not None:
+            buf[: stop - start].copy_(flat[start:stop])  # converts to float32 on the way
+        else:
+            _copy_flat_range(x, start, stop, buf)
+        chunk_packed, chunk_absmax = quantizer(stop - start)
+        packed[start // 2 : start // 2 + chunk_packed.numel()] = chunk_packed
+        absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
+    return packed, absmax
+
+
+def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Double quantization of a float32 absmax vector exactly as bitsandbytes does it on CUDA.
+
+    bitsandbytes computes ``offset = absmax.mean()`` (torch's CUDA reduction, replayed by `cuda_mean`),
+    then 8-bit blockwise quantizes ``absmax - offset`` with its dynamic map (``kQuantizeBlockwise``,
+    General8bit). Returns (codes uint8 [len(absmax)], nested_absmax float32 [ceil(len/blocksize)], offset)
+    where offset is the Python float stored as ``nested_offset`` in the quant-state JSON.
+    """
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"blocksize must be one of {BLOCKSIZES}, got {blocksize}")
+    values = absmax.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    if values.numel() == 0:
+        raise ValueError("quantize_nested needs at least one absmax value")
+    if not bool(torch.isfinite(values).all()):
+        raise NonFiniteError("absmax holds NaN or Inf")
+    offset = cuda_mean(values)
+    n = values.numel()
+    codes = torch.empty(n, dtype=torch.uint8)
+    nested_absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
+    step = CHUNK_ELEMENTS  # a multiple of every blocksize
+    for start in range(0, n, step):
+        # bitsandbytes subtracts with a plain torch op (IEEE, no flush); the kernel then flushes.
+        shifted = values[start : start + step] - offset
+        chunk_codes, chunk_absmax = _quantize_8bit(shifted, blocksize)
+        codes[start : start + chunk_codes.numel()] = chunk_codes
+        nested_absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
+    return codes, nested_absmax, float(offset)
+
+
+def _check_args(x: torch.Tensor, quant_type: str, blocksize: int) -> None:
+    if quant_type not in QUANT_TYPES:
+        raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"blocksize must be one of {BLOCKSIZES}, got {blocksize}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"4-bit quantization takes float32, float16 or bfloat16, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"the CPU kernel needs a CPU tensor, got one on {x.device}")
+
+
+class _ChunkQuantizer:
+    """Quantizes one chunk at a time into preallocated buffers (fixed memory, no per-chunk allocation)."""
+
+    def __init__(self, quant_type: str, blocksize: int, *, flush_inputs: bool) -> None:
+        self.blocksize = blocksize
+        # float16 values are all normal float32 values once converted: nothing to flush.
+        self.flush_inputs = flush_inputs
+        self.base, self.split, self.byte_map = _tables.bucket_tables(quant_type)
+        size = CHUNK_ELEMENTS
+        self.values = torch.empty(size, dtype=torch.float32)
+        self.scaled = torch.empty(size, dtype=torch.float32)
+        self.keys = torch.empty(size, dtype=torch.int32)
+        self.ranks = torch.empty(size, dtype=torch.uint8)
+        self.splits = torch.empty(size, dtype=torch.float32)
+        self.above = torch.empty(size, dtype=torch.bool)
+        self.packed = torch.empty(size // 2, dtype=torch.uint8)
+
+    def input_buffer(self, count: int) -> torch.Tensor:
+        """The float32 buffer to fill with the next `count` inputs."""
+        return self.values[:count]
+
+    def __call__(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize the first `count` values of the input buffer: (packed bytes, absmax)."""
+        bs = self.blocksize
+        padded = -(-count // bs) * bs
+        x = self.values[:padded]
+        x[count:] = 0.0  # the kernel loads missing elements of the last block as 0
+        blocks = x.view(-1, bs)
+        absmax = _block_absmax(blocks)  # before flushing: max/min propagate NaN, the flush would hide it
+        if not bool(torch.isfinite(absmax).all()):
+            raise NonFiniteError("input holds NaN or Inf")
+        if self.flush_inputs:
+            _fastmath.flush_denormals_(x)
+            absmax = torch.where(absmax < _fastmath.FLT_MIN, 0.0, absmax)  # a block of denormals is all zero
+        scale = _fastmath.rcp_approx_ftz(absmax)
+        zero_blocks = absmax == 0
+        has_zero_blocks = bool(zero_blocks.any())
+        if has_zero_blocks:
+            scale = torch.where(zero_blocks, 0.0, scale)  # avoid NaN; the bytes are set to 0 below
+        y = self.scaled[:padded]
+        torch.mul(blocks, scale[:, None], out=y.view(-1, bs))  # one IEEE float32 product, like FMUL
+        ranks = self._ranks(y)
+        if self.byte_map is not None:
+            self._fp4_sign_at_flt_min(x, y, scale, ranks)
+        codes = self._pack(ranks)
+        if has_zero_blocks:
+            codes.view(-1, bs // 2)[zero_blocks] = 0
+        return codes[: (count + 1) // 2], absmax
+
+    def _ranks(self, y: torch.Tensor) -> torch.Tensor:
+        """Each scaled value's rank among the kernel's split points (see `_tables.bucket_tables`)."""
+        count = y.numel()
+        keys, ranks = self.keys[:count], self.ranks[:count]
+        splits, above = self.splits[:count], self.above[:count]
+        # Bucket key = top 16 bits of y as an unsigned number (arithmetic shift, then drop the sign fill).
+        torch.bitwise_right_shift(y.view(torch.int32), 16, out=keys).bitwise_and_(0xFFFF)
+        torch.index_select(self.base, 0, keys, out=ranks)
+        torch.index_select(self.split, 0, keys, out=splits)
+        torch.gt(y, splits, out=above)
+        return ranks.add_(above)
+
+    def _fp4_sign_at_flt_min(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, ranks: torch.Tensor) -> None:
+        """FP4 takes its sign bit from y < 0 after the GPU's flush-to-zero, and the GPU decides to flush
+        from the product rounded to 24 bits as if the exponent were unbounded, while the CPU's y rounds on
+        the denormal grid. The two only disagree when the CPU's y is exactly -FLT_MIN: decide those from
+        the exact product (float32 x float32 is exact in float64)."""
+        at_limit = torch.eq(y, -_fastmath.FLT_MIN, out=self.above[: y.numel()])
+        if not bool(at_limit.any()):
+            return
+        where = at_limit.nonzero().view(-1)
+        exact = x[where].double() * scale[where // self.blocksize].double()
+        flushed = _fastmath.mul_ftz_flushes(exact)
+        negative_rank = _tables.FP4_NEGATIVE_ZERO_RANK  # rank of [-0.0026, -FLT_MIN]: code 0b1000
+        ranks[where] = torch.where(flushed, negative_rank + 1, negative_rank).to(torch.uint8)
+
+    def _pack(self, ranks: torch.Tensor) -> torch.Tensor:
+        """Two codes per byte, element 2j in the high nibble."""
+        count = ranks.numel()
+        pairs = ranks.view(-1, 2)
+        packed = self.packed[: count // 2]
+        if self.byte_map is None:  # NF4: the ranks are the codes
+            torch.add(pairs[:, 1], pairs[:, 0], alpha=16, out=packed)
+        else:  # FP4: pack the ranks, then one table lookup per byte turns both into codes
+            rank_pairs = self.keys[: count // 2]  # free again, and index_select wants int32 indices
+            torch.add(pairs[:, 1], pairs[:, 0], alpha=16, out=rank_pairs)
+            torch.index_select(self.byte_map, 0, rank_pairs, out=packed)
+        return packed
+
+
+def _block_absmax(blocks: torch.Tensor) -> torch.Tensor:
+    """max |x| per row without a temporary |x| tensor; abs() turns a possible -0.0 into the kernel's +0.0."""
+    return torch.maximum(blocks.amax(1), blocks.amin(1).neg()).abs()
+
+
+def _quantize_8bit(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kQuantizeBlockwise with the dynamic map (General8bit): (codes uint8 [n], absmax float32)."""
+    n = x.numel()
+    padded = -(-n // blocksize) * blocksize
+    y = torch.zeros(padded, dtype=torch.float32)
+    y[:n] = x
+    _fastmath.flush_denormals_(y)
+    blocks = y.view(-1, blocksize)
+    absmax = _block_absmax(blocks)
+    scale = _fastmath.rcp_approx_ftz(absmax)
+    zero_blocks = absmax == 0
+    blocks.mul_(torch.where(zero_blocks, 0.0, scale)[:, None])
+    codes = _dynamic_codes(y)
+    codes.view(-1, blocksize)[zero_blocks] = 0  # NaN (0 * inf) walks the search tree down to code 0
+    return codes[:n], absmax
+
+
+def _dynamic_codes(y: torch.Tensor) -> torch.Tensor:
+    """dQuantize<0>: the kernel's 7-step binary search over the sorted 256-entry map, then a midpoint test.
+
+    The search visits a perfect binary tree over indices 0..254 whose leaves are the even indices, so it
+    ends at leaf p = s or s - 1 (whichever is even), s = #{i < 255 : code[i] < y}; it then compares y with
+    the midpoint (code[s-1] + code[s]) * 0.5 of the two candidates. From the leaf's side, y above the
+    midpoint picks s, below picks s - 1, and equality keeps the leaf, the even one of the two.
+    """
+    code = _tables.dynamic_map()
+    s = torch.bucketize(y, code[:255])  # count of code[i] < y
+    below = code[(s - 1).clamp(min=0)]
+    above = code[s]
+    midpoint = (below + above) * 0.5
+    even = torch.where(s % 2 == 0, s, s - 1)
+    result = torch.where(y > midpoint, s, torch.where(y < midpoint, s - 1, even))
+    # NaN fails every comparison and walks the tree down to leaf 0. It arises when the mean of the
+    # absmax overflows to inf: then x = absmax - inf = -inf, r = rcp(inf) = 0 and y = -inf * 0.
+    return torch.where((s == 0) | y.isnan(), 0, result).to(torch.uint8)
+
+
+def _copy_flat_range(x: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
+    """Copy elements [start, stop) of x's row-major flattening into out (as float32), for any strides.
+
+    Only slices of x are read, so a non-contiguous tensor is never copied whole: whole rows in the
+    middle of the range go in one strided copy, partial rows at either end recurse into that row.
+    """
+    if x.dim() <= 1:
+        out[: stop - start].copy_(x.reshape(-1)[start:stop])
+        return
+    inner = x[0].numel()
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        _copy_flat_range(x[first], start - first * inner, stop - first * inner, out)
+        return
+    pos = 0
+    if start % inner:
+        head_end = (first + 1) * inner
+        _copy_flat_range(x[first], start - first * inner, inner, out)
+        pos, first = head_end - start, first + 1
+    full_end = last if stop % inner else last + 1
+    if full_end > first:
+        rows = x[first:full_end]
+        out[pos : pos + rows.numel()].view(rows.shape).copy_(rows)
+        pos += rows.numel()
+    if stop % inner:
+        _copy_flat_range(x[last], 0, stop - last * inner, out[pos:])
