@@ -283,12 +283,11 @@ def _reference_4bit(x: torch.Tensor, quant_type: str, blocksize: int) -> tuple[b
     """kQuantizeBlockwise, scalar: flush denormal inputs, absmax, MUFU reciprocal, tree, pack."""
     vals = [0.0 if abs(v) < FLT_MIN else v for v in x.reshape(-1).float().tolist()]
     tree = _nf4_tree if quant_type == "nf4" else _fp4_tree
-    codes, absmaxes = [], []
-    for start in range(0, len(vals), blocksize):
-        block = vals[start : start + blocksize]
-        absmax = max(abs(v) for v in block)
-        r = float(_fastmath.rcp_approx_ftz(torch.tensor([absmax], dtype=torch.float32))[0])
-        absmaxes.append(absmax)
+    blocks = [vals[i : i + blocksize] for i in range(0, len(vals), blocksize)]
+    absmaxes = [max(abs(v) for v in block) for block in blocks]
+    scales = _fastmath.rcp_approx_ftz(torch.tensor(absmaxes, dtype=torch.float32)).tolist()
+    codes = []
+    for block, r in zip(blocks, scales):
         codes += [tree(_ftz_mul(v, r)) for v in block + ([0.0] if len(block) % 2 else [])]
     return bytes(codes[i] << 4 | codes[i + 1] for i in range(0, len(codes), 2)), absmaxes
 
@@ -317,7 +316,7 @@ def _adversarial(kind: str, n: int, dtype: torch.dtype, seed: int) -> torch.Tens
     raise AssertionError(kind)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 2500),
     blocksize=st.sampled_from(cpu.BLOCKSIZES),
@@ -340,12 +339,12 @@ def test_fp4_sign_of_products_rounding_to_flt_min():
     """FP4's sign bit where the CPU's product is exactly -FLT_MIN follows the GPU's flush rule (24-bit
     rounding, not the denormal grid): the products here straddle that boundary, some on each side."""
     g = torch.Generator().manual_seed(11)
-    absmax = (torch.rand(300, generator=g) * 900 + 100).to(torch.float32)
+    absmax = (torch.rand(100, generator=g) * 900 + 100).to(torch.float32)
     r = _fastmath.rcp_approx_ftz(absmax)
     base = (-FLT_MIN / r.double()).float()
     offsets = torch.arange(-4, 5, dtype=torch.int32)
     near = (base.view(torch.int32)[:, None] + offsets).view(torch.float32)
-    x = torch.cat([absmax[:, None], near, torch.zeros(300, 64 - 1 - offsets.numel())], 1).reshape(-1)
+    x = torch.cat([absmax[:, None], near, torch.zeros(100, 64 - 1 - offsets.numel())], 1).reshape(-1)
     exact = near.double() * r.double()[:, None]
     on_limit = (near * r[:, None]) == -FLT_MIN
     flushed = exact.abs() < FLT_MIN * (1 - 2**-25)
@@ -382,12 +381,11 @@ def _dquantize_reference(code: list[float], x: float) -> int:
 def _reference_8bit(values: list[float], blocksize: int) -> tuple[list[int], list[float]]:
     code = cpu.dynamic_map().tolist()
     vals = [0.0 if abs(v) < FLT_MIN else v for v in values]
-    codes, absmaxes = [], []
-    for start in range(0, len(vals), blocksize):
-        block = vals[start : start + blocksize]
-        absmax = max(abs(v) for v in block)
-        r = float(_fastmath.rcp_approx_ftz(torch.tensor([absmax], dtype=torch.float32))[0])
-        absmaxes.append(absmax)
+    blocks = [vals[i : i + blocksize] for i in range(0, len(vals), blocksize)]
+    absmaxes = [max(abs(v) for v in block) for block in blocks]
+    scales = _fastmath.rcp_approx_ftz(torch.tensor(absmaxes, dtype=torch.float32)).tolist()
+    codes = []
+    for block, r in zip(blocks, scales):
         codes += [_dquantize_reference(code, _ftz_mul(v, r)) for v in block]
     return codes, absmaxes
 
@@ -526,7 +524,7 @@ def test_mostly_agrees_with_bitsandbytes_cpu_path():
     the codes agree (for FP4 once +0 and -0, codes 0b0000 and 0b1000, count as one: bitsandbytes' CPU
     path gives tiny negative values the other zero code), and absmax is identical."""
     bnb = pytest.importorskip("bitsandbytes.functional")
-    x = (torch.randn(512, 512, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    x = (torch.randn(256, 512, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
     for quant_type in cpu.QUANT_TYPES:
         ref, state = bnb.quantize_4bit(x, blocksize=64, quant_type=quant_type, quant_storage=torch.uint8)
         packed, absmax = cpu.quantize_4bit(x, quant_type=quant_type, blocksize=64)

@@ -45,14 +45,22 @@ def flush_denormals_(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _rcp_flips() -> torch.Tensor:
-    """uint8 [2**23]: 1 where MUFU.RCP takes the farther neighbour of the exact reciprocal."""
+def _rcp_flip_bits() -> torch.Tensor:
+    """uint8 [2**20]: bit (m & 7) of byte (m >> 3) is 1 where MUFU.RCP takes the farther neighbour of
+    the exact reciprocal of a mantissa m (1 MiB resident instead of a byte per mantissa)."""
     from . import _mufu_rcp_table as table
 
     raw = zlib.decompress(base64.b64decode(table.FLIPS_ZLIB_B64))
     if hashlib.sha256(raw).hexdigest() != table.FLIPS_SHA256:
         raise RuntimeError("prequant/kernels/_mufu_rcp_table.py is corrupt (hash mismatch); reinstall prequant")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    flags = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 8).to(torch.int32)
+    return (flags << torch.arange(8, dtype=torch.int32)).sum(1).to(torch.uint8)
+
+
+def _rcp_flips(mantissa: torch.Tensor) -> torch.Tensor:
+    """int32 0/1 per mantissa (int32 tensor of values in [0, 2**23))."""
+    packed = _rcp_flip_bits().index_select(0, mantissa >> 3).to(torch.int32)
+    return (packed >> (mantissa & 7)) & 1
 
 
 def rcp_approx_ftz(a: torch.Tensor) -> torch.Tensor:
@@ -67,7 +75,7 @@ def rcp_approx_ftz(a: torch.Tensor) -> torch.Tensor:
     nearest = (1.0 / wide).float()  # correctly rounded: float64 has > 2 * 24 + 2 bits (no double rounding)
     # Which side of 1/a is `nearest` on? The product of two float32 values is exact in float64.
     below = nearest.double() * wide < 1.0
-    flip = _rcp_flips().index_select(0, (a.view(torch.int32) & _MANTISSA_MASK).long()).to(torch.int32)
+    flip = _rcp_flips(a.view(torch.int32) & _MANTISSA_MASK)
     step = torch.where(below, flip, -flip)
     out = (nearest.view(torch.int32) + step).view(torch.float32)
     out = torch.where(a < FLT_MIN, float("inf"), out)

@@ -27,9 +27,11 @@ __all__ = ["NonFiniteError", "code_table", "dynamic_map", "quantize_4bit", "quan
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 QUANT_TYPES = ("nf4", "fp4")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Elements per chunk: a multiple of every blocksize (and even), small enough for the working set
-# (about 14 bytes per element) to stay in a core's L2 cache, large enough to amortize per-op overhead.
-CHUNK_ELEMENTS = 1 << 18
+# Elements per chunk and thread (the chunk is this times torch's intra-op thread count, a power of two):
+# each thread's share of a chunk (about 18 bytes of buffers per element) stays in its L2 cache, and
+# is large enough to amortize the per-op overhead. None: automatic; tests set a fixed CHUNK_ELEMENTS.
+CHUNK_ELEMENTS_PER_THREAD = 1 << 17
+CHUNK_ELEMENTS: int | None = None
 
 
 class NonFiniteError(ValueError):
@@ -55,22 +57,16 @@ def quantize_4bit(x: torch.Tensor, *, quant_type: str, blocksize: int) -> tuple[
     or Inf, ValueError for an unsupported quant_type, blocksize, dtype or device.
     """
     _check_args(x, quant_type, blocksize)
-    n = x.numel()
-    packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
-    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
-    quantizer = _ChunkQuantizer(quant_type, blocksize, flush_inputs=x.dtype != torch.float16)
-    source = x if x.is_contiguous() else None
-    flat = x.reshape(-1) if source is not None else None
-    for start in range(0, n, CHUNK_ELEMENTS):
-        stop = min(start + CHUNK_ELEMENTS, n)
-        buf = quantizer.input_buffer(stop - start)
-        if flat is not None:
-            buf[: stop - start].copy_(flat[start:stop])  # converts to float32 on the way
-        else:
-            _copy_flat_range(x, start, stop, buf)
-        chunk_packed, chunk_absmax = quantizer(stop - start)
-        packed[start // 2 : start // 2 + chunk_packed.numel()] = chunk_packed
-        absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
+    chunk = _chunk_elements()
+    kernel = _Kernel(x, quant_type, blocksize, chunk)
+    # Two passes over the input, like the kernel's two phases: every block's absmax first, so that the
+    # reciprocals are computed once for the whole tensor, then the codes chunk by chunk.
+    absmax = kernel.block_absmax()
+    scale = kernel.block_scale(absmax)
+    packed = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
+    for start in range(0, x.numel(), chunk):
+        codes = kernel.codes(start, min(start + chunk, x.numel()), scale)
+        packed[start // 2 : start // 2 + codes.numel()] = codes
     return packed, absmax
 
 
@@ -93,7 +89,7 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
     n = values.numel()
     codes = torch.empty(n, dtype=torch.uint8)
     nested_absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
-    step = CHUNK_ELEMENTS  # a multiple of every blocksize
+    step = _chunk_elements()  # a multiple of every blocksize
     for start in range(0, n, step):
         # bitsandbytes subtracts with a plain torch op (IEEE, no flush); the kernel then flushes.
         shifted = values[start : start + step] - offset
@@ -101,6 +97,14 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
         codes[start : start + chunk_codes.numel()] = chunk_codes
         nested_absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
     return codes, nested_absmax, float(offset)
+
+
+def _chunk_elements() -> int:
+    """Elements per chunk: a power of two >= 4096, so a multiple of every blocksize (and even)."""
+    if CHUNK_ELEMENTS is not None:
+        return CHUNK_ELEMENTS
+    threads = max(1, torch.get_num_threads())
+    return CHUNK_ELEMENTS_PER_THREAD << (threads - 1).bit_length()
 
 
 def _check_args(x: torch.Tensor, quant_type: str, blocksize: int) -> None:
@@ -114,15 +118,19 @@ def _check_args(x: torch.Tensor, quant_type: str, blocksize: int) -> None:
         raise ValueError(f"the CPU kernel needs a CPU tensor, got one on {x.device}")
 
 
-class _ChunkQuantizer:
-    """Quantizes one chunk at a time into preallocated buffers (fixed memory, no per-chunk allocation)."""
+class _Kernel:
+    """kQuantizeBlockwise for one tensor, one chunk at a time, in preallocated buffers (fixed memory)."""
 
-    def __init__(self, quant_type: str, blocksize: int, *, flush_inputs: bool) -> None:
+    def __init__(self, x: torch.Tensor, quant_type: str, blocksize: int, chunk: int) -> None:
+        self.x = x
+        self.chunk = chunk
+        self.flat = x.reshape(-1) if x.is_contiguous() else None  # a view; otherwise read slice by slice
+        self.n = x.numel()
         self.blocksize = blocksize
         # float16 values are all normal float32 values once converted: nothing to flush.
-        self.flush_inputs = flush_inputs
+        self.flush_inputs = x.dtype != torch.float16
         self.base, self.split, self.byte_map = _tables.bucket_tables(quant_type)
-        size = CHUNK_ELEMENTS
+        size = min(chunk, -(-self.n // blocksize) * blocksize)
         self.values = torch.empty(size, dtype=torch.float32)
         self.scaled = torch.empty(size, dtype=torch.float32)
         self.keys = torch.empty(size, dtype=torch.int32)
@@ -130,38 +138,59 @@ class _ChunkQuantizer:
         self.splits = torch.empty(size, dtype=torch.float32)
         self.above = torch.empty(size, dtype=torch.bool)
         self.packed = torch.empty(size // 2, dtype=torch.uint8)
+        self.zero_blocks: torch.Tensor | None = None
 
-    def input_buffer(self, count: int) -> torch.Tensor:
-        """The float32 buffer to fill with the next `count` inputs."""
-        return self.values[:count]
+    def _load(self, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) as float32, padded with zeros to whole blocks (as the kernel loads)."""
+        count = stop - start
+        padded = -(-count // self.blocksize) * self.blocksize
+        buf = self.values[:padded]
+        if self.flat is not None:
+            buf[:count].copy_(self.flat[start:stop])  # converts to float32 on the way
+        else:
+            _copy_flat_range(self.x, start, stop, buf)
+        buf[count:] = 0.0
+        return buf
 
-    def __call__(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize the first `count` values of the input buffer: (packed bytes, absmax)."""
+    def block_absmax(self) -> torch.Tensor:
+        """Pass 1: float32 [ceil(n / blocksize)], max |x| per block as the kernel sees it (flushed)."""
         bs = self.blocksize
-        padded = -(-count // bs) * bs
-        x = self.values[:padded]
-        x[count:] = 0.0  # the kernel loads missing elements of the last block as 0
-        blocks = x.view(-1, bs)
-        absmax = _block_absmax(blocks)  # before flushing: max/min propagate NaN, the flush would hide it
+        absmax = torch.empty(-(-self.n // bs), dtype=torch.float32)
+        for start in range(0, self.n, self.chunk):
+            blocks = self._load(start, min(start + self.chunk, self.n)).view(-1, bs)
+            absmax[start // bs : start // bs + blocks.shape[0]] = _block_absmax(blocks)
+        # max and min propagate NaN and Inf, so checking absmax checks every element.
         if not bool(torch.isfinite(absmax).all()):
             raise NonFiniteError("input holds NaN or Inf")
+        if self.flush_inputs:  # fabsf/fmaxf flush denormals: a block of denormals has absmax 0
+            absmax = torch.where(absmax < _fastmath.FLT_MIN, 0.0, absmax)
+        return absmax
+
+    def block_scale(self, absmax: torch.Tensor) -> torch.Tensor:
+        """The kernel's ``1.0f / absmax`` per block (MUFU.RCP). An all-zero block has 1/0 = inf and
+        0 * inf = NaN, which every comparison of the decision tree rejects: code 0 for all its elements.
+        Here its scale is 0 (no NaN to carry around) and `codes` writes its bytes as 0."""
+        zero = absmax == 0
+        self.zero_blocks = zero if bool(zero.any()) else None
+        return torch.where(zero, 0.0, _fastmath.rcp_approx_ftz(absmax))
+
+    def codes(self, start: int, stop: int, scale: torch.Tensor) -> torch.Tensor:
+        """Pass 2: packed codes of elements [start, stop) (start a multiple of the chunk size)."""
+        bs = self.blocksize
+        x = self._load(start, stop)
         if self.flush_inputs:
             _fastmath.flush_denormals_(x)
-            absmax = torch.where(absmax < _fastmath.FLT_MIN, 0.0, absmax)  # a block of denormals is all zero
-        scale = _fastmath.rcp_approx_ftz(absmax)
-        zero_blocks = absmax == 0
-        has_zero_blocks = bool(zero_blocks.any())
-        if has_zero_blocks:
-            scale = torch.where(zero_blocks, 0.0, scale)  # avoid NaN; the bytes are set to 0 below
-        y = self.scaled[:padded]
-        torch.mul(blocks, scale[:, None], out=y.view(-1, bs))  # one IEEE float32 product, like FMUL
+        blocks = x.view(-1, bs)
+        block_range = slice(start // bs, start // bs + blocks.shape[0])
+        y = self.scaled[: x.numel()]
+        torch.mul(blocks, scale[block_range, None], out=y.view(-1, bs))  # one IEEE float32 product (FMUL)
         ranks = self._ranks(y)
         if self.byte_map is not None:
-            self._fp4_sign_at_flt_min(x, y, scale, ranks)
-        codes = self._pack(ranks)
-        if has_zero_blocks:
-            codes.view(-1, bs // 2)[zero_blocks] = 0
-        return codes[: (count + 1) // 2], absmax
+            self._fp4_sign_at_flt_min(x, y, scale[block_range], ranks)
+        packed = self._pack(ranks)
+        if self.zero_blocks is not None:
+            packed.view(-1, bs // 2)[self.zero_blocks[block_range]] = 0
+        return packed[: (stop - start + 1) // 2]
 
     def _ranks(self, y: torch.Tensor) -> torch.Tensor:
         """Each scaled value's rank among the kernel's split points (see `_tables.bucket_tables`)."""
