@@ -120,31 +120,50 @@ def _rank_splits(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _f32(splits), torch.tensor(codes, dtype=torch.uint8)
 
 
-@functools.cache
-def bucket_tables(quant_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Lookup tables that turn a scaled value y into its 4-bit code with two gathers and one compare.
+def _bucket_ranks(splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base uint8 [65536], split float32 [65536]) such that #{k : y > splits[k]} is
+    ``base[K] + (y > split[K])`` for every y whose top 16 bits are K (splits ascending, at most 255).
 
-    A bucket is the set of float32 values sharing their top 16 bits (``bits >> 16``): an interval of y.
-    No bucket holds two splits (they are > 1% apart, a bucket < 0.8% wide), so within bucket K the rank is
-    ``base[K] + (y > split[K])``. Returns (base uint8 [65536], split float32 [65536], byte_map): byte_map is
-    None when ranks are the codes (NF4), else a uint8 [256] table mapping two packed ranks to packed codes.
+    A bucket K is the set of float32 values sharing their top 16 bits: an interval of y. The tables are
+    exact as long as no bucket holds two splits, which is checked here (a bucket is < 0.8% wide).
     """
-    splits, codes = _rank_splits(quant_type)
     top = torch.arange(65536, dtype=torch.int64) << 16
     first = top.to(torch.int32).view(torch.float32)  # smallest |y| of the bucket
     last = (top | 0xFFFF).to(torch.int32).view(torch.float32)  # largest |y| of the bucket
     negative = torch.arange(65536) >= 0x8000
     low = torch.where(negative, last, first)
     high = torch.where(negative, first, last)
-    rank_low = (low[:, None] > splits[None, :]).sum(1)
-    rank_high = (high[:, None] > splits[None, :]).sum(1)
+    rank_low = torch.searchsorted(splits, low)  # number of splits < low
+    rank_high = torch.searchsorted(splits, high)
     finite = torch.isfinite(low) & torch.isfinite(high)
     assert bool(((rank_high - rank_low)[finite] <= 1).all()), "a bucket holds two splits"
     padded = torch.cat([splits, torch.tensor([float("inf")])])
-    base = rank_low.to(torch.uint8)
-    split = padded[rank_low]
+    return rank_low.to(torch.uint8), padded[rank_low]
+
+
+@functools.cache
+def bucket_tables(quant_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Lookup tables that turn a scaled value y into its 4-bit code with two gathers and one compare.
+
+    Returns (base, split, byte_map): the rank of y among the kernel's splits is ``base[K] + (y > split[K])``
+    for K the top 16 bits of y (see `_bucket_ranks`); byte_map is None when ranks are the codes (NF4),
+    else a uint8 [256] table mapping two packed ranks to two packed codes.
+    """
+    splits, codes = _rank_splits(quant_type)
+    base, split = _bucket_ranks(splits)
     if torch.equal(codes, torch.arange(16, dtype=torch.uint8)):
         return base, split, None
     pairs = torch.arange(256)
     byte_map = (codes[pairs >> 4].to(torch.int32) << 4 | codes[pairs & 15]).to(torch.uint8)
     return base, split, byte_map
+
+
+@functools.cache
+def dynamic_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(base, split, midpoint) for the 8-bit search: s = #{i < 255 : code[i] < y} is
+    ``base[K] + (y > split[K])``, and midpoint[s] = (code[s-1] + code[s]) * 0.5 in float32, the value
+    the kernel compares y with (midpoint[0] = -inf: below code[0] there is nothing to choose)."""
+    code = dynamic_map()
+    base, split = _bucket_ranks(code[:255])
+    midpoint = torch.cat([torch.tensor([float("-inf")]), (code[:-1] + code[1:]) * 0.5])
+    return base, split, midpoint

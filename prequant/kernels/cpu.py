@@ -27,11 +27,16 @@ __all__ = ["NonFiniteError", "code_table", "dynamic_map", "quantize_4bit", "quan
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 QUANT_TYPES = ("nf4", "fp4")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Elements per chunk and thread (the chunk is this times torch's intra-op thread count, a power of two):
-# each thread's share of a chunk (about 18 bytes of buffers per element) stays in its L2 cache, and
-# is large enough to amortize the per-op overhead. None: automatic; tests set a fixed CHUNK_ELEMENTS.
-CHUNK_ELEMENTS_PER_THREAD = 1 << 17
+# Elements per chunk and thread (the chunk is this times torch's intra-op thread count, a power of two),
+# measured best on 1-16 threads: about 18 bytes of buffers per element, so 4.5 MiB per thread, with few
+# enough torch ops per element that their dispatch and thread start-up cost stays small. Capped so that
+# many-core machines stay under ~80 MB of buffers. None: automatic; tests set a fixed CHUNK_ELEMENTS.
+CHUNK_ELEMENTS_PER_THREAD = 1 << 18
+MAX_CHUNK_ELEMENTS = 1 << 22
 CHUNK_ELEMENTS: int | None = None
+# Chunks whose statistics are computed together: the reciprocals' fixed cost is shared by the span, and
+# the span's input is re-read for the codes while it is still in cache.
+CHUNKS_PER_SPAN = 8
 
 
 class NonFiniteError(ValueError):
@@ -57,16 +62,25 @@ def quantize_4bit(x: torch.Tensor, *, quant_type: str, blocksize: int) -> tuple[
     or Inf, ValueError for an unsupported quant_type, blocksize, dtype or device.
     """
     _check_args(x, quant_type, blocksize)
-    chunk = _chunk_elements()
+    n, chunk = x.numel(), _chunk_elements()
     kernel = _Kernel(x, quant_type, blocksize, chunk)
-    # Two passes over the input, like the kernel's two phases: every block's absmax first, so that the
-    # reciprocals are computed once for the whole tensor, then the codes chunk by chunk.
-    absmax = kernel.block_absmax()
-    scale = kernel.block_scale(absmax)
-    packed = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
-    for start in range(0, x.numel(), chunk):
-        codes = kernel.codes(start, min(start + chunk, x.numel()), scale)
-        packed[start // 2 : start // 2 + codes.numel()] = codes
+    packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
+    # Like the CUDA kernel's two phases, two passes over each span of a few chunks: every block's absmax
+    # (and reciprocal, computed once for the span), then the codes chunk by chunk while the span's input
+    # is still in cache.
+    span = chunk * CHUNKS_PER_SPAN
+    for span_start in range(0, n, span):
+        span_stop = min(span_start + span, n)
+        blocks = slice(span_start // blocksize, -(-span_stop // blocksize))
+        absmax[blocks] = kernel.block_absmax(span_start, span_stop)
+        scale, zero_blocks = _block_scale(absmax[blocks])
+        for start in range(span_start, span_stop, chunk):
+            stop = min(start + chunk, span_stop)
+            first = (start - span_start) // blocksize
+            rows = slice(first, first + -(-(stop - start) // blocksize))
+            codes = kernel.codes(start, stop, scale[rows], None if zero_blocks is None else zero_blocks[rows])
+            packed[start // 2 : start // 2 + codes.numel()] = codes
     return packed, absmax
 
 
@@ -104,7 +118,7 @@ def _chunk_elements() -> int:
     if CHUNK_ELEMENTS is not None:
         return CHUNK_ELEMENTS
     threads = max(1, torch.get_num_threads())
-    return CHUNK_ELEMENTS_PER_THREAD << (threads - 1).bit_length()
+    return min(CHUNK_ELEMENTS_PER_THREAD << (threads - 1).bit_length(), MAX_CHUNK_ELEMENTS)
 
 
 def _check_args(x: torch.Tensor, quant_type: str, blocksize: int) -> None:
@@ -138,7 +152,6 @@ class _Kernel:
         self.splits = torch.empty(size, dtype=torch.float32)
         self.above = torch.empty(size, dtype=torch.bool)
         self.packed = torch.empty(size // 2, dtype=torch.uint8)
-        self.zero_blocks: torch.Tensor | None = None
 
     def _load(self, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) as float32, padded with zeros to whole blocks (as the kernel loads)."""
@@ -152,13 +165,14 @@ class _Kernel:
         buf[count:] = 0.0
         return buf
 
-    def block_absmax(self) -> torch.Tensor:
-        """Pass 1: float32 [ceil(n / blocksize)], max |x| per block as the kernel sees it (flushed)."""
+    def block_absmax(self, start: int, stop: int) -> torch.Tensor:
+        """Pass 1: float32 max |x| of each block in [start, stop), as the kernel sees it (flushed)."""
         bs = self.blocksize
-        absmax = torch.empty(-(-self.n // bs), dtype=torch.float32)
-        for start in range(0, self.n, self.chunk):
-            blocks = self._load(start, min(start + self.chunk, self.n)).view(-1, bs)
-            absmax[start // bs : start // bs + blocks.shape[0]] = _block_absmax(blocks)
+        absmax = torch.empty(-(-(stop - start) // bs), dtype=torch.float32)
+        for pos in range(start, stop, self.chunk):
+            blocks = self._load(pos, min(pos + self.chunk, stop)).view(-1, bs)
+            first = (pos - start) // bs
+            absmax[first : first + blocks.shape[0]] = _block_absmax(blocks)
         # max and min propagate NaN and Inf, so checking absmax checks every element.
         if not bool(torch.isfinite(absmax).all()):
             raise NonFiniteError("input holds NaN or Inf")
@@ -166,30 +180,21 @@ class _Kernel:
             absmax = torch.where(absmax < _fastmath.FLT_MIN, 0.0, absmax)
         return absmax
 
-    def block_scale(self, absmax: torch.Tensor) -> torch.Tensor:
-        """The kernel's ``1.0f / absmax`` per block (MUFU.RCP). An all-zero block has 1/0 = inf and
-        0 * inf = NaN, which every comparison of the decision tree rejects: code 0 for all its elements.
-        Here its scale is 0 (no NaN to carry around) and `codes` writes its bytes as 0."""
-        zero = absmax == 0
-        self.zero_blocks = zero if bool(zero.any()) else None
-        return torch.where(zero, 0.0, _fastmath.rcp_approx_ftz(absmax))
-
-    def codes(self, start: int, stop: int, scale: torch.Tensor) -> torch.Tensor:
-        """Pass 2: packed codes of elements [start, stop) (start a multiple of the chunk size)."""
+    def codes(self, start: int, stop: int, scale: torch.Tensor, zero_blocks: torch.Tensor | None) -> torch.Tensor:
+        """Pass 2: packed codes of elements [start, stop), given those blocks' scales (see `_block_scale`)."""
         bs = self.blocksize
         x = self._load(start, stop)
         if self.flush_inputs:
             _fastmath.flush_denormals_(x)
         blocks = x.view(-1, bs)
-        block_range = slice(start // bs, start // bs + blocks.shape[0])
         y = self.scaled[: x.numel()]
-        torch.mul(blocks, scale[block_range, None], out=y.view(-1, bs))  # one IEEE float32 product (FMUL)
+        torch.mul(blocks, scale[:, None], out=y.view(-1, bs))  # one IEEE float32 product (FMUL)
         ranks = self._ranks(y)
         if self.byte_map is not None:
-            self._fp4_sign_at_flt_min(x, y, scale[block_range], ranks)
+            self._fp4_sign_at_flt_min(x, y, scale, ranks)
         packed = self._pack(ranks)
-        if self.zero_blocks is not None:
-            packed.view(-1, bs // 2)[self.zero_blocks[block_range]] = 0
+        if zero_blocks is not None:
+            packed.view(-1, bs // 2)[zero_blocks] = 0
         return packed[: (stop - start + 1) // 2]
 
     def _ranks(self, y: torch.Tensor) -> torch.Tensor:
@@ -232,6 +237,18 @@ class _Kernel:
         return packed
 
 
+def _block_scale(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel's ``1.0f / absmax`` per block (MUFU.RCP), and which blocks are all zero (or None).
+
+    An all-zero block has 1/0 = inf and 0 * inf = NaN, which every comparison of the decision tree
+    rejects: code 0 for all its elements. Its scale here is 0 (no NaN to carry around) and `codes`
+    writes its bytes as 0.
+    """
+    zero = absmax == 0
+    scale = torch.where(zero, 0.0, _fastmath.rcp_approx_ftz(absmax))
+    return scale, (zero if bool(zero.any()) else None)
+
+
 def _block_absmax(blocks: torch.Tensor) -> torch.Tensor:
     """max |x| per row without a temporary |x| tensor; abs() turns a possible -0.0 into the kernel's +0.0."""
     return torch.maximum(blocks.amax(1), blocks.amin(1).neg()).abs()
@@ -248,9 +265,13 @@ def _quantize_8bit(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch
     absmax = _block_absmax(blocks)
     scale = _fastmath.rcp_approx_ftz(absmax)
     zero_blocks = absmax == 0
+    # A flushed product changes nothing here: code 127 is 0.0 and its neighbours are +-5.5e-7.
     blocks.mul_(torch.where(zero_blocks, 0.0, scale)[:, None])
-    codes = _dynamic_codes(y)
+    codes = _dynamic_codes(y.nan_to_num(0.0))
     codes.view(-1, blocksize)[zero_blocks] = 0  # NaN (0 * inf) walks the search tree down to code 0
+    # NaN also arises when the mean of the absmax overflows to inf: x = absmax - inf = -inf, r = rcp(inf)
+    # = 0 and y = -inf * 0. The kernel codes it 0 too.
+    codes[y.isnan()] = 0
     return codes[:n], absmax
 
 
@@ -262,16 +283,12 @@ def _dynamic_codes(y: torch.Tensor) -> torch.Tensor:
     the midpoint (code[s-1] + code[s]) * 0.5 of the two candidates. From the leaf's side, y above the
     midpoint picks s, below picks s - 1, and equality keeps the leaf, the even one of the two.
     """
-    code = _tables.dynamic_map()
-    s = torch.bucketize(y, code[:255])  # count of code[i] < y
-    below = code[(s - 1).clamp(min=0)]
-    above = code[s]
-    midpoint = (below + above) * 0.5
-    even = torch.where(s % 2 == 0, s, s - 1)
-    result = torch.where(y > midpoint, s, torch.where(y < midpoint, s - 1, even))
-    # NaN fails every comparison and walks the tree down to leaf 0. It arises when the mean of the
-    # absmax overflows to inf: then x = absmax - inf = -inf, r = rcp(inf) = 0 and y = -inf * 0.
-    return torch.where((s == 0) | y.isnan(), 0, result).to(torch.uint8)
+    base, split, midpoint = _tables.dynamic_tables()
+    keys = torch.bitwise_right_shift(y.view(torch.int32), 16).bitwise_and_(0xFFFF)
+    s = base.index_select(0, keys).add_(y > split.index_select(0, keys))
+    mid = midpoint.index_select(0, s.to(torch.int32))
+    tie_to_odd_s = (y == mid) & (s & 1).bool()  # equality keeps the even candidate, s - 1
+    return s.sub_((y < mid).to(torch.uint8)).sub_(tie_to_odd_s.to(torch.uint8))
 
 
 def _copy_flat_range(x: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
