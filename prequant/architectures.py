@@ -105,7 +105,10 @@ def _from_transformers(
 
     defaults = _transformers_default_skips(model)
     keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
-    patterns = [*defaults, *skip, *keep_fp32]
+    # A family's routers are nn.Linear in its remote code, yet must stay unquantized: they go in the skip list.
+    family = detect_family(tensors)
+    required = list(family.skip_modules) if family else []
+    patterns = [*defaults, *required, *skip, *keep_fp32]
     linear = _linear_modules(model)
     to_model_key = _key_mapper(model)
 
@@ -120,13 +123,14 @@ def _from_transformers(
         elif len(t.shape) != 2:
             decisions[t.name] = Decision(False, f"{len(t.shape)}-D, not a 2-D linear weight")
         elif not should_convert(module, patterns):
-            decisions[t.name] = Decision(False, "skipped (" + _which_skip(module, defaults, skip, keep_fp32) + ")")
+            decisions[t.name] = Decision(False, "skipped (" + _which_skip(module, skip, required, keep_fp32) + ")")
         else:
             conv1d = linear[module]
             decisions[t.name] = Decision(True, "Conv1D, transposed" if conv1d else "nn.Linear", transpose=conv1d)
     # An explicit list replaces transformers' defaults on load, so it must carry them too.
-    skip_modules = sorted({*defaults, *skip}) if skip else None
-    return Layout(decisions, skip_modules, f"transformers meta model ({type(model).__name__})")
+    skip_modules = sorted({*defaults, *required, *skip}) if skip or required else None
+    method = f"transformers meta model ({type(model).__name__})" + (f", {family.name} skips" if family else "")
+    return Layout(decisions, skip_modules, method)
 
 
 def _transformers_default_skips(model: object) -> list[str]:
@@ -189,9 +193,11 @@ def _key_mapper(model: object):
         return plain
 
 
-def _which_skip(module: str, defaults: list[str], skip: list[str], keep_fp32: list[str]) -> str:
+def _which_skip(module: str, skip: list[str], required: list[str], keep_fp32: list[str]) -> str:
     if not should_convert(module, skip):
         return "--skip"
+    if not should_convert(module, required):
+        return "router/head kept for this family"
     if not should_convert(module, keep_fp32):
         return "_keep_in_fp32_modules"
     return "output embedding / tied / last module"
@@ -234,8 +240,13 @@ _NOT_LINEAR = re.compile(
 )
 
 
+def detect_family(tensors: list[TensorRef]) -> Family | None:
+    """The registered family whose tell-tale tensor names the checkpoint has, if any."""
+    return next((f for f in FAMILIES if any(f.detect.match(t.name) for t in tensors)), None)
+
+
 def _from_rules(config: dict, tensors: list[TensorRef], skip: list[str], remote: bool) -> Layout:
-    family = next((f for f in FAMILIES if any(f.detect.match(t.name) for t in tensors)), None)
+    family = detect_family(tensors)
     decisions: dict[str, Decision] = {}
     for t in tensors:
         module, _, leaf = t.name.rpartition(".")

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from . import readahead
 from .errors import PrequantError
 
 app = typer.Typer(
@@ -67,7 +68,8 @@ def convert(
     ] = None,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
-    from .convert import convert as run_convert
+    readahead.start(source)  # the disk works while torch imports
+    from .converter import convert as run_convert
 
     result = run_convert(
         source,
@@ -145,6 +147,55 @@ def upload(
         print(json.dumps(result, indent=2))
     else:
         print(f"uploaded {len(result['files'])} files ({result['bytes'] / 1e9:.3f} GB) to {result['commit_url']}")
+
+
+@app.command(
+    "check-fsdp",
+    epilog=(
+        "Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.check_fsdp` once per loader "
+        "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
+        "Examples:\n\n"
+        "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2\n\n"
+        "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant --steps 20 --report check.json"
+    ),
+)
+def check_fsdp(
+    output_dir: Annotated[str, typer.Argument(help="A folder written by prequant convert.")],
+    nproc: Annotated[int, typer.Option("--nproc", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")] = 2,
+    loader: Annotated[
+        list[str] | None,
+        typer.Option("--loader", help="transformers (HF's FSDP-QLoRA path) or prequant (load_for_fsdp); repeatable; "
+                     "default: both, compared."),
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Training steps on the fixed batch.")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the batch and of the LoRA init.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Sequences in the batch.")] = 2,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 256,
+    lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
+    buffer_dtype: Annotated[
+        str, typer.Option(help="Floating buffers (RoPE) in bfloat16 as HF's Trainer casts them, float32, or keep.")
+    ] = "bfloat16",
+    packed_storage: Annotated[
+        str, typer.Option(help="prequant loader: uint8 (safe) or checkpoint (bf16 as stored; bitsandbytes #1945).")
+    ] = "uint8",
+    timeout: Annotated[float, typer.Option(help="Seconds allowed per loader run.")] = 1800,
+    report: Annotated[str | None, typer.Option("--report", metavar="FILE", help="Also write the JSON report here.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a few FSDP+QLoRA steps from OUTPUT_DIR on N ranks: memory per rank, losses, packed bytes intact."""
+    from .check_fsdp import CheckFailed
+    from .check_fsdp import check_fsdp as run_check
+
+    result = run_check(output_dir, nproc=nproc, loaders=tuple(loader or ("transformers", "prequant")), steps=steps,
+                       seed=seed, batch_size=batch_size, seq_len=seq_len, lora_r=lora_r, lora_alpha=2 * lora_r,
+                       buffer_dtype=buffer_dtype, packed_storage=packed_storage, timeout=timeout)
+    text = json.dumps(result.to_dict(), indent=2)
+    if report:
+        with open(report, "w") as f:
+            f.write(text)
+    print(text if as_json else result.to_text())
+    if not result.ok:
+        raise CheckFailed(result)
 
 
 @app.command()
