@@ -10,8 +10,8 @@ mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
 python3 -c "import torch, transformers, bitsandbytes; print('torch', torch.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__)"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tail -25
-for spec in "4 llama" "16 llama --transformers" "30 llama"; do
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tail -25
+for spec in "16 llama --transformers" "4 llama" "30 llama"; do
   set -- $spec
   timeout 240 python3 scripts/bench.py --size-gb "$1" --shape "$2" "${@:3}" --device cuda --dir "$WORK" \
     --json "$OUT/bench-$1gb.json" > /dev/null
