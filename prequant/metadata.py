@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import PrequantError
 from .plan import Plan, Settings
-from .writer import write_json
+from .writer import write_error, write_json
 
 # Weight formats never copied as side files: the output has its own weights, and copies of the
 # originals (e.g. Llama's original/consolidated.00.pth) would double the output for nothing.
@@ -21,10 +21,15 @@ def read_config(source_dir: Path) -> dict:
     """The source's config.json, which must exist and be a JSON object."""
     path = source_dir / "config.json"
     if not path.is_file():
-        raise PrequantError(f"{source_dir}: config.json is missing; a Hugging Face checkpoint needs one next to its weights")
+        raise PrequantError(
+            f"{source_dir}: config.json is missing; put the model's config.json next to its weights (a Hugging Face "
+            "checkpoint needs one)"
+        )
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except PermissionError as e:
+        raise PrequantError(f"{path}: permission denied; make it readable") from e
+    except (OSError, ValueError, RecursionError) as e:
         raise PrequantError(f"{path}: not valid JSON ({e}); fix or re-download it") from e
     if not isinstance(config, dict):
         raise PrequantError(f"{path}: not a JSON object; fix or re-download it")
@@ -84,5 +89,15 @@ def side_files(source_dir: Path) -> list[Path]:
 
 def copy_side_files(source_dir: Path, staging: Path, files: list[Path]) -> None:
     for rel in files:
-        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source_dir / rel, staging / rel)
+        try:
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source_dir / rel, staging / rel)
+        except OSError as e:
+            # Opening the source's file failed (only then is filename2 unset: shutil's sendfile path names
+            # both files on a failed write), or writing the copy did: say which, and what to do.
+            if e.filename == str(source_dir / rel) and e.filename2 is None:
+                raise PrequantError(
+                    f"{source_dir / rel}: cannot read it ({e.strerror or e}); make it readable, or move it out of "
+                    "the source directory"
+                ) from e
+            raise write_error(staging / rel, e) from e

@@ -44,7 +44,9 @@ class TensorRef:
 
 
 def read_header(path: Path) -> tuple[list[TensorRef], dict[str, str]]:
-    """Parse and validate one safetensors file's header; return its tensors and metadata."""
+    """Parse and validate one safetensors file's header; return its tensors and metadata.
+
+    Any defect, whatever the bytes, is a PrequantError naming the file (and the tensor, when one is at fault)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -52,68 +54,115 @@ def read_header(path: Path) -> tuple[list[TensorRef], dict[str, str]]:
             if len(prefix) < 8:
                 raise PrequantError(f"{path}: file is {size} bytes, too short to be safetensors; re-download it")
             (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
+            if 8 + n > size:
                 raise PrequantError(
                     f"{path}: header length {n} exceeds the file size {size}; the file is truncated or not "
                     "safetensors, re-download it"
                 )
+            if n > MAX_HEADER_BYTES:
+                raise PrequantError(
+                    f"{path}: header length {n} is over {MAX_HEADER_BYTES} bytes, more than any real checkpoint; "
+                    "the file is corrupt or not safetensors, re-download it"
+                )
             raw = f.read(n)
     except PermissionError as e:
-        raise PrequantError(f"{path}: permission denied ({e.strerror}); make it readable") from e
+        raise PrequantError(f"{path}: permission denied; make it readable") from e
     except IsADirectoryError as e:
-        raise PrequantError(f"{path}: is a directory, expected a safetensors file") from e
+        raise PrequantError(f"{path}: is a directory, expected a safetensors file; remove or rename it") from e
+    except OSError as e:  # missing (removed meanwhile), I/O error, ...: whatever it is, name the file
+        raise PrequantError(f"{path}: cannot read it ({e.strerror or e}); check the file and re-download it") from e
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PrequantError(f"{path}: header is not valid JSON ({e}); the file is corrupt, re-download it") from e
+    # ValueError covers bad JSON, bad UTF-8 and integers too long to parse; RecursionError, deeply nested junk.
+    except (ValueError, RecursionError) as e:
+        raise PrequantError(
+            f"{path}: header is not valid JSON ({_reason(e)}); the file is corrupt, re-download it"
+        ) from e
     if not isinstance(header, dict):
         raise PrequantError(f"{path}: header is not a JSON object; the file is corrupt, re-download it")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict):
-        raise PrequantError(f"{path}: __metadata__ is not a JSON object; the file is corrupt")
+        raise PrequantError(f"{path}: __metadata__ is not a JSON object; the file is corrupt, re-download it")
     data_start = 8 + n
     refs = [_parse_entry(path, name, entry, data_start, size - data_start) for name, entry in header.items()]
-    _check_no_overlap(path, refs, data_start)
+    _check_no_overlap(path, refs)
     return refs, {str(k): str(v) for k, v in metadata.items()}
 
 
+# Dimensions must fit torch's int64 sizes, even for an empty tensor whose other dimensions are huge; the
+# rank is bounded so that the product of a hostile shape stays cheap to compute and to print.
+_MAX_DIM = 2**63 - 1
+_MAX_RANK = 64
+
+
 def _parse_entry(path: Path, name: str, entry: object, data_start: int, data_size: int) -> TensorRef:
-    where = f"{path}: tensor {name!r}"
+    where = f"{path}: tensor {_name(name)}"
+    corrupt = "the file is corrupt, re-download it"
     if not isinstance(entry, dict):
-        raise PrequantError(f"{where}: header entry is not an object; the file is corrupt")
+        raise PrequantError(f"{where}: header entry is not an object; {corrupt}")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
         raise PrequantError(
-            f"{where}: dtype {dtype!r} is not supported; convert the checkpoint to bf16, fp16 or fp32 first"
+            f"{where}: dtype {_short(dtype)} is not supported; convert the checkpoint to bf16, fp16 or fp32 first"
         )
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise PrequantError(f"{where}: shape {shape!r} is not a list of non-negative integers; the file is corrupt")
     if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        not isinstance(shape, list)
+        or len(shape) > _MAX_RANK
+        or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape)
     ):
-        raise PrequantError(f"{where}: data_offsets {offsets!r} is not a pair of integers; the file is corrupt")
+        raise PrequantError(
+            f"{where}: shape {_short(shape)} is not a list of at most {_MAX_RANK} non-negative integers; {corrupt}"
+        )
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise PrequantError(f"{where}: data_offsets {_short(offsets)} is not a pair of integers; {corrupt}")
     begin, end = offsets
     expected = math.prod(shape) * itemsize(dtype)
     if begin < 0 or end < begin or end - begin != expected:
         raise PrequantError(
-            f"{where}: data_offsets {offsets} do not match {dtype}{shape} ({expected} bytes); the file is corrupt"
+            f"{where}: data_offsets {_short(offsets)} do not match {dtype}{_short(shape)} ({_short(expected)} bytes); "
+            f"{corrupt}"
         )
     if end > data_size:
         raise PrequantError(
-            f"{where}: data ends at byte {data_start + end} but the file has {data_start + data_size}; "
-            "the file is truncated, re-download it"
+            f"{where}: data_offsets {_short(offsets)} run past the end of the data ({data_size} bytes after the "
+            "header); the file is truncated or corrupt, re-download it"
         )
     return TensorRef(name, dtype, tuple(shape), path, data_start + begin, end - begin)
 
 
-def _check_no_overlap(path: Path, refs: list[TensorRef], data_start: int) -> None:
+def _name(name: str, limit: int = 200) -> str:
+    """A tensor name for a message: repr'd (so it stays on one line) and bounded."""
+    return repr(name if len(name) <= limit else name[: limit - 3] + "...")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON true/false arrive as bool, a subclass of int
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A header value for a message: one line, bounded (a corrupt header may hold megabytes of junk)."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reason(e: BaseException, limit: int = 120) -> str:
+    """An exception as a short one-line reason for a message."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_no_overlap(path: Path, refs: list[TensorRef]) -> None:
     previous: TensorRef | None = None
     for ref in sorted(refs, key=lambda r: (r.offset, r.nbytes)):
         if previous is not None and ref.nbytes and ref.offset < previous.offset + previous.nbytes:
             raise PrequantError(
-                f"{path}: tensors {previous.name!r} and {ref.name!r} overlap in the file; the file is corrupt"
+                f"{path}: tensors {_name(previous.name)} and {_name(ref.name)} overlap in the file; the file is corrupt, "
+                "re-download it"
             )
         if ref.nbytes:
             previous = ref
@@ -128,7 +177,7 @@ def scan(files: Iterable[Path]) -> list[TensorRef]:
         for ref in sorted(refs, key=lambda r: r.offset):
             if ref.name in seen:
                 raise PrequantError(
-                    f"tensor {ref.name!r} is in both {seen[ref.name].file.name} and {path.name}; "
+                    f"tensor {_name(ref.name)} is in both {seen[ref.name].file.name} and {path.name}; "
                     "remove the stale shard from the source directory"
                 )
             seen[ref.name] = ref
@@ -140,21 +189,25 @@ def check_index(index_path: Path, tensors: list[TensorRef]) -> None:
     """Check a `*.index.json` weight_map against the tensors actually found in the shards."""
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PrequantError(f"{index_path}: not a valid index (needs a 'weight_map' object): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("'weight_map' must map tensor names to file names")
+    except PermissionError as e:
+        raise PrequantError(f"{index_path}: permission denied; make it readable") from e
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
+        raise PrequantError(
+            f"{index_path}: not a valid index (needs a 'weight_map' object: {_reason(e)}); re-download it"
+        ) from e
     found = {t.name: t.file.name for t in tensors}
     for name, filename in weight_map.items():
         if name not in found:
             raise PrequantError(
-                f"{index_path.name}: tensor {name!r} is listed in {filename} but no shard holds it; "
+                f"{index_path.name}: tensor {_name(name)} is listed in {_name(filename)} but no shard holds it; "
                 "the download is incomplete, re-download the missing shard"
             )
         if Path(filename).name != found[name]:
             raise PrequantError(
-                f"{index_path.name}: tensor {name!r} is listed in {filename} but found in {found[name]}; "
-                "the index and the shards disagree, re-download the checkpoint"
+                f"{index_path.name}: tensor {_name(name)} is listed in {_name(filename)} but found in "
+                f"{found[name]}; the index and the shards disagree, re-download the checkpoint"
             )
 
 

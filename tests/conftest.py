@@ -91,11 +91,11 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_cli(*args: str, env: dict | None = None, check: bool | None = None) -> subprocess.CompletedProcess:
-    """`python -m prequant ARGS` in a subprocess, as a user runs it."""
+def run_cli(*args: str, env: dict | None = None, check: bool | None = None, **popen) -> subprocess.CompletedProcess:
+    """`python -m prequant ARGS` in a subprocess, as a user runs it; `popen` (e.g. preexec_fn) goes to subprocess.run."""
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-m", "prequant", *args], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=600
+        [sys.executable, "-m", "prequant", *args], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=600, **popen
     )
     if check:
         assert proc.returncode == 0, proc.stderr
