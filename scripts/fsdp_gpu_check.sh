@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Issue 8 on a 2-GPU machine, in one run of under 10 minutes (it stops itself at 9): make an 8B-shaped random
+# Llama (16 GB bf16), convert it with prequant on the GPU, then `prequant check-fsdp --nproc 2` with
+# transformers' FSDP-QLoRA path and with load_for_fsdp, side by side; then the GPU tests of tests/test_fsdp.py;
+# then, if time is left, load_for_fsdp with bf16 packed storage (bitsandbytes #1945 diagnosis).
+#
+#   OUT=/some/dir bash scripts/fsdp_gpu_check.sh        # from the repository root, prequant importable
+#
+# Files in $OUT: log.txt (everything), check-fsdp.json (both loaders, per rank), summary.md (the figures for
+# the README), pytest-gpu.txt, check-fsdp-bf16-storage.json (if run).
+set -euo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+OUT=${OUT:-/tmp/prequant-fsdp-out}
+WORK=${PREQUANT_WORK:-/tmp/prequant-fsdp}
+DEADLINE=${PREQUANT_DEADLINE:-540}   # seconds from start: the device tool kills a command at 600
+SIZE_GB=${PREQUANT_SIZE_GB:-16}      # smaller (and DEVICE=cpu, STEPS=2) for a smoke test without GPUs
+DEVICE=${PREQUANT_DEVICE:-cuda}
+STEPS=${PREQUANT_STEPS:-10}
+mkdir -p "$OUT" "$WORK"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+SRC=$WORK/llama-${SIZE_GB}gb-bf16
+CKPT=$WORK/llama-${SIZE_GB}gb-nf4
+START=$(date +%s)
+FAILED=()
+
+left() { echo $((DEADLINE - ($(date +%s) - START))); }
+
+# step NAME LIMIT CMD...: run CMD under min(LIMIT, time left); log its time and status; never abort the script.
+step() {
+  local name=$1 limit=$2 rc=0 t0
+  shift 2
+  t0=$(date +%s)
+  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
+  if [ "$limit" -lt 20 ]; then
+    echo "=== $name: skipped, $(left)s left"
+    FAILED+=("$name:skipped")
+    return 0
+  fi
+  echo "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
+  timeout --kill-after=10 "$limit" "$@" || rc=$?
+  echo "=== $name: exit $rc after $(($(date +%s) - t0))s"
+  if [ "$rc" -ne 0 ]; then FAILED+=("$name:$rc"); fi
+  return 0
+}
+
+finish() {
+  echo "=== done after $(($(date +%s) - START))s; failed steps: ${FAILED[*]:-none}"
+  ls -la "$OUT"
+}
+trap finish EXIT
+
+step env 60 bash -c 'nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; df -h "$0" | tail -1;
+  free -g | head -2; python3 -c "import sys, torch, transformers, peft, accelerate, bitsandbytes, safetensors, typer;
+print(sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpus\", torch.cuda.device_count(),
+\"transformers\", transformers.__version__, \"peft\", peft.__version__, \"accelerate\", accelerate.__version__,
+\"bitsandbytes\", bitsandbytes.__version__, bitsandbytes.__file__)"' "$WORK"
+
+if [ ! -f "$SRC/config.json" ]; then
+  step generate 200 python3 -c "
+import sys, time; sys.path.insert(0, 'scripts')
+from pathlib import Path
+from bench import generate
+t = time.monotonic(); p = generate('llama', $SIZE_GB, Path('$SRC'))
+print(f'generated {sum(f.stat().st_size for f in p.glob(\"*.safetensors\")) / 1e9:.2f} GB in {time.monotonic() - t:.0f}s')"
+fi
+[ -f "$SRC/config.json" ] || { echo "no source checkpoint: stopping"; exit 1; }
+
+step convert 200 python3 -m prequant convert "$SRC" "$CKPT" --device "$DEVICE" --overwrite --no-stats
+[ -f "$CKPT/config.json" ] || { echo "no converted checkpoint: stopping"; exit 1; }
+du -sh "$CKPT"
+
+# Both loaders, 2 ranks, 10 steps on the fixed batch; the table goes to the log, the JSON to $OUT.
+step check-fsdp 330 python3 -m prequant check-fsdp "$CKPT" --nproc 2 --steps "$STEPS" --timeout 160 \
+  --report "$OUT/check-fsdp.json"
+
+if python3 -c "import pytest" 2>/dev/null; then
+  step pytest-gpu 150 bash -c 'python3 -m pytest -q -p no:cacheprovider -rxXs -m gpu tests/test_fsdp.py 2>&1 |
+    tee "$0/pytest-gpu.txt"; exit "${PIPESTATUS[0]}"' "$OUT"
+else
+  echo "=== pytest-gpu: skipped, pytest is not installed here"
+  FAILED+=("pytest-gpu:no-pytest")
+fi
+
+# Diagnosis, only with time to spare: FSDP2 with the packed bytes kept as bf16. If bitsandbytes #1945 holds on this
+# stack, the in-forward byte check fails here (that failure is the finding, not a failure of prequant).
+if [ "$(left)" -gt 100 ]; then
+  step bf16-storage 100 python3 -m prequant check-fsdp "$CKPT" --nproc 2 --loader prequant --packed-storage checkpoint \
+    --steps 2 --timeout 90 --report "$OUT/check-fsdp-bf16-storage.json"
+fi
+
+step summary 30 python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); G = 2**30
+lines = []
+p = out / "check-fsdp.json"
+if p.is_file():
+    r = json.loads(p.read_text())
+    lines += ["| loader | load s | peak GPU load (GiB/rank) | peak GPU train (GiB/rank) | peak RssAnon (GiB/rank) "
+              "| peak RssFile (GiB/rank) | packed bytes intact | first-step loss | last loss |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for loader, run in r["runs"].items():
+        s = run.get("summary")
+        if not s:
+            lines.append(f"| {loader} | failed: {run.get('error')} |")
+            continue
+        per = lambda phase, key: " / ".join(f"{x[phase][key] / G:.2f}" for x in run["ranks"])
+        anon = " / ".join(f"{max(x['load']['peak_rss_anon'], x['train']['peak_rss_anon']) / G:.2f}" for x in run["ranks"])
+        rfile = " / ".join(f"{max(x['load']['peak_rss_file'], x['train']['peak_rss_file']) / G:.2f}" for x in run["ranks"])
+        lines.append(f"| {loader} | {s['load_seconds']:.0f} | {per('load', 'peak_gpu_allocated')} | "
+                     f"{per('train', 'peak_gpu_allocated')} | {anon} | {rfile} | "
+                     f"{'yes' if s['packed_intact'] else 'NO'} ({s['packed_tensors']} tensors, {s['nan_patterns']} NaN "
+                     f"patterns) | {s['losses'][0]:.6f} | {s['losses'][-1]:.6f} |")
+    lim = next(iter(r["runs"].values())).get("limits", {})
+    if lim:
+        lines.append(f"\ncheckpoint {lim['checkpoint'] / 1e9:.2f} GB, largest layer {lim['largest_layer'] / G:.2f} GiB; "
+                     f"limit for load_for_fsdp's GPU load peak {lim['gpu_load'] / G:.2f} GiB, RssAnon 2 GiB")
+    lines.append(f"first-step loss comparison: {json.dumps(r['comparison'])}; overall ok: {r['ok']}")
+    for loader, run in r["runs"].items():
+        if run.get("summary"):
+            lines.append(f"{loader}: problems {run['summary']['problems'] or 'none'}; losses {run['summary']['losses']}")
+p = out / "check-fsdp-bf16-storage.json"
+if p.is_file():
+    s = json.loads(p.read_text())["runs"]["prequant"].get("summary", {})
+    lines.append(f"\nbf16 packed storage under FSDP2: mismatched bytes at rest {s.get('mismatched_at_rest')}, in forward "
+                 f"{s.get('mismatched_in_forward')}, words turned into a canonical NaN {s.get('nan_canonicalized')} "
+                 f"(of {s.get('nan_patterns')} NaN patterns); first loss {s.get('losses', [None])[0]}")
+text = "\n".join(lines) or "no report"
+(out / "summary.md").write_text(text + "\n")
+print(text)
+EOF
