@@ -15,6 +15,7 @@ from .writer import write_error, write_json
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MANIFEST = "prequant.json"
+CARD = "README.md"  # the output gets its own model card (prequant.card), carrying the original
 
 
 def read_config(source_dir: Path) -> dict:
@@ -81,7 +82,7 @@ def side_files(source_dir: Path) -> list[Path]:
         rel = path.relative_to(source_dir)
         if any(part.startswith(".") for part in rel.parts) or not path.is_file():
             continue  # .git, .cache (the Hub's download metadata), editor files
-        if rel.suffix in WEIGHT_SUFFIXES or rel.name in INDEX_NAMES or rel.as_posix() in ("config.json", MANIFEST):
+        if rel.suffix in WEIGHT_SUFFIXES or rel.name in INDEX_NAMES or rel.as_posix() in ("config.json", MANIFEST, CARD):
             continue
         found.append(rel)
     return found

@@ -1,7 +1,14 @@
-"""Progress on stderr: a tqdm bar counting bytes on a terminal, a periodic one-line status otherwise."""
+"""Progress on stderr: a tqdm bar counting bytes on a terminal, a periodic one-line status otherwise.
+
+PREQUANT_PROGRESS picks the form for CI: `json` (one JSON object per line: machine-readable records),
+`lines` (the status line even on a terminal), `bar`, or `none`; PREQUANT_PROGRESS_INTERVAL sets the
+seconds between records (default 10).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import threading
 import time
@@ -14,10 +21,15 @@ class Progress:
         self.total, self.done, self.label = total, 0, label
         self._lock = threading.Lock()
         self._start = self._last = time.monotonic()
-        self._interval = interval
+        mode = os.environ.get("PREQUANT_PROGRESS", "auto").strip().lower()
+        try:
+            self._interval = float(os.environ.get("PREQUANT_PROGRESS_INTERVAL", interval))
+        except ValueError:
+            self._interval = interval  # a typo in an environment variable must not stop a conversion
+        self._json = mode == "json"
         self._bar = None
-        self._enabled = enabled
-        if enabled and sys.stderr.isatty():
+        self._enabled = enabled and mode not in ("none", "off", "0")
+        if self._enabled and (mode == "bar" or (mode == "auto" and sys.stderr.isatty())):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, file=sys.stderr)
@@ -29,7 +41,7 @@ class Progress:
                 self._bar.update(n)
             elif self._enabled and time.monotonic() - self._last >= self._interval:
                 self._last = time.monotonic()
-                print(self.status(), file=sys.stderr, flush=True)
+                print(self.record("progress") if self._json else self.status(), file=sys.stderr, flush=True)
 
     def status(self) -> str:
         elapsed = max(time.monotonic() - self._start, 1e-9)
@@ -41,6 +53,21 @@ class Progress:
             f"{rate / 1e9:.2f} GB/s, eta {eta:.0f}s"
         )
 
+    def record(self, event: str) -> str:
+        """One JSON line: what CI tools parse instead of the human status line."""
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        rate = self.done / elapsed
+        return json.dumps({
+            "event": event,
+            "task": self.label,
+            "done_bytes": self.done,
+            "total_bytes": self.total,
+            "fraction": round(self.done / self.total, 4) if self.total else 1.0,
+            "bytes_per_s": round(rate),
+            "elapsed_s": round(elapsed, 3),
+            "eta_s": round((self.total - self.done) / rate, 1) if rate else None,
+        })
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -48,5 +75,7 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close()
+        if self._json and self._enabled and exc_type is None:
+            print(self.record("done"), file=sys.stderr, flush=True)

@@ -114,3 +114,23 @@ def checkpoints(tmp_path_factory):
         return made[key]
 
     return get
+
+
+def run_main(*args: str) -> tuple[int, str, str]:
+    """`prequant ARGS` in this process (no interpreter start-up: fast); returns (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from prequant.cli import main
+
+    out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
+    sys.argv = ["prequant", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+    return code, out.getvalue(), err.getvalue()

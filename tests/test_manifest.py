@@ -1,0 +1,138 @@
+"""prequant.json: file hashes, source identity, versions, options and per-tensor statistics; JSON progress."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DATA, run_cli, run_main
+
+import prequant
+from prequant import output, stats
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints, tmp_path_factory) -> tuple[Path, Path]:
+    """(source, output) of a tiny Llama converted into two shards."""
+    src = checkpoints("llama")
+    out = tmp_path_factory.mktemp("manifest") / "out"
+    prequant.convert(src, out, device="cpu", progress=False, max_shard_size="100KB")
+    return src, out
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "prequant.json").read_text())
+
+
+def test_every_output_file_is_listed_with_size_and_sha256(converted):
+    _, out = converted
+    files = _manifest(out)["files"]
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"prequant.json"}
+    assert set(files) == on_disk
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json", "README.md",
+            "model.safetensors.index.json", "tokenizer_config.json", "LICENSE"} <= on_disk
+    for name, entry in files.items():
+        data = (out / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+def test_source_versions_and_options_are_recorded(converted):
+    src, out = converted
+    m = _manifest(out)
+    assert m["format"] == "prequant-manifest"
+    assert m["source"]["path"] == str(src) and m["source"]["weight_files"] == {"model.safetensors": (src / "model.safetensors").stat().st_size}
+    assert m["source"]["sha256"]["config.json"] == hashlib.sha256((src / "config.json").read_bytes()).hexdigest()
+    assert m["versions"]["prequant"] == prequant.__version__ and m["versions"]["torch"] == torch.__version__
+    assert {"bitsandbytes", "transformers", "safetensors", "huggingface_hub"} <= set(m["versions"])
+    assert {
+        "quant_type": "nf4", "double_quant": True, "blocksize": 64, "quant_storage": "bfloat16", "skip": [],
+        "max_shard_size": 100_000, "stats": True,
+    }.items() <= m["options"].items()
+    assert m["device"] == "cpu"
+
+
+def test_stats_cover_every_quantized_tensor_with_the_nf4_error(converted):
+    _, out = converted
+    m = _manifest(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    quantized = {k.removesuffix(".absmax") for k in index if k.endswith(".weight.absmax")}
+    assert set(m["tensors"]) == quantized and m["stats"]["complete"]
+    for name, st in m["tensors"].items():
+        # NF4, block 64, on Gaussian init: ~0.092 relative error; an element never off by more than
+        # half the widest code gap (~0.14 of its block's scale).
+        assert 0.07 < st["rel_error"] < 0.12, name
+        assert 0 < st["absmax_min"] <= st["absmax_max"] and st["max_abs_error"] < 0.2 * st["absmax_max"], name
+    assert m["stats"]["summary"]["tensors"] == len(quantized)
+
+
+def test_no_stats_still_hashes_everything(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    summary = prequant.convert(checkpoints("llama"), out, device="cpu", progress=False, stats=False)
+    m = _manifest(out)
+    assert m["stats"]["enabled"] is False and m["tensors"] == {} and summary.stats is None
+    assert "model.safetensors" in m["files"]
+
+
+@pytest.mark.parametrize("case", ["nf4_dq64", "nf4_64", "fp4_dq64", "nf4_dq256"])
+def test_dequantization_matches_bitsandbytes_cuda(case):
+    """Golden CUDA outputs: our torch dequantization gives bitsandbytes' dequantize_4bit bit for bit."""
+    from safetensors import safe_open
+
+    with safe_open(DATA / "golden.safetensors", "pt") as f:
+        cases = json.loads(f.metadata()["cases"])
+        keys = set(f.keys())
+        checked = 0
+        for cv, state in cases.items():
+            if not cv.endswith("/" + case) or f"{cv}/dequant" not in keys:
+                continue
+            def get(k: str, cv: str = cv) -> torch.Tensor | None:
+                return f.get_tensor(f"{cv}/{k}") if f"{cv}/{k}" in keys else None
+
+            source = f.get_tensor(cv.split("/")[0] + "/input")
+            absmax = stats.dequantize_absmax(get("absmax"), get("nested_absmax"), get("nested_quant_map"),
+                                             state.get("nested_offset", 0.0))
+            ours = stats.dequantize(get("weight"), absmax, get("quant_map"), state["blocksize"], source.numel())
+            assert torch.equal(ours.to(source.dtype), get("dequant").view(-1)), cv
+            checked += 1
+    assert checked
+
+
+def test_transposed_conv1d_weights_are_measured_in_their_quantized_layout(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    prequant.convert(checkpoints("gpt2"), out, device="cpu", progress=False)
+    tensors = _manifest(out)["tensors"]
+    assert "transformer.h.0.attn.c_attn.weight" in tensors
+    assert all(0.07 < st["rel_error"] < 0.12 for st in tensors.values())
+
+
+def test_manifest_is_published_before_config(checkpoints, tmp_path, monkeypatch):
+    out, moved, real = tmp_path / "out", [], output.os.replace
+    # Only moves into OUTPUT_DIR are the publish (the writers' own renames stay inside staging).
+    monkeypatch.setattr(output.os, "replace", lambda a, b: (Path(b).parent == out and moved.append(Path(b).name), real(a, b)))
+    prequant.convert(checkpoints("llama"), out, device="cpu", progress=False)
+    assert moved[-1] == "config.json" and moved.index("prequant.json") < moved.index("config.json")
+
+
+def test_convert_json_and_progress_json_lines(checkpoints, tmp_path):
+    """CI mode: the summary is JSON on stdout, progress is JSON lines on stderr."""
+    proc = run_cli(
+        "convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu", "--json",
+        env={"PREQUANT_PROGRESS": "json", "PREQUANT_PROGRESS_INTERVAL": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["stats"]["tensors"] == summary["tensors_quantized"] == 14
+    records = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert records and records[-1]["event"] == "done" and records[-1]["fraction"] == 1.0
+    assert all(r["task"] == "converting" and r["total_bytes"] == summary["input_bytes"] for r in records)
+
+
+def test_no_stats_flag(checkpoints, tmp_path):
+    code, stdout, stderr = run_main("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu",
+                                    "--no-stats", "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["stats"] is None
+    assert _manifest(tmp_path / "out")["stats"]["enabled"] is False
