@@ -8,13 +8,14 @@ other exception would reach the user as a traceback.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import math
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,12 +31,7 @@ FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_
 
 CODES = sorted(SAFETENSORS_DTYPES)
 SCRATCH = Path(tempfile.mkdtemp(prefix="prequant-fuzz-"))  # hypothesis examples cannot take tmp_path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remove_scratch() -> Iterator[None]:
-    yield
-    shutil.rmtree(SCRATCH, ignore_errors=True)
+atexit.register(shutil.rmtree, SCRATCH, True)  # also when collected but deselected
 
 
 # --- strategies ----------------------------------------------------------------------------------
