@@ -68,7 +68,7 @@ def convert(
     ] = None,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
-    readahead.start(source)  # the disk works while torch imports
+    readahead.start_for_source(source)  # the disk works while torch imports
     from .converter import convert as run_convert
 
     result = run_convert(

@@ -11,13 +11,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__, architectures, metadata, output, pipeline, reader
+from . import __version__, architectures, metadata, output, pipeline, reader, readahead
 from . import source as sources
 from . import manifest
 from . import verify as verification
 from .errors import Interrupted
 from .journal import Journal, fingerprint
-from .plan import Plan, Settings, make_plan, parse_size
+from .plan import Plan, Settings, Step, make_plan, parse_size
 from .progress import Progress
 from .quantize import Quantizer, pick_device
 
@@ -120,11 +120,20 @@ def convert(
             if journal.resumed and progress:
                 print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
                       file=sys.stderr)
+            ahead = readahead.start(list(src.weight_files))
+
+            def done(step: Step) -> None:
+                bar.advance(step.source.nbytes)
+                if ahead is not None:
+                    ahead.consumed(step.source.nbytes)
+
             with reader.TensorSource() as data, Progress(plan.input_bytes, enabled=progress) as bar:
                 shard_sizes = pipeline.run(
-                    plan, data, quantizer, staging, journal, on_step=lambda s: bar.advance(s.source.nbytes),
+                    plan, data, quantizer, staging, journal, on_step=done,
                     inspect=record.inspect, on_shard=record.on_shard,
                 )
+            if ahead is not None:
+                ahead.stop()
             journal.close()
             metadata.copy_side_files(src.path, staging, side)
             metadata.write_index(staging, plan, shard_sizes)

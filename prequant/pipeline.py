@@ -10,12 +10,13 @@ model size:
 On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
 CUDA stream, so host memory stays at those two buffers. On the CPU the reader hands over zero-copy
 memory-mapped views and asks the kernel to read the next tensor ahead. Tensors kept as they are never
-leave the memory map: the writer writes them straight from it.
+enter this process: the writer has the kernel copy them file to file (copy_file_range).
 """
 
 from __future__ import annotations
 
 import queue
+from dataclasses import dataclass
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,15 @@ from .writer import ShardWriter
 
 CHUNK_BYTES = 64 * 1024 * 1024  # pinned staging buffer size for host-to-device copies
 IN_FLIGHT = 2  # tensors queued between stages
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """Bytes of an open source file: a tensor kept as it is, copied file to file by the kernel."""
+
+    fd: int
+    offset: int
+    nbytes: int
 
 
 class _Stop(Exception):
@@ -116,10 +126,11 @@ def run(
         for i, step in enumerate(todo):
             if i + 1 < len(todo):
                 source.advise_willneed(todo[i + 1].source)
-            if step.quantize and loader is not None:
-                loaded.put((step, loader.load(step.source)))
+            if step.quantize:
+                data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
             else:
-                loaded.put((step, (source.view(step.source), None)))
+                data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)
+            loaded.put((step, data))
         loaded.put(_END)
 
     def write_all() -> None:
@@ -183,8 +194,11 @@ class _Shards:
 
     def write(self, step: Step, entries: dict[str, torch.Tensor]) -> None:
         writer = self._writer(step.shard)
-        for key, tensor in entries.items():
-            writer.write(key, tensor)
+        for key, data in entries.items():
+            if isinstance(data, FileSlice):
+                writer.copy_range(key, data.fd, data.offset, data.nbytes)
+            else:
+                writer.write(key, data)
             failpoints.hit("tensor-written")
         if self.journal is not None:
             self.journal.step_done(step.source.name, {o.key: writer.blob(o.key) for o in step.outputs if o.shape is None})

@@ -1,9 +1,12 @@
-"""Start reading the source from the disk before the heavy imports (torch, CUDA, transformers) finish.
+"""Keep the disk busy: read the source into the page cache ahead of the pipeline, in the background.
 
-A conversion is bound by the disk, and a cold start spends a few seconds importing libraries while the
-disk sits idle. This asks the kernel to read the first gigabytes of the source into the page cache in
-the background, using only the standard library, so those seconds overlap. Purely advisory: any
-problem here is ignored, and the real checks happen later in source.py and reader.py.
+A conversion is bound by the disk. Two things would leave it idle: the few seconds a cold process
+spends importing torch, CUDA and transformers, and the gaps between the pipeline's own reads. So the
+CLI starts this before any heavy import (standard library only), and it keeps asking the kernel
+(`posix_fadvise(WILLNEED)`, asynchronous) for the next bytes of the weight files in file order, the
+order the pipeline reads them, staying at most a window ahead of what the pipeline has consumed. The
+window bounds page-cache use, which is reclaimable anyway, never anonymous memory. Purely advisory:
+any problem here is ignored; the real checks happen in source.py and reader.py.
 """
 
 from __future__ import annotations
@@ -13,16 +16,85 @@ import os
 import threading
 from pathlib import Path
 
-EARLY_BYTES = 2 * 1024**3
 _STEP = 64 * 1024 * 1024
 
 
-def start(source: str, limit: int = EARLY_BYTES) -> None:
-    """Begin background readahead of the first `limit` bytes of a local checkpoint's weight files."""
+def default_window() -> int:
+    """8 GB, or a quarter of the memory available, whichever is smaller."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        return max(_STEP, min(8 * 10**9, avail // 4))
+    except (OSError, StopIteration, ValueError):
+        return 2 * 10**9
+
+
+class Readahead:
+    """A background thread that keeps up to `window` bytes of the source read ahead of `consumed`."""
+
+    def __init__(self, files: list[Path], window: int | None = None) -> None:
+        self.files = [Path(f) for f in files]
+        self.window = window or default_window()
+        self._consumed = 0
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="prequant-readahead", daemon=True)
+        self._thread.start()
+
+    def consumed(self, nbytes: int) -> None:
+        """The pipeline has finished with `nbytes` more of the source, in file order."""
+        with self._cond:
+            self._consumed += nbytes
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        position = 0
+        try:
+            for file in self.files:
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    for offset in range(0, size, _STEP):
+                        with self._cond:
+                            self._cond.wait_for(lambda: self._stopped or position - self._consumed < self.window)
+                            if self._stopped:
+                                return
+                        os.posix_fadvise(fd, offset, min(_STEP, size - offset), os.POSIX_FADV_WILLNEED)
+                        position += min(_STEP, size - offset)
+                finally:
+                    os.close(fd)
+        except Exception:  # noqa: BLE001 - advisory only
+            pass
+
+
+_current: Readahead | None = None
+
+
+def start(files: list[Path]) -> Readahead | None:
+    """Start (or keep, if already started on the same files) the process' readahead."""
+    global _current
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    files = [Path(f) for f in files]
+    if _current is None or _current.files != files:
+        if _current is not None:
+            _current.stop()
+        _current = Readahead(files)
+    return _current
+
+
+def start_for_source(source: str) -> None:
+    """From the CLI, before torch is imported: the weight files of a local checkpoint directory."""
     try:
         path = Path(source)
-        if path.is_dir() and hasattr(os, "posix_fadvise"):
-            threading.Thread(target=_advise, args=(_weight_files(path), limit), daemon=True).start()
+        if path.is_dir():
+            start(_weight_files(path))
     except Exception:  # noqa: BLE001 - advisory only
         pass
 
@@ -33,20 +105,3 @@ def _weight_files(path: Path) -> list[Path]:
             names = dict.fromkeys(json.loads((path / index).read_text())["weight_map"].values())
             return [path / n for n in names if "/" not in n and n not in (".", "..")]
     return [p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()]
-
-
-def _advise(files: list[Path], limit: int) -> None:
-    try:
-        for file in files:
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                size = min(os.fstat(fd).st_size, limit)
-                for offset in range(0, size, _STEP):
-                    os.posix_fadvise(fd, offset, min(_STEP, size - offset), os.POSIX_FADV_WILLNEED)
-                limit -= size
-            finally:
-                os.close(fd)
-            if limit <= 0:
-                return
-    except Exception:  # noqa: BLE001 - advisory only
-        pass

@@ -9,7 +9,6 @@ orders it, which keeps every tensor aligned.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -68,6 +67,16 @@ class ShardWriter:
             pos += size
         return json.dumps(header, separators=(",", ":")).encode()
 
+    def copy_range(self, key: str, src_fd: int, src_offset: int, nbytes: int) -> None:
+        """Store a tensor straight from another file (a tensor kept as it is): the kernel copies the bytes,
+        so they never pass through this process' memory."""
+        begin, end = self._offsets[key]
+        if nbytes != end - begin:
+            raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
+        _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial)
+        with self._lock:
+            self._pending.discard(key)
+
     def restore(self, key: str, blob: bytes | None = None) -> None:
         """Mark a tensor written by an interrupted run (its bytes are already in the .partial file)."""
         if blob is not None:
@@ -91,7 +100,6 @@ class ShardWriter:
             if raw.numel() != end - begin:
                 raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
             _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
-            _start_writeback(self._fd, self._data_start + begin, end - begin)
         else:
             self._blobs[key] = raw.numpy().tobytes()
         with self._lock:
@@ -125,29 +133,6 @@ class ShardWriter:
             os.close(self._fd)
         except OSError:
             pass
-
-
-def _load_sync_file_range():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing these bytes to disk now, without waiting (Linux sync_file_range).
-
-    Otherwise the kernel holds gigabytes of dirty pages until the shard's fsync, which then stalls the
-    end of the run for seconds; started early, the writes overlap the reading of the next tensors."""
-    if _sync_file_range is not None and nbytes:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _open_for_write(path: Path, truncate: bool = True) -> int:
@@ -187,11 +172,38 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
         raise PrequantError(f"{path}: write failed ({e.strerror})") from e
 
 
+def _copy_all(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int, path: Path) -> None:
+    done = 0
+    try:
+        while done < nbytes:
+            try:
+                n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                n = _copy_chunk(src, src_offset + done, dst, dst_offset + done, nbytes - done, path)
+            if n == 0:
+                raise PrequantError(f"{path}: the source ended early while copying; was it truncated meanwhile?")
+            done += n
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise _disk_full(path, nbytes - done) from e
+        raise PrequantError(f"{path}: write failed ({e.strerror})") from e
+
+
+def _copy_chunk(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int, path: Path) -> int:
+    """Fallback where copy_file_range cannot work (e.g. across some filesystems): 8 MiB through memory."""
+    data = os.pread(src, min(nbytes, 8 * 1024 * 1024), src_offset)
+    if data:
+        _pwrite_all(dst, memoryview(data), dst_offset, path)
+    return len(data)
+
+
 def _disk_full(path: Path, needed: int) -> PrequantError:
     more = f"needed {needed:,} more bytes for {path.name}" if needed else f"writing {path.name}"
     return PrequantError(
         f"{path.parent}: no space left on the device ({more}); free space "
-        "or choose another OUTPUT_DIR, then rerun with --resume"
+        "and rerun the same command with --resume"
     )
 
 
