@@ -18,6 +18,7 @@ DEVICE=${PREQUANT_DEVICE:-cuda}
 STEPS=${PREQUANT_STEPS:-10}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
+TEE_PID=$!
 SRC=$WORK/llama-${SIZE_GB}gb-bf16
 CKPT=$WORK/llama-${SIZE_GB}gb-nf4
 START=$(date +%s)
@@ -46,6 +47,8 @@ step() {
 finish() {
   echo "=== done after $(($(date +%s) - START))s; failed steps: ${FAILED[*]:-none}"
   ls -la "$OUT"
+  exec 1>&- 2>&-
+  wait "$TEE_PID" 2>/dev/null || true  # let tee finish log.txt before $OUT is collected
 }
 trap finish EXIT
 
@@ -88,7 +91,8 @@ if [ "$(left)" -gt 100 ]; then
     --steps 2 --timeout 90 --report "$OUT/check-fsdp-bf16-storage.json"
 fi
 
-step summary 30 python3 - "$OUT" <<'EOF'
+echo "=== summary"  # always, however little time is left: it only reads the reports
+timeout 30 python3 - "$OUT" <<'EOF' || echo "=== summary: failed"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1]); G = 2**30
