@@ -4,14 +4,19 @@
 #   OUT=/some/dir bash scripts/gpu_checks.sh      # from the repository root, prequant importable
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+# The GPU image keeps no bytecode between processes; a normal install has it. Cache it once, for both paths.
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE
+python3 -c "import prequant.converter, prequant.quantize, bitsandbytes.functional, transformers; from transformers import LlamaForCausalLM, AutoModelForCausalLM, BitsAndBytesConfig"
 OUT=${OUT:-/tmp/prequant-gpu-out}
 WORK=${PREQUANT_WORK:-/tmp/prequant-bench}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
 python3 -c "import torch, transformers, bitsandbytes; print('torch', torch.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tail -25
-for spec in "16 llama --transformers" "4 llama" "30 llama"; do
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"} 2>&1 | tail -25
+IFS=';' read -ra SPECS <<< "${PREQUANT_BENCH:-16 llama --transformers;4 llama;30 llama}"
+for spec in "${SPECS[@]}"; do
   set -- $spec
   timeout 240 python3 scripts/bench.py --size-gb "$1" --shape "$2" "${@:3}" --device cuda --dir "$WORK" \
     --json "$OUT/bench-$1gb.json" > /dev/null
