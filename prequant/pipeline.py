@@ -128,8 +128,10 @@ def run(
                 source.advise_willneed(todo[i + 1].source)
             if step.quantize:
                 data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
-            else:
+            elif step.source.offset >= 0:
                 data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)
+            else:  # a .bin shard's tensor: no known byte range, written from its memory-mapped view
+                data = (source.view(step.source), None)
             loaded.put((step, data))
         loaded.put(_END)
 

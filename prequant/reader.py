@@ -173,8 +173,8 @@ def scan(files: Iterable[Path]) -> list[TensorRef]:
     seen: dict[str, TensorRef] = {}
     ordered: list[TensorRef] = []
     for path in files:
-        refs, _ = read_header(path)
-        for ref in sorted(refs, key=lambda r: r.offset):
+        refs = _bin_refs(path) if path.suffix == ".bin" else sorted(read_header(path)[0], key=lambda r: r.offset)
+        for ref in refs:
             if ref.name in seen:
                 raise PrequantError(
                     f"tensor {_name(ref.name)} is in both {seen[ref.name].file.name} and {path.name}; "
@@ -183,6 +183,18 @@ def scan(files: Iterable[Path]) -> list[TensorRef]:
             seen[ref.name] = ref
             ordered.append(ref)
     return ordered
+
+
+def _bin_refs(path: Path) -> list[TensorRef]:
+    """A PyTorch pickle shard's tensors, in the file's order. Their bytes have no fixed place we know of
+    in the file (offset -1): TensorSource reaches them through the shard's memory-mapped state dict."""
+    from . import binreader
+
+    return [TensorRef(name, dtype, shape, path, BIN_OFFSET, nbytes) for name, dtype, shape, nbytes in
+            binreader.describe(path, binreader.load(path))]
+
+
+BIN_OFFSET = -1
 
 
 def check_index(index_path: Path, tensors: list[TensorRef]) -> None:
@@ -221,17 +233,27 @@ class TensorSource:
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
+        self._bins: dict[Path, dict[str, torch.Tensor]] = {}  # .bin shards: memory-mapped state dicts
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
 
+    def _bin_tensor(self, ref: TensorRef) -> torch.Tensor:
+        if ref.file not in self._bins:
+            from . import binreader
+
+            self._bins[ref.file] = binreader.load(ref.file)
+        return self._bins[ref.file][ref.name]
+
     def view(self, ref: TensorRef) -> torch.Tensor:
         """The tensor as a CPU view over the memory-mapped file (no copy)."""
         dtype = SAFETENSORS_DTYPES[ref.dtype]
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
+        if ref.offset == BIN_OFFSET:
+            return self._bin_tensor(ref)
         if ref.file not in self._maps:
             # ACCESS_COPY (MAP_PRIVATE) gives a writable buffer for torch.frombuffer without ever
             # writing back; pages stay shared with the page cache as long as nobody writes them.
@@ -241,6 +263,10 @@ class TensorSource:
 
     def read_into(self, ref: TensorRef, start: int, out: memoryview) -> None:
         """Read bytes [start, start+len(out)) of the tensor into `out` (pread: no shared file position)."""
+        if ref.offset == BIN_OFFSET:
+            flat = self._bin_tensor(ref).contiguous().view(-1).view(torch.uint8)
+            out[:] = flat[start : start + len(out)].numpy().tobytes()
+            return
         fd, pos, done = self.fd(ref.file), ref.offset + start, 0
         while done < len(out):
             n = os.preadv(fd, [out[done:]], pos + done)
@@ -250,6 +276,8 @@ class TensorSource:
 
     def advise_willneed(self, ref: TensorRef) -> None:
         """Ask the kernel to start reading a tensor's pages now (readahead for the next tensor)."""
+        if ref.offset == BIN_OFFSET:
+            return  # where its bytes lie is torch's business; the shard's readahead covers it
         try:
             os.posix_fadvise(self.fd(ref.file), ref.offset, ref.nbytes, os.POSIX_FADV_WILLNEED)
         except (AttributeError, OSError):
@@ -265,6 +293,7 @@ class TensorSource:
             os.close(fd)
         self._maps.clear()
         self._fds.clear()
+        self._bins.clear()
 
     def __enter__(self) -> TensorSource:
         return self

@@ -79,11 +79,13 @@ def grok(request, tmp_path_factory):
     """(naming, source, output, sentinel file) with the conversion done by the CLI, code never trusted."""
     naming = request.param
     base = tmp_path_factory.mktemp(f"grok-{naming}")
-    src = build_grok(base / "src", naming)
+    # Distinct directory names: transformers caches remote code modules under the directory's name.
+    src = build_grok(base / f"src-{naming}", naming)
     sentinel = base / "sentinel.txt"
-    proc = run_cli("convert", str(src), str(base / "out"), "--device", "cpu", "--json", env={"GROK_SENTINEL": str(sentinel)})
+    out = base / f"out-{naming}"
+    proc = run_cli("convert", str(src), str(out), "--device", "cpu", "--json", env={"GROK_SENTINEL": str(sentinel)})
     assert proc.returncode == 0, proc.stderr
-    return naming, src, base / "out", sentinel
+    return naming, src, out, sentinel
 
 
 def test_conversion_never_runs_checkpoint_code(grok):
