@@ -11,7 +11,6 @@ any problem here is ignored; the real checks happen in source.py and reader.py.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -91,17 +90,11 @@ def start(files: list[Path]) -> Readahead | None:
 
 def start_for_source(source: str) -> None:
     """From the CLI, before torch is imported: the weight files of a local checkpoint directory."""
+    from . import source as sources  # standard library only, like this module
+
     try:
         path = Path(source)
         if path.is_dir():
-            start(_weight_files(path))
-    except Exception:  # noqa: BLE001 - advisory only
+            start(list(sources.local(source, path).weight_files))
+    except Exception:  # noqa: BLE001 - advisory only; convert() reports any problem properly
         pass
-
-
-def _weight_files(path: Path) -> list[Path]:
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (path / index).is_file():
-            names = dict.fromkeys(json.loads((path / index).read_text())["weight_map"].values())
-            return [path / n for n in names if "/" not in n and n not in (".", "..")]
-    return [p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()]
