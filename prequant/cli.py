@@ -32,11 +32,16 @@ DeviceOpt = Annotated[
         "Examples:\n\n"
         "  prequant convert ./Meta-Llama-3-8B ./llama3-8b-nf4\n\n"
         "  prequant convert ./model ./out --dry-run\n\n"
+        "  prequant convert grok-1 ./grok-1-nf4 --delete-source-shards   (keyfan/grok-1-hf from the Hub)\n\n"
+        "  prequant convert meta-llama/Llama-3.1-8B@main ./llama-nf4\n\n"
         "  prequant convert ./model ./out --quant-type fp4 --no-double-quant --quant-storage uint8 --device cpu"
     )
 )
 def convert(
-    source: Annotated[str, typer.Argument(help="Local checkpoint directory.")],
+    source: Annotated[
+        str,
+        typer.Argument(help="Local checkpoint directory, Hub repo (org/name or org/name@revision), or alias (grok-1)."),
+    ],
     output_dir: Annotated[str, typer.Argument(help="Where to write the 4-bit checkpoint.")],
     quant_type: Annotated[str, typer.Option(help="nf4 or fp4.")] = "nf4",
     double_quant: Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")] = True,
@@ -66,6 +71,11 @@ def convert(
         str | None,
         typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload to this Hub repo (org/name[@branch])."),
     ] = None,
+    delete_source_shards: Annotated[
+        bool,
+        typer.Option("--delete-source-shards", help="Hub source: delete each shard prequant downloaded from the Hugging "
+                     "Face cache once converted (disk holds about two source shards plus the output)."),
+    ] = False,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
     readahead.start_for_source(source)  # the disk works while torch imports
@@ -88,6 +98,7 @@ def convert(
         trust_remote_code=trust_remote_code,
         stats=stats,
         push_to_hub=push_to_hub,
+        delete_source_shards=delete_source_shards,
     )
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 

@@ -84,6 +84,7 @@ def convert(
     progress: bool = True,
     stats: bool = True,
     push_to_hub: str | None = None,
+    delete_source_shards: bool = False,
 ) -> Summary | Plan:
     """Convert a checkpoint to bitsandbytes 4-bit, streaming one tensor at a time.
 
@@ -91,16 +92,21 @@ def convert(
     on any bad input; OUTPUT_DIR then holds no checkpoint-looking files. After an interruption (SIGINT,
     SIGTERM, SIGKILL, a full disk), the same call with `resume=True` continues where it stopped and
     gives the same bytes as an uninterrupted run.
+
+    A Hub source (`org/name[@revision]` or an alias) is planned from its shards' headers and its shards are
+    downloaded one by one as the conversion reaches them; `delete_source_shards` evicts each one from the
+    Hugging Face cache once converted (about two source shards on disk at a time).
     """
     started = time.monotonic()
     settings = Settings(quant_type, double_quant, blocksize, compute_dtype, quant_storage)
     shard_limit = parse_size(max_shard_size)
-    src = sources.resolve(str(source))
+    src = sources.resolve(str(source), stream=True)
+    sources.check_delete(src, delete_source_shards)
     out = Path(output_dir)
     if not dry_run:
         output.check_not_source(out, src.path)
         output.check(out, overwrite or resume)
-    tensors = reader.scan(src.weight_files)
+    tensors = sources.scan(src)
     if src.index_file is not None:
         reader.check_index(src.index_file, tensors)
     config = metadata.read_config(src.path)
@@ -116,18 +122,22 @@ def convert(
     side = metadata.side_files(src.path)
     with _interruptible():
         if not (resume and output.publishing(staging)):
-            journal = Journal(staging, fingerprint(plan, src.weight_files, __version__), resume=resume)
+            job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
+            journal = Journal(staging, job, resume=resume)
             if journal.resumed and progress:
                 print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
                       file=sys.stderr)
-            ahead = readahead.start(list(src.weight_files))
+            ahead = readahead.start(list(src.weight_files)) if src.hub is None else None
+            data = sources.tensors(src, plan.steps, delete=delete_source_shards)
 
             def done(step: Step) -> None:
                 bar.advance(step.source.nbytes)
                 if ahead is not None:
                     ahead.consumed(step.source.nbytes)
+                if src.hub is not None:
+                    data.step_done(step)  # a Hub shard: evicted after its last tensor with delete_source_shards
 
-            with reader.TensorSource() as data, Progress(plan.input_bytes, enabled=progress) as bar:
+            with data, Progress(plan.input_bytes, enabled=progress) as bar:
                 shard_sizes = pipeline.run(
                     plan, data, quantizer, staging, journal, on_step=done,
                     inspect=record.inspect, on_shard=record.on_shard,

@@ -133,6 +133,48 @@ def download(source: HubSource, filename: str, *, token: str | None = None) -> P
     raise AssertionError("unreachable")
 
 
+def cache_path(source: HubSource, filename: str) -> Path:
+    """Where `download` puts ``filename`` (its snapshot path in the cache), whether it is there yet or not."""
+    return _storage_folder(source.repo_id) / "snapshots" / source.sha / filename
+
+
+def read_range(source: HubSource, filename: str, start: int, end: int, *, token: str | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``filename`` at ``source.sha``, by an HTTP range request (retried like `download`)."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
+    if _offline():
+        raise PrequantError(
+            f"cannot read {label}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache at "
+            f"{_cache_dir()}; unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
+        )
+    url = hf_hub_url(source.repo_id, filename, revision=source.sha, endpoint=_endpoint())
+    headers = {**build_hf_headers(token=token, library_name="prequant"), "Range": f"bytes={start}-{end - 1}"}
+    for delay in (*_RETRY_DELAYS_S, None):
+        try:
+            with get_session().stream("GET", url, headers=headers, timeout=_API_TIMEOUT_S) as response:
+                if response.status_code >= 400:
+                    response.read()  # the error's message is in the body
+                hf_raise_for_status(response)
+                partial = response.status_code == 206
+                want, body = (end - start if partial else end), bytearray()
+                for chunk in response.iter_bytes():  # a server ignoring Range sends it all: stop at `end`
+                    body += chunk
+                    if len(body) >= want:
+                        break
+            data = bytes(body[:want] if partial else body[start:end])
+            if len(data) != end - start:
+                raise _IncompleteDownload(f"got {len(data)} bytes of the {end - start} asked for")
+            return data
+        except Exception as error:
+            if delay is None or not _is_transient(error):
+                raise PrequantError(_explain(error, f"read {label}", source.repo_id, source.sha, token)) from error
+            log.warning("reading %s failed (%s); retrying in %.0fs", label, _short(error, token), delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 def evict(source: HubSource, filename: str) -> None:
     """Delete a downloaded file (its snapshot pointer and blob) from the cache; does nothing if absent."""
     storage = _storage_folder(source.repo_id)
@@ -453,4 +495,4 @@ def _known_tokens(token: str | None) -> list[str]:
     return [t for t in candidates if t and len(t) >= 8]
 
 
-__all__ = ["HubSource", "download", "evict", "parse_repo_spec", "resolve", "upload"]
+__all__ = ["HubSource", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "resolve", "upload"]

@@ -104,7 +104,8 @@ class Recorder:
     def _backfill_stats(self, staging: Path) -> None:
         """Statistics of tensors a resumed run did not quantize itself, from the staged shards: the same
         numbers an uninterrupted run records (so both write the same manifest)."""
-        missing = [s for s in self.plan.steps if s.quantize and s.source.name not in self.stats.tensors]
+        missing = [s for s in self.plan.steps if s.quantize and s.source.name not in self.stats.tensors
+                   and s.source.file.exists()]  # a Hub shard deleted after converting: its figures stay missing
         headers: dict[str, dict[str, reader.TensorRef]] = {}
         with reader.TensorSource() as src_data, reader.TensorSource() as out_data:
             for step in missing:
@@ -171,7 +172,7 @@ def source_identity(src: Any) -> dict:
         ident["repo_id"] = repo_id
         ident["revision"] = getattr(src, "revision", None) or getattr(hub, "revision", None)
         ident["commit"] = getattr(src, "sha", None) or getattr(src, "commit", None) or getattr(hub, "sha", None)
-    ident["weight_files"] = {p.name: p.stat().st_size for p in src.weight_files}
+    ident["weight_files"] = dict(src.weight_sizes)  # a Hub source's shards may be deleted by now
     for name in ("config.json", getattr(src.index_file, "name", None)):
         if name and (src.path / name).is_file():
             ident.setdefault("sha256", {})[name] = sha256_file(src.path / name)

@@ -5,13 +5,26 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import PrequantError
+
+if TYPE_CHECKING:
+    from .hub import HubSource
+    from .plan import Step
+    from .reader import TensorRef, TensorSource
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
+WEIGHT_LAYOUTS = ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "safetensors"), (BIN_INDEX, BIN_SINGLE, "bin"))
+
+# Short names for well-known checkpoints (an alias may take a revision: grok-1@main). A local directory of
+# the same name wins. Other spellings of the same model are plain repo ids (hpcai-tech/grok-1).
+ALIASES: dict[str, str] = {
+    "grok-1": "keyfan/grok-1-hf",  # the seed model: 19 pytorch_model-*.bin shards, remote code
+}
 
 
 @dataclass(frozen=True)
@@ -19,17 +32,39 @@ class Source:
     """A checkpoint ready to read: its directory, weight files in order, and index if any."""
 
     spec: str  # what the user typed
-    path: Path  # local directory holding config.json and the weights
-    weight_files: tuple[Path, ...]
+    path: Path  # local directory holding config.json and the weights (a Hub source: its cache snapshot)
+    weight_files: tuple[Path, ...]  # a streamed Hub source: where each shard will be once downloaded
     index_file: Path | None
     format: str  # "safetensors" or "bin"
+    # A Hub source (the manifest records them): the repo, the revision asked for, the commit it resolved to.
+    repo_id: str | None = None
+    revision: str | None = None
+    sha: str | None = None
+    hub: HubSource | None = None  # the commit's file listing; None for a local directory
 
     def describe(self) -> str:
-        return str(self.path)
+        return f"{self.repo_id}@{self.sha}" if self.hub is not None else str(self.path)
+
+    @property
+    def weight_sizes(self) -> dict[str, int]:
+        """Each weight file's size, by name (a Hub source's from the commit's listing: shards may be gone)."""
+        if self.hub is not None:
+            return {p.name: self.hub.files[p.relative_to(self.path).as_posix()] for p in self.weight_files}
+        return {p.name: p.stat().st_size for p in self.weight_files}
+
+    def pin(self) -> dict:
+        """What identifies a Hub source's weights for a resume (its files are not all on disk to stat)."""
+        return {} if self.hub is None else {"hub": {"repo_id": self.repo_id, "commit": self.sha, "files": self.weight_sizes}}
 
 
-def resolve(spec: str) -> Source:
-    """Find the checkpoint named by `spec`; fail early with what to do when there is none."""
+def resolve(spec: str, *, stream: bool = False) -> Source:
+    """Find the checkpoint named by `spec`; fail early with what to do when there is none.
+
+    `spec` is a local directory, else a Hub repo ``org/name[@revision]`` or an alias from `ALIASES`. A Hub
+    source's small files (config, index, tokenizer, code, card) are downloaded into the Hugging Face cache;
+    its weight shards too, unless `stream` (then `scan` reads their headers remotely and `tensors`
+    downloads them one by one as a conversion reaches them).
+    """
     try:
         path = Path(spec).expanduser()
         exists = path.exists()
@@ -37,20 +72,69 @@ def resolve(spec: str) -> Source:
         raise PrequantError(f"source {spec!r} is not a usable path ({e}); pass a local checkpoint directory") from e
     if exists:
         return local(spec, path)
+    repo = hub_spec(spec)
+    if repo is not None:
+        from . import hubsource
+
+        return hubsource.resolve(spec, *repo, stream=stream)
     raise PrequantError(
         f"source {spec!r} does not exist; pass a local checkpoint directory (holding config.json and "
-        "*.safetensors weights)"
+        f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"
     )
+
+
+def hub_spec(spec: str) -> tuple[str, str | None] | None:
+    """``(org/name[@revision], alias or None)`` when `spec` names a Hub repo or an alias, else None."""
+    name, at, revision = spec.strip().partition("@")
+    if name in ALIASES:
+        return ALIASES[name] + at + revision, name
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith("/"):
+        return spec.strip(), None
+    return None
+
+
+def scan(src: Source) -> list[TensorRef]:
+    """Every tensor of the source, as `reader.scan` gives them (a streamed Hub source: from remote headers)."""
+    from . import reader
+
+    if src.hub is not None:
+        from . import hubsource
+
+        return hubsource.scan(src)
+    return reader.scan(src.weight_files)
+
+
+def tensors(src: Source, steps: tuple[Step, ...], *, delete: bool = False) -> TensorSource:
+    """The pipeline's TensorSource; for a Hub source, one that downloads the shards as `steps` reach them.
+
+    `delete` (Hub sources only): evict each shard prequant downloaded from the cache once its tensors are
+    written; call the returned object's `step_done(step)` as each step is written."""
+    from . import reader
+
+    check_delete(src, delete)
+    if src.hub is None:
+        return reader.TensorSource()
+    from . import hubsource
+
+    return hubsource.HubTensors(src, steps, delete=delete)
+
+
+def check_delete(src: Source, delete: bool) -> None:
+    """Deleting source shards is for a Hub source's downloads only, never for a user's directory."""
+    if delete and src.hub is None:
+        from .errors import UsageError
+
+        raise UsageError(
+            f"--delete-source-shards only applies to a Hub source; {src.path} is a local directory, and prequant "
+            "never deletes files there"
+        )
 
 
 def local(spec: str, path: Path) -> Source:
     """A checkpoint in a local directory."""
     if not path.is_dir():
         raise PrequantError(f"source {spec!r} is a file, not a directory; pass the checkpoint's directory")
-    for index_name, single, fmt in (
-        (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "safetensors"),
-        (BIN_INDEX, BIN_SINGLE, "bin"),
-    ):
+    for index_name, single, fmt in WEIGHT_LAYOUTS:
         index = path / index_name
         if index.is_file():
             return Source(spec, path, _files_from_index(path, index), index, fmt)
@@ -69,6 +153,24 @@ def local(spec: str, path: Path) -> Source:
 
 def _files_from_index(root: Path, index: Path) -> tuple[Path, ...]:
     """The shard files an index names, in first-mention order, each checked to exist inside `root`."""
+    files: dict[str, Path] = {}
+    for filename in shard_names(root, index):
+        shard = root / filename
+        try:
+            present = shard.is_file()
+        except OSError:  # e.g. a name longer than the filesystem allows: it cannot be there
+            present = False
+        if not present:
+            raise PrequantError(
+                f"{index.name}: shard {filename!r} is listed but missing from {root}; the download is incomplete, "
+                "download the missing file"
+            )
+        files[filename] = shard
+    return tuple(files.values())
+
+
+def shard_names(root: object, index: Path) -> list[str]:
+    """The shard file names an index's weight_map names, in first-mention order; each a plain file name."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -78,7 +180,7 @@ def _files_from_index(root: Path, index: Path) -> tuple[Path, ...]:
     except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
         reason = " ".join(str(e).split())[:120] or type(e).__name__
         raise PrequantError(f"{index}: not a valid index ({reason}); re-download it") from e
-    files: dict[str, Path] = {}
+    files: dict[str, None] = {}
     for filename in weight_map.values():
         if filename in files:
             continue
@@ -91,20 +193,10 @@ def _files_from_index(root: Path, index: Path) -> tuple[Path, ...]:
                 f"{index.name}: shard name {filename[:200]!r} points outside {root}; refusing to read it, fix the "
                 "index's weight_map (shard names are plain file names)"
             )
-        shard = root / filename
-        try:
-            present = shard.is_file()
-        except OSError:  # e.g. a name longer than the filesystem allows: it cannot be there
-            present = False
-        if not present:
-            raise PrequantError(
-                f"{index.name}: shard {filename!r} is listed but missing from {root}; the download is incomplete, "
-                "download the missing file"
-            )
-        files[filename] = shard
+        files[filename] = None
     if not files:
         raise PrequantError(f"{index}: the index lists no tensors; re-download it")
-    return tuple(files.values())
+    return list(files)
 
 
 def _plain_file_name(name: str) -> bool:

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hub_server import HubServer, hub_server  # noqa: F401 - the local Hub fixture, for every test module
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Never the user's Hugging Face cache: a directory of this session's own (tests that talk to the local Hub
+# server get a fresh one each, from the hub_server fixture).
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="prequant-tests-hf-")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], ignore_errors=True)
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

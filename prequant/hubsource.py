@@ -1,0 +1,473 @@
+"""A Hub repo as a conversion source: planned from remote headers, its shards streamed one by one.
+
+Planning needs every tensor's name, dtype and shape before any work, but a 600 GB checkpoint should
+not have to be on disk to be planned. So the repo's small files (config, index, tokenizer, code, card)
+are downloaded first, then each weight shard's header is read with HTTP range requests: a safetensors
+header directly, a PyTorch `.bin` shard's pickle through `torch.load(weights_only=True,
+map_location="meta")` over a seekable remote file (the zip directory and `data.pkl`, a few hundred KB,
+never the tensor data; torch's restricted unpickler refuses anything but tensors). The resulting
+`TensorRef`s point at the path each shard will have in the Hugging Face cache.
+
+During conversion `HubTensors` downloads the shards one by one in the order the plan reads them, the
+next one while the current one converts. Reading a shard waits until it is complete and its header
+has been checked against the plan. With `delete`, a shard prequant downloaded is evicted from the cache
+once all its tensors are written, and at most `SLOTS` downloaded shards take disk space at any moment
+(counting one that was deleted but is still memory-mapped): one being converted, the next downloading.
+Shards that were in the cache before the run are never deleted.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import logging
+import os
+import pickle
+import struct
+import threading
+import time
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import hub, reader
+from .errors import PrequantError, UsageError
+from .metadata import WEIGHT_SUFFIXES
+from .source import WEIGHT_LAYOUTS, Source, shard_names
+
+if TYPE_CHECKING:
+    from .plan import Step
+
+log = logging.getLogger(__name__)
+
+SLOTS = 2  # downloaded source shards on disk at once with delete
+BLOCK = 256 * 1024  # remote reads are whole blocks: a safetensors header usually fits in the first
+_LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
+
+
+# -------------------------------------------------------------------------------------------- resolve
+
+
+def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> Source:
+    """Resolve a Hub repo to a commit, download its small files, and describe its weights (see module doc)."""
+    try:
+        repo_id, revision = hub.parse_repo_spec(repo_spec)
+        listing = hub.resolve(repo_id, revision, alias=alias)
+    except PrequantError as e:
+        # "org/name" may also have been meant as a local path: when no such repo is found, say so.
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+        missing = isinstance(e.__cause__, RepositoryNotFoundError) and not isinstance(e.__cause__, GatedRepoError)
+        if alias is None and (isinstance(e, UsageError) or missing or hub._offline()):
+            raise type(e)(f"source {spec!r} is not a local directory, and {e.message}") from e
+        raise
+    label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"
+    files = listing.files
+    layout = next(
+        ((index, single, fmt) for index, single, fmt in WEIGHT_LAYOUTS if index in files or single in files), None
+    )
+    if layout is None:
+        found = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
+        hint = f" (found {', '.join(found[:5])})" if found else ""
+        raise PrequantError(
+            f"{label}: no model weights found: expected model.safetensors or model.safetensors.index.json{hint}; "
+            "pass the repo of a Hugging Face checkpoint"
+        )
+    if "config.json" not in files:
+        raise PrequantError(
+            f"{label}: config.json is missing from the repo; a Hugging Face checkpoint needs one next to its weights, "
+            "pick a revision that has it"
+        )
+    index_name, single, fmt = layout
+    index_name = index_name if index_name in files else None
+    # Everything but weights: what a conversion copies (tokenizer, code, licence) or reads (config, index, card).
+    small = [n for n in files if not n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".") and "/." not in n]
+    for name in sorted(small, key=lambda n: (n != "config.json", n != index_name, n)):
+        hub.download(listing, name)
+    root = hub.cache_path(listing, "config.json").parent
+    index = root / index_name if index_name else None
+    names = shard_names(f"{repo_id}@{listing.sha[:12]}", index) if index else [single]
+    for name in names:
+        if name not in files:
+            raise PrequantError(
+                f"{index_name}: shard {name!r} is listed but missing from {label}; the repo is incomplete at this "
+                "revision, pick another revision"
+            )
+    if not stream:  # the whole checkpoint on disk, as a local directory would be
+        for name in names:
+            hub.download(listing, name)
+    return Source(
+        spec, root, tuple(root / n for n in names), index, fmt,
+        repo_id=repo_id, revision=revision, sha=listing.sha, hub=listing,
+    )
+
+
+# ----------------------------------------------------------------------------------------- planning
+
+
+def scan(src: Source) -> list[reader.TensorRef]:
+    """Every tensor of a Hub source, as `reader.scan` would give them once downloaded, from each shard's
+    header: read from the cache when the shard is there, else by range requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert src.hub is not None
+    with ThreadPoolExecutor(max_workers=min(8, len(src.weight_files)), thread_name_prefix="prequant-header") as pool:
+        per_file = list(pool.map(lambda path: _shard_refs(src, path), src.weight_files))
+    seen: dict[str, reader.TensorRef] = {}
+    ordered = []
+    for refs in per_file:
+        for ref in refs:
+            if ref.name in seen:
+                raise PrequantError(
+                    f"tensor {ref.name!r} is in both {seen[ref.name].file.name} and {ref.file.name} of {src.repo_id}; "
+                    "the repo is inconsistent at this revision, pick another revision"
+                )
+            seen[ref.name] = ref
+            ordered.append(ref)
+    return ordered
+
+
+def _shard_refs(src: Source, path: Path) -> list[reader.TensorRef]:
+    assert src.hub is not None
+    name = path.relative_to(src.path).as_posix()
+    if _complete(src, path):
+        return reader.scan([path])
+    remote = RemoteFile(src.hub, name)
+    label = f"{name} of {src.repo_id}@{src.hub.sha[:12]}"
+    try:
+        return _bin_refs(remote, path, label) if path.suffix == ".bin" else _safetensors_refs(remote, path)
+    except PrequantError as e:
+        raise PrequantError(e.message.replace(str(path), label)) from e  # name the repo's file, not the cache path
+
+
+def _complete(src: Source, path: Path) -> bool:
+    assert src.hub is not None
+    try:
+        return path.stat().st_size == src.hub.files[path.relative_to(src.path).as_posix()]
+    except OSError:
+        return False
+
+
+def _safetensors_refs(remote: RemoteFile, path: Path) -> list[reader.TensorRef]:
+    """reader.read_header's checks, on the header bytes of a remote file."""
+    size = remote.size
+    prefix = remote.read(8)
+    if len(prefix) < 8:
+        raise PrequantError(f"{path}: file is {size} bytes, too short to be safetensors; re-download it")
+    (n,) = struct.unpack("<Q", prefix)
+    if 8 + n > size:
+        raise PrequantError(
+            f"{path}: header length {n} exceeds the file size {size}; the file is truncated or not safetensors, "
+            "re-download it"
+        )
+    if n > reader.MAX_HEADER_BYTES:
+        raise PrequantError(
+            f"{path}: header length {n} is over {reader.MAX_HEADER_BYTES} bytes, more than any real checkpoint; the "
+            "file is corrupt or not safetensors, re-download it"
+        )
+    refs, _ = parse_header(path, remote.read(n), size)
+    return sorted(refs, key=lambda r: r.offset)
+
+
+def parse_header(path: Path, raw: bytes, size: int) -> tuple[list[reader.TensorRef], dict[str, str]]:
+    """The tensors and metadata of a safetensors header given as bytes (`raw`: the JSON after the 8-byte
+    length; `size`: the whole file's). Same checks and messages as `reader.read_header`.
+
+    TODO: move into reader.py (read_header would call it) and use reader.parse_header here."""
+    import json
+
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise PrequantError(
+            f"{path}: header is not valid JSON ({reader._reason(e)}); the file is corrupt, re-download it"
+        ) from e
+    if not isinstance(header, dict):
+        raise PrequantError(f"{path}: header is not a JSON object; the file is corrupt, re-download it")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise PrequantError(f"{path}: __metadata__ is not a JSON object; the file is corrupt, re-download it")
+    data_start = 8 + len(raw)
+    refs = [reader._parse_entry(path, name, entry, data_start, size - data_start) for name, entry in header.items()]
+    reader._check_no_overlap(path, refs)
+    return refs, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _bin_refs(remote: RemoteFile, path: Path, label: str) -> list[reader.TensorRef]:
+    """A remote PyTorch shard's tensors from its pickle alone (meta tensors: no data is read)."""
+    import torch
+
+    from . import binreader
+    from .dtypes import TORCH_TO_SAFETENSORS
+
+    f = io.BufferedReader(remote, BLOCK)
+    if not zipfile.is_zipfile(f):
+        raise PrequantError(
+            f"{label}: not a zip-format PyTorch checkpoint (legacy torch.save or corrupt); convert it to "
+            "safetensors first"
+        )
+    f.seek(0)
+    try:
+        state = torch.load(f, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PrequantError(
+            f"{label}: refused to unpickle: the file holds objects other than tensors ({first}); it may be "
+            "malicious, nothing from it was run; get the weights as safetensors"
+        ) from e
+    except PrequantError:
+        raise
+    except Exception as e:  # torch wraps errors raised by our reads
+        if remote.error is not None:
+            raise remote.error from e
+        raise PrequantError(f"{label}: cannot read this PyTorch checkpoint ({type(e).__name__}); re-download it") from e
+    # binreader.load's checks, on the meta state dict.
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise PrequantError(f"{label}: expected a mapping of names to tensors (a state dict); this file holds something else")
+    for name, t in state.items():
+        if t.dtype not in TORCH_TO_SAFETENSORS:
+            raise PrequantError(f"{label}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+    return [
+        reader.TensorRef(name, dtype, shape, path, reader.BIN_OFFSET, nbytes)
+        for name, dtype, shape, nbytes in binreader.describe(path, state)
+    ]
+
+
+class RemoteFile(io.RawIOBase):
+    """A read-only, seekable Hub file: reads become range requests for whole blocks, kept once fetched."""
+
+    def __init__(self, source: hub.HubSource, filename: str) -> None:
+        super().__init__()
+        self.source, self.filename, self.size = source, filename, source.files[filename]
+        self.error: PrequantError | None = None  # the last failed read (torch hides it behind its own error)
+        self._pos = 0
+        self._blocks: dict[int, bytes] = {}
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        n = min(len(buffer), self.size - self._pos)
+        if n <= 0:
+            return 0
+        first, last = self._pos // BLOCK, (self._pos + n - 1) // BLOCK
+        missing = [i for i in range(first, last + 1) if i not in self._blocks]
+        if missing:  # one request for the whole run of blocks
+            start, end = missing[0] * BLOCK, min(self.size, (missing[-1] + 1) * BLOCK)
+            try:
+                data = hub.read_range(self.source, self.filename, start, end)
+            except PrequantError as e:
+                self.error = e
+                raise
+            for i in range(missing[0], missing[-1] + 1):
+                self._blocks[i] = data[(i - missing[0]) * BLOCK : (i - missing[0] + 1) * BLOCK]
+        data = b"".join(self._blocks[i] for i in range(first, last + 1))
+        skip = self._pos - first * BLOCK
+        buffer[:n] = data[skip : skip + n]
+        self._pos += n
+        return n
+
+
+# ---------------------------------------------------------------------------------------- streaming
+
+
+class _Stopped(Exception):
+    """The pipeline failed elsewhere while this thread waited for a download."""
+
+
+class HubTensors(reader.TensorSource):
+    """The pipeline's TensorSource for a streamed Hub source (see the module docstring).
+
+    Every read of a shard (`view`, `read_into`, `fd`) first waits for its download; the pipeline's reader
+    calls `prepare(path, stop)` before the first read of each tensor so that the wait ends if the pipeline
+    fails. `step_done(step)` is called as each step's outputs are written (converter's on_step).
+    """
+
+    def __init__(self, src: Source, steps: tuple[Step, ...], *, delete: bool = False) -> None:
+        super().__init__()
+        assert src.hub is not None
+        self.src, self.delete = src, delete
+        self._planned: dict[Path, dict[str, reader.TensorRef]] = {}
+        for step in steps:
+            self._planned.setdefault(step.source.file, {})[step.source.name] = step.source
+        self._left = {path: len(refs) for path, refs in self._planned.items()}
+        self._cond = threading.Condition()
+        self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
+        self._owned: dict[Path, Path] = {}  # downloaded by this run, still in the cache: path -> blob
+        self._deleted: dict[Path, Path] = {}  # evicted by this run; may still be mapped until its last view goes
+        self._downloading = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.downloaded: list[str] = []  # file names, in the order this run downloaded them
+        self.evicted: list[str] = []
+
+    # -- the pipeline's side
+
+    def prepare(self, path: Path, stop: threading.Event | None = None) -> None:
+        """Wait until shard `path` is downloaded and checked; raise its download's error, if any."""
+        if self._ready.get(path, False) is None or path not in self._planned:
+            return
+        with self._cond:
+            if self._thread is None:  # started by the first read: a resumed run's finished shards are known by now
+                self._thread = threading.Thread(target=self._download_all, name="prequant-download", daemon=True)
+                self._thread.start()
+            while path not in self._ready:
+                if self._closed or (stop is not None and stop.is_set()):
+                    raise _Stopped(path.name)
+                self._cond.wait(0.1)
+            error = self._ready[path]
+        if error is not None:
+            raise error
+
+    def fd(self, path: Path) -> int:
+        self.prepare(path)
+        return super().fd(path)
+
+    def view(self, ref: reader.TensorRef):  # type: ignore[override]
+        self.prepare(ref.file)
+        return super().view(ref)
+
+    def read_into(self, ref: reader.TensorRef, start: int, out: memoryview) -> None:
+        self.prepare(ref.file)
+        super().read_into(ref, start, out)
+
+    def advise_willneed(self, ref: reader.TensorRef) -> None:
+        if self._ready.get(ref.file, False) is None:  # never wait for a download only to give advice
+            super().advise_willneed(ref)
+
+    def step_done(self, step: Step) -> None:
+        """A step's outputs are written (or were, before a resume); with delete, evict its shard after its last."""
+        path = step.source.file
+        with self._cond:
+            if path not in self._left:
+                return
+            self._left[path] -= 1
+            if self._left[path] > 0 or not self.delete:
+                return
+            blob = self._owned.pop(path, None)
+        self._release(path)
+        if blob is not None:
+            hub.evict(self.src.hub, self._name(path))  # type: ignore[arg-type]
+            with self._cond:
+                self._deleted[path] = blob
+                self.evicted.append(self._name(path))
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        super().close()
+
+    # -- internals
+
+    def _name(self, path: Path) -> str:
+        return path.relative_to(self.src.path).as_posix()
+
+    def _release(self, path: Path) -> None:
+        """Drop this source's handles on a finished shard, so that deleting it frees its space."""
+        mapping = self._maps.pop(path, None)
+        fd = self._fds.pop(path, None)
+        getattr(self, "_bins", {}).pop(path, None)  # a .bin shard's memory-mapped state dict
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a view is still alive (the reader's last one): unmapped when it goes
+        if fd is not None:
+            os.close(fd)
+
+    def _on_disk(self) -> int:
+        """Shards of this run taking disk space: downloading, downloaded, or deleted but still mapped."""
+        if self._deleted:
+            try:
+                maps = Path("/proc/self/maps").read_text()
+            except OSError:
+                maps = ""
+            for path, blob in list(self._deleted.items()):
+                if f"{blob} (deleted)" not in maps:
+                    del self._deleted[path]
+        return self._downloading + len(self._owned) + len(self._deleted)
+
+    def _wait_for_room(self) -> bool:
+        """With delete, wait until fewer than SLOTS shards are on disk; False once closed."""
+        polls = 0  # of 0.1 s, while only deleted-but-mapped shards are in the way
+        while not self._closed and self.delete and self._on_disk() >= SLOTS:
+            self._cond.wait(0.1)
+            if self._deleted and self._downloading + len(self._owned) < SLOTS:
+                polls += 1
+                if polls % 20 == 0:
+                    gc.collect()  # a reference cycle may hold the last view
+                if polls > _LEAK_WAIT_S * 10:
+                    log.warning("deleted shards %s are still memory-mapped; downloading on", sorted(map(str, self._deleted)))
+                    self._deleted.clear()
+        return not self._closed
+
+    def _download_all(self) -> None:
+        order = list(self._planned)
+        for i, path in enumerate(order):
+            with self._cond:
+                if self._left[path] == 0:  # every tensor done before a resume: not needed
+                    continue
+                if not self._wait_for_room():
+                    return
+                self._downloading = True
+            try:
+                blob = self._download(path)
+            except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
+                with self._cond:
+                    self._downloading = False
+                    for later in order[i:]:
+                        self._ready.setdefault(later, e)
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._downloading = False
+                if blob is not None:
+                    self._owned[path] = blob
+                self._ready[path] = None
+                self._cond.notify_all()
+
+    def _download(self, path: Path) -> Path | None:
+        """Download one shard and check its header against the plan; its blob if this run put it in the cache."""
+        assert self.src.hub is not None
+        name = self._name(path)
+        cached = _complete(self.src, path)
+        blobs = path.parents[2] / "blobs"  # <repo>/snapshots/<sha>/<name> -> <repo>/blobs
+        before = set(os.listdir(blobs)) if blobs.is_dir() else set()
+        started = time.monotonic()
+        local = hub.download(self.src.hub, name)
+        log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
+        blob = local.resolve()
+        owned = not cached and blob.name not in before
+        if owned:
+            self.downloaded.append(name)
+        try:
+            if {t.name: t for t in reader.scan([path])} != self._planned[path]:
+                raise PrequantError(
+                    f"{name} of {self.src.repo_id}@{self.src.hub.sha[:12]}: the downloaded file's tensors differ "
+                    "from the header read before the download; the cached file is corrupt, run again"
+                )
+        except PrequantError:
+            if owned:
+                hub.evict(self.src.hub, name)  # never leave a bad file for the next run to trust
+            raise
+        return blob if owned else None
+
+
+__all__ = ["HubTensors", "RemoteFile", "parse_header", "resolve", "scan"]
