@@ -165,34 +165,8 @@ def _safetensors_refs(remote: RemoteFile, path: Path) -> list[reader.TensorRef]:
             f"{path}: header length {n} is over {reader.MAX_HEADER_BYTES} bytes, more than any real checkpoint; the "
             "file is corrupt or not safetensors, re-download it"
         )
-    refs, _ = parse_header(path, remote.read(n), size)
+    refs, _ = reader.parse_header(path, remote.read(n), size)
     return sorted(refs, key=lambda r: r.offset)
-
-
-def parse_header(path: Path, raw: bytes, size: int) -> tuple[list[reader.TensorRef], dict[str, str]]:
-    """The tensors and metadata of a safetensors header given as bytes (`raw`: the JSON after the 8-byte
-    length; `size`: the whole file's). Same checks and messages as `reader.read_header`.
-
-    TODO: move into reader.py (read_header would call it) and use reader.parse_header here."""
-    import json
-
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise PrequantError(
-            f"{path}: header is not valid JSON ({reader._reason(e)}); the file is corrupt, re-download it"
-        ) from e
-    if not isinstance(header, dict):
-        raise PrequantError(f"{path}: header is not a JSON object; the file is corrupt, re-download it")
-    metadata = header.pop("__metadata__", None)
-    if metadata is None:
-        metadata = {}
-    if not isinstance(metadata, dict):
-        raise PrequantError(f"{path}: __metadata__ is not a JSON object; the file is corrupt, re-download it")
-    data_start = 8 + len(raw)
-    refs = [reader._parse_entry(path, name, entry, data_start, size - data_start) for name, entry in header.items()]
-    reader._check_no_overlap(path, refs)
-    return refs, {str(k): str(v) for k, v in metadata.items()}
 
 
 def _bin_refs(remote: RemoteFile, path: Path, label: str) -> list[reader.TensorRef]:
@@ -470,4 +444,4 @@ class HubTensors(reader.TensorSource):
         return blob if owned else None
 
 
-__all__ = ["HubTensors", "RemoteFile", "parse_header", "resolve", "scan"]
+__all__ = ["HubTensors", "RemoteFile", "resolve", "scan"]

@@ -124,7 +124,7 @@ def run(
     def read_all() -> None:
         loader = _GpuLoader(source, device) if device.type == "cuda" else None
         for i, step in enumerate(todo):
-            getattr(source, "prepare", lambda file, stop: None)(step.source.file, failed)  # Hub: shard downloaded
+            source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
             if i + 1 < len(todo):
                 source.advise_willneed(todo[i + 1].source)
             if step.quantize:

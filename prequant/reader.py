@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,12 @@ def read_header(path: Path) -> tuple[list[TensorRef], dict[str, str]]:
         raise PrequantError(f"{path}: is a directory, expected a safetensors file; remove or rename it") from e
     except OSError as e:  # missing (removed meanwhile), I/O error, ...: whatever it is, name the file
         raise PrequantError(f"{path}: cannot read it ({e.strerror or e}); check the file and re-download it") from e
+    return parse_header(path, raw, size)
+
+
+def parse_header(path: Path, raw: bytes, size: int) -> tuple[list[TensorRef], dict[str, str]]:
+    """Tensors and metadata from a safetensors header given as bytes (`raw`: the JSON after the 8-byte
+    length; `size`: the whole file's), e.g. fetched by a range request before the file is downloaded."""
     try:
         header = json.loads(raw)
     # ValueError covers bad JSON, bad UTF-8 and integers too long to parse; RecursionError, deeply nested junk.
@@ -85,7 +92,7 @@ def read_header(path: Path) -> tuple[list[TensorRef], dict[str, str]]:
         metadata = {}
     if not isinstance(metadata, dict):
         raise PrequantError(f"{path}: __metadata__ is not a JSON object; the file is corrupt, re-download it")
-    data_start = 8 + n
+    data_start = 8 + len(raw)
     refs = [_parse_entry(path, name, entry, data_start, size - data_start) for name, entry in header.items()]
     _check_no_overlap(path, refs)
     return refs, {str(k): str(v) for k, v in metadata.items()}
@@ -234,6 +241,10 @@ class TensorSource:
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}  # .bin shards: memory-mapped state dicts
+
+    def prepare(self, path: Path, stop: threading.Event | None = None) -> None:
+        """Wait until `path` can be read. Local files always can; a streamed Hub source waits for the
+        shard's download (and gives up when `stop` is set: another pipeline stage failed)."""
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
