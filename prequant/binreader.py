@@ -36,13 +36,18 @@ def load(path: Path) -> dict[str, torch.Tensor]:
         ) from e
     except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
         raise PrequantError(f"{path}: cannot read this PyTorch checkpoint ({type(e).__name__}); re-download it") from e
+    return check_state(path, state)
+
+
+def check_state(label: object, state: object) -> dict[str, torch.Tensor]:
+    """What was unpickled must be a state dict of tensors safetensors can store (`label` names the file)."""
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise PrequantError(f"{path}: expected a mapping of names to tensors (a state dict); this file holds something else")
+        raise PrequantError(f"{label}: expected a mapping of names to tensors (a state dict); this file holds something else")
     for name, t in state.items():
         if t.dtype not in TORCH_TO_SAFETENSORS:
-            raise PrequantError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+            raise PrequantError(f"{label}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
     return state
 
 

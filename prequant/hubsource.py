@@ -174,7 +174,6 @@ def _bin_refs(remote: RemoteFile, path: Path, label: str) -> list[reader.TensorR
     import torch
 
     from . import binreader
-    from .dtypes import TORCH_TO_SAFETENSORS
 
     f = io.BufferedReader(remote, BLOCK)
     if not zipfile.is_zipfile(f):
@@ -197,14 +196,7 @@ def _bin_refs(remote: RemoteFile, path: Path, label: str) -> list[reader.TensorR
         if remote.error is not None:
             raise remote.error from e
         raise PrequantError(f"{label}: cannot read this PyTorch checkpoint ({type(e).__name__}); re-download it") from e
-    # binreader.load's checks, on the meta state dict.
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise PrequantError(f"{label}: expected a mapping of names to tensors (a state dict); this file holds something else")
-    for name, t in state.items():
-        if t.dtype not in TORCH_TO_SAFETENSORS:
-            raise PrequantError(f"{label}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+    state = binreader.check_state(label, state)  # the same checks as a local shard, on the meta state dict
     return [
         reader.TensorRef(name, dtype, shape, path, reader.BIN_OFFSET, nbytes)
         for name, dtype, shape, nbytes in binreader.describe(path, state)

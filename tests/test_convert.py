@@ -87,7 +87,6 @@ def test_unquantized_tensors_are_copied_byte_for_byte(converted, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_loads_without_quantization_arguments_and_logits_agree(converted, kind):
     from transformers import AutoModelForCausalLM
-    from transformers.integrations import bitsandbytes as _  # noqa: F401  (bitsandbytes importable)
     import bitsandbytes as bnb
 
     src, out, _ = converted(kind)
