@@ -29,14 +29,19 @@ def load(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PrequantError(
-            f"{path}: refused to unpickle: the file holds objects other than tensors ({first}); it may be "
-            "malicious, nothing from it was run; get the weights as safetensors"
-        ) from e
+        raise refused(path, e) from e
     except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
         raise PrequantError(f"{path}: cannot read this PyTorch checkpoint ({type(e).__name__}); re-download it") from e
     return check_state(path, state)
+
+
+def refused(label: object, e: pickle.UnpicklingError) -> PrequantError:
+    """The error for a pickle torch's restricted unpickler refused (it ran nothing from it)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return PrequantError(
+        f"{label}: refused to unpickle: the file holds objects other than tensors ({first}); it may be "
+        "malicious, nothing from it was run; get the weights as safetensors"
+    )
 
 
 def check_state(label: object, state: object) -> dict[str, torch.Tensor]:

@@ -113,18 +113,7 @@ def scan(src: Source) -> list[reader.TensorRef]:
     assert src.hub is not None
     with ThreadPoolExecutor(max_workers=min(8, len(src.weight_files)), thread_name_prefix="prequant-header") as pool:
         per_file = list(pool.map(lambda path: _shard_refs(src, path), src.weight_files))
-    seen: dict[str, reader.TensorRef] = {}
-    ordered = []
-    for refs in per_file:
-        for ref in refs:
-            if ref.name in seen:
-                raise PrequantError(
-                    f"tensor {ref.name!r} is in both {seen[ref.name].file.name} and {ref.file.name} of {src.repo_id}; "
-                    "the repo is inconsistent at this revision, pick another revision"
-                )
-            seen[ref.name] = ref
-            ordered.append(ref)
-    return ordered
+    return reader.merge(per_file, f"{src.repo_id} is inconsistent at this revision, pick another revision")
 
 
 def _shard_refs(src: Source, path: Path) -> list[reader.TensorRef]:
@@ -185,11 +174,7 @@ def _bin_refs(remote: RemoteFile, path: Path, label: str) -> list[reader.TensorR
     try:
         state = torch.load(f, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PrequantError(
-            f"{label}: refused to unpickle: the file holds objects other than tensors ({first}); it may be "
-            "malicious, nothing from it was run; get the weights as safetensors"
-        ) from e
+        raise binreader.refused(label, e) from e
     except PrequantError:
         raise
     except Exception as e:  # torch wraps errors raised by our reads

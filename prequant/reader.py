@@ -177,15 +177,22 @@ def _check_no_overlap(path: Path, refs: list[TensorRef]) -> None:
 
 def scan(files: Iterable[Path]) -> list[TensorRef]:
     """Read every file's header; refuse a tensor present in two files. Order: file, then offset."""
+    per_file = (
+        _bin_refs(path) if path.suffix == ".bin" else sorted(read_header(path)[0], key=lambda r: r.offset)
+        for path in files
+    )
+    return merge(per_file, "remove the stale shard from the source directory")
+
+
+def merge(per_file: Iterable[list[TensorRef]], fix: str) -> list[TensorRef]:
+    """Concatenate the files' tensor lists in order; a name in two files is an error ending with `fix`."""
     seen: dict[str, TensorRef] = {}
     ordered: list[TensorRef] = []
-    for path in files:
-        refs = _bin_refs(path) if path.suffix == ".bin" else sorted(read_header(path)[0], key=lambda r: r.offset)
+    for refs in per_file:
         for ref in refs:
             if ref.name in seen:
                 raise PrequantError(
-                    f"tensor {_name(ref.name)} is in both {seen[ref.name].file.name} and {path.name}; "
-                    "remove the stale shard from the source directory"
+                    f"tensor {_name(ref.name)} is in both {seen[ref.name].file.name} and {ref.file.name}; {fix}"
                 )
             seen[ref.name] = ref
             ordered.append(ref)
@@ -206,16 +213,9 @@ BIN_OFFSET = -1
 
 def check_index(index_path: Path, tensors: list[TensorRef]) -> None:
     """Check a `*.index.json` weight_map against the tensors actually found in the shards."""
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("'weight_map' must map tensor names to file names")
-    except PermissionError as e:
-        raise PrequantError(f"{index_path}: permission denied; make it readable") from e
-    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
-        raise PrequantError(
-            f"{index_path}: not a valid index (needs a 'weight_map' object: {_reason(e)}); re-download it"
-        ) from e
+    from .source import read_weight_map
+
+    weight_map = read_weight_map(index_path)
     found = {t.name: t.file.name for t in tensors}
     for name, filename in weight_map.items():
         if name not in found:

@@ -169,8 +169,8 @@ def _files_from_index(root: Path, index: Path) -> tuple[Path, ...]:
     return tuple(files.values())
 
 
-def shard_names(root: object, index: Path) -> list[str]:
-    """The shard file names an index's weight_map names, in first-mention order; each a plain file name."""
+def read_weight_map(index: Path) -> dict[str, str]:
+    """An index's weight_map (tensor name -> shard file name), checked to be one."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -179,7 +179,13 @@ def shard_names(root: object, index: Path) -> list[str]:
         raise PrequantError(f"{index}: permission denied; make it readable") from e
     except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError) as e:
         reason = " ".join(str(e).split())[:120] or type(e).__name__
-        raise PrequantError(f"{index}: not a valid index ({reason}); re-download it") from e
+        raise PrequantError(f"{index}: not a valid index (needs a 'weight_map' object: {reason}); re-download it") from e
+    return weight_map
+
+
+def shard_names(root: object, index: Path) -> list[str]:
+    """The shard file names an index's weight_map names, in first-mention order; each a plain file name."""
+    weight_map = read_weight_map(index)
     files: dict[str, None] = {}
     for filename in weight_map.values():
         if filename in files:

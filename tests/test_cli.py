@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_cli
 
 
@@ -82,11 +83,8 @@ def test_bad_option_value_is_a_usage_error(checkpoints, tmp_path):
     assert "nf4 or fp4" in _one_line_error(proc)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_gpu_is_a_usage_error(checkpoints, tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        return
     proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cuda")
     assert proc.returncode == 2
     assert "no CUDA GPU" in _one_line_error(proc)
