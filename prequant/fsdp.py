@@ -17,7 +17,8 @@ gathers a group of same-dtype parameters with `torch._foreach_copy_`, which on C
 fp32 and rewrites NaN bit patterns (bitsandbytes issue #1945): packed NF4 bytes stored as bf16 hit such
 patterns about once per thousand elements. Holding the packed bytes as a uint8 parameter (frozen, so FSDP2
 accepts a non-float dtype) gives the group mixed dtypes, and FSDP2 then gathers everything as raw bytes. The
-bytes are the checkpoint's: bitsandbytes reads the same codes from uint8 and from bf16 storage.
+bytes are the checkpoint's: bitsandbytes reads the same codes from uint8 and from bf16 storage. torch releases
+before non-float FSDP2 parameters were supported (2.11, for one) get a two-line fix from `prequant.fsdp_compat`.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def load_for_fsdp(
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
+    if packed_storage == "uint8":
+        from .fsdp_compat import ensure_nonfloat_params
+
+        ensure_nonfloat_params()  # torch < pytorch#178075 cannot shard frozen uint8 parameters unaided
     ckpt = Checkpoint(checkpoint_dir)
     try:
         packed_dtype = torch.uint8 if packed_storage == "uint8" else None

@@ -10,6 +10,9 @@
 # the README), pytest-gpu.txt, check-fsdp-bf16-storage.json (if run).
 set -euo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+# The GPU image keeps no bytecode between processes (each rank would recompile bitsandbytes and transformers).
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE
 OUT=${OUT:-/tmp/prequant-fsdp-out}
 WORK=${PREQUANT_WORK:-/tmp/prequant-fsdp}
 DEADLINE=${PREQUANT_DEADLINE:-540}   # seconds from start: the device tool kills a command at 600

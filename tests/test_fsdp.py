@@ -42,8 +42,8 @@ def tiny(tmp_path_factory) -> Path:
     return out
 
 
-def _torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def _torchrun(*args: str, nproc: int = 2, timeout: float = 600, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra_env}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            *args], check=False, capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=timeout)
@@ -51,9 +51,9 @@ def _torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess.Co
     return proc
 
 
-def _sharded(ckpt: Path, out: Path, storage: str = "uint8") -> list[dict]:
+def _sharded(ckpt: Path, out: Path, storage: str = "uint8", **env: str) -> list[dict]:
     """Run the worker on 2 ranks; return each rank's saved state."""
-    _torchrun(__file__, "--worker", str(ckpt), str(out), storage)
+    _torchrun(__file__, "--worker", str(ckpt), str(out), storage, **env)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -226,6 +226,33 @@ def test_lora_grads_are_finite_and_flow(ranks):
     assert any(g.abs().sum() > 0 for r in ranks for n, g in r["grads"].items() if ".lora_B." in n)
 
 
+def test_compat_parameter_defaults_requires_grad_by_dtype():
+    from prequant.fsdp_compat import _nn_with_nonfloat_parameters
+
+    nn = _nn_with_nonfloat_parameters(torch.nn)
+    packed = nn.Parameter(torch.zeros(4, 1, dtype=torch.uint8))
+    weight = nn.Parameter(torch.zeros(4, 1, dtype=torch.bfloat16))
+    assert type(packed) is torch.nn.Parameter and not packed.requires_grad and packed.dtype == torch.uint8
+    assert type(weight) is torch.nn.Parameter and weight.requires_grad
+    assert not nn.Parameter(torch.zeros(2), requires_grad=False).requires_grad  # an explicit flag wins
+    assert nn.Module is torch.nn.Module and _nn_with_nonfloat_parameters(nn) is nn  # the rest is torch.nn; idempotent
+    with pytest.raises(RuntimeError, match="floating point"):  # what torch itself does, and the proxy avoids
+        torch.nn.Parameter(torch.zeros(4, 1, dtype=torch.uint8))
+
+
+def test_forced_compat_fixes_change_nothing_on_a_torch_that_has_them(tiny, ranks, tmp_path):
+    """The fixes for torch without non-float FSDP2 parameters (run for real on 2.11 by the GPU check) give, when
+    forced on this torch, the same shards, bytes, loss and grads as torch's own support."""
+    forced = _sharded(tiny, tmp_path, PREQUANT_TEST_FORCE_FSDP_COMPAT="1")
+    for a, b in zip(ranks, forced, strict=True):
+        assert a["loss"] == b["loss"] and a["in_forward_mismatched_bytes"] == b["in_forward_mismatched_bytes"] == 0
+        assert a["shards"].keys() == b["shards"].keys()
+        for name, (start, stop, t) in a["shards"].items():
+            assert (start, stop) == b["shards"][name][:2] and torch.equal(t, b["shards"][name][2]), name
+            assert t.dtype == b["shards"][name][2].dtype
+        assert all(torch.equal(g, b["grads"][n]) for n, g in a["grads"].items())
+
+
 @pytest.mark.slow
 def test_check_fsdp_both_loaders_agree_on_cpu(tiny, tmp_path):
     report = tmp_path / "report.json"
@@ -312,6 +339,10 @@ def _worker(ckpt: str, out: str, storage: str) -> None:
         return rows
 
     F._read_rows = counting
+    if os.environ.get("PREQUANT_TEST_FORCE_FSDP_COMPAT") == "1":
+        from prequant.fsdp_compat import ensure_nonfloat_params
+
+        assert ensure_nonfloat_params(force=True) == ["sharded_param", "param_dtype"]
     model = F.load_for_fsdp(ckpt, lora_r=LORA["lora_r"], lora_alpha=LORA["lora_alpha"], seed=LORA["seed"],
                             device=device, packed_storage=storage)
     checkpoint = F.Checkpoint(ckpt)
