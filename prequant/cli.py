@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Annotated
 
+from . import trace  # noqa: F401 - first, so a trace's "start" is the process' own start (standard library only)
+
 import typer
 
 from . import readahead
@@ -80,6 +82,8 @@ def convert(
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
     readahead.start_for_source(source)  # the disk works while torch imports
     from .converter import convert as run_convert
+
+    trace.mark("imported")
 
     result = run_convert(
         source,

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__, architectures, metadata, output, pipeline, reader, readahead
+from . import __version__, architectures, metadata, output, pipeline, reader, readahead, trace
 from . import source as sources
 from . import manifest
 from . import verify as verification
@@ -113,10 +113,12 @@ def convert(
     layout = architectures.analyze(config, src.path, tensors, list(skip), trust_remote_code)
     architectures.require_known(layout)
     plan = make_plan(tensors, layout, settings, shard_limit)
+    trace.mark("planned")
     if dry_run:
         return plan
 
     quantizer = Quantizer(settings, pick_device(device))
+    trace.mark("quantizer-ready")
     record = manifest.Recorder(src, plan, stats=stats, options={"skip": list(skip), "max_shard_size": shard_limit})
     staging = output.staging_dir(out, keep=resume)
     side = metadata.side_files(src.path)
@@ -138,10 +140,12 @@ def convert(
                     data.step_done(step)  # a Hub shard: evicted after its last tensor with delete_source_shards
 
             with data, Progress(plan.input_bytes, enabled=progress) as bar:
+                trace.mark("pipeline-start")
                 shard_sizes = pipeline.run(
                     plan, data, quantizer, staging, journal, on_step=done,
                     inspect=record.inspect, on_shard=record.on_shard,
                 )
+                trace.mark("pipeline-end")
             if ahead is not None:
                 ahead.stop()
             journal.close()
@@ -149,7 +153,9 @@ def convert(
             metadata.write_index(staging, plan, shard_sizes)
             metadata.write_config(staging, config, plan)
             record.finish(staging, side, device=str(quantizer.device), repo_id=push_to_hub)
+            trace.mark("manifest-written")
         output.publish(out, staging)
+        trace.mark("published")
     hub_url = verification.push_converted(out, push_to_hub, progress=progress) if push_to_hub else None
 
     return Summary(

@@ -20,7 +20,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
-from . import reader
+from . import reader, trace
 from . import stats as stats_mod
 from .errors import PrequantError
 from .metadata import INDEX_NAMES
@@ -76,7 +76,8 @@ class Recorder:
         while True:
             path, future = self._queue.get()
             try:
-                future.set_result(sha256_file(path))
+                with trace.busy("sha256"):
+                    future.set_result(sha256_file(path))
             except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
                 future.set_exception(e)
 

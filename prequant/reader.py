@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import readahead
 from .dtypes import SAFETENSORS_DTYPES, itemsize
 from .errors import PrequantError
 
@@ -240,6 +241,7 @@ class TensorSource:
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
+        self._advice_chunks: dict[int, int] = {}
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}  # .bin shards: memory-mapped state dicts
 
     def prepare(self, path: Path, stop: threading.Event | None = None) -> None:
@@ -290,7 +292,10 @@ class TensorSource:
         if ref.offset == BIN_OFFSET:
             return  # where its bytes lie is torch's business; the shard's readahead covers it
         try:
-            os.posix_fadvise(self.fd(ref.file), ref.offset, ref.nbytes, os.POSIX_FADV_WILLNEED)
+            fd = self.fd(ref.file)
+            if fd not in self._advice_chunks:
+                self._advice_chunks[fd] = readahead.advice_chunk(fd)
+            readahead.willneed(fd, ref.offset, ref.nbytes, self._advice_chunks[fd])
         except (AttributeError, OSError):
             pass  # advisory only
 

@@ -9,6 +9,7 @@ orders it, which keeps every tensor aligned.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import failpoints
+from . import failpoints, trace
 from .dtypes import itemsize
 from .errors import PrequantError
 from .plan import OutTensor
@@ -74,6 +75,7 @@ class ShardWriter:
         if nbytes != end - begin:
             raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
         _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial)
+        _start_writeback(self._fd, self._data_start + begin, nbytes)
         with self._lock:
             self._pending.discard(key)
 
@@ -100,6 +102,7 @@ class ShardWriter:
             if raw.numel() != end - begin:
                 raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
             _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
+            _start_writeback(self._fd, self._data_start + begin, end - begin)
         else:
             self._blobs[key] = raw.numpy().tobytes()
         with self._lock:
@@ -120,11 +123,13 @@ class ShardWriter:
         self.data_bytes = pos - self._data_start
         try:
             os.ftruncate(self._fd, pos)
-            os.fsync(self._fd)  # a full disk or quota can surface only here (delayed allocation, NFS)
+            with trace.busy("fsync"):
+                os.fsync(self._fd)  # a full disk or quota can surface only here (delayed allocation, NFS)
             os.close(self._fd)
             os.replace(self.partial, self.path)
         except OSError as e:
             raise write_error(self.partial, e) from e
+        trace.mark(f"shard-written:{self.path.name}")
         return self.path
 
     def abort(self) -> None:
@@ -133,6 +138,29 @@ class ShardWriter:
             os.close(self._fd)
         except OSError:
             pass
+
+
+def _load_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux/glibc: the final fsync does all the work
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing these bytes to disk now, without waiting. Otherwise the kernel holds them dirty (up to
+    a tenth of RAM) and the shard's fsync then writes gigabytes at once while the pipeline stands still.
+    Advisory: errors are left to that fsync, which still runs and is what makes the shard durable."""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        with trace.busy("writeback-start"):
+            _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _open_for_write(path: Path, truncate: bool = True) -> int:

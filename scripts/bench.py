@@ -3,8 +3,11 @@
 Generates a synthetic checkpoint of about --size-gb GB (Llama-8B-, Grok-1- or uniform 32 MiB-tensor
 shapes, random bf16), then in one run measures, each from cold page cache where permitted:
 
-  read          cat every shard to /dev/null (the floor: how fast the disk gives us the source)
-  prequant      python -m prequant convert SRC OUT --device D (the whole process, start-up included)
+  read          cat every shard to /dev/null (how fast the disk gives us the source)
+  read_write    the same cat while dd writes as many bytes as prequant's output and fsyncs them: the disk's
+                floor for any converter that reads the source and writes its result durably
+  prequant      python -m prequant convert SRC OUT --device D (the whole process, start-up included), with
+                its own timeline (PREQUANT_TRACE: start-up, planning, pipeline, hashing; busy time per stage)
   transformers  from_pretrained(SRC, quantization_config=BitsAndBytesConfig(...)) + save_pretrained
 
 and reports wall time, peak RssAnon / VmRSS (sampled from /proc every 20 ms), peak GPU memory, output size
@@ -188,6 +191,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/prequant-bench"))
     ap.add_argument("--transformers", action="store_true", help="also measure transformers' path (needs a GPU)")
+    ap.add_argument("--prequant-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for prequant convert (repeatable), e.g. --prequant-arg=--no-stats")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint and outputs")
     ap.add_argument("--json", type=Path, help="write the JSON report here (default: stdout)")
     args = ap.parse_args()
@@ -207,11 +212,21 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     drop_caches()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    trace_file = args.dir / "prequant-trace.json"
+    spawned = time.time()
     report["prequant"] = timed([sys.executable, "-m", "prequant", "convert", str(src), str(out), "--device",
-                                args.device, "--json"], env=env)
+                                args.device, "--json", *args.prequant_arg], env={**env, "PREQUANT_TRACE": str(trace_file)})
+    report["prequant"]["trace"] = read_trace(trace_file, spawned)
     summary = json.loads(report["prequant"].pop("stdout"))
     report["prequant"]["peak_gpu_bytes"] = summary.get("peak_gpu_bytes")
     report["prequant"]["output_bytes"] = summary["output_bytes"]
+    # The disk's own floor for any converter: read the source while durably writing as many bytes as the output.
+    drop_caches()
+    scratch = args.dir / "write-floor.bin"
+    report["read_write"] = timed(["sh", "-c", 'dd if=/dev/zero of="$1" bs=64M count="$2" conv=fsync status=none & '
+                                  'shift 2; cat "$@" > /dev/null; wait', "sh", str(scratch),
+                                  str(-(-summary["output_bytes"] // 2**26)), *map(str, shards)])
+    scratch.unlink(missing_ok=True)
     if args.transformers:
         ref = args.dir / "out-transformers"
         shutil.rmtree(ref, ignore_errors=True)
@@ -224,7 +239,7 @@ def main() -> None:
             shutil.rmtree(ref, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
-    for key in ("read", "prequant", "transformers"):
+    for key in ("read", "read_write", "prequant", "transformers"):
         if key in report:
             report[key].pop("stdout", None)
             report[key]["ratio_to_read"] = round(report[key]["seconds"] / report["read"]["seconds"], 3)
@@ -235,13 +250,22 @@ def main() -> None:
     print(text)
 
 
+def read_trace(path: Path, spawned: float) -> dict:
+    """prequant's own timeline (PREQUANT_TRACE): events as seconds since the process was spawned, stage busy time."""
+    try:
+        t = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"events": {name: round(at - spawned, 2) for name, at in t["events"]}, "busy": t["busy"]}
+
+
 def print_table(r: dict) -> None:
     gib = 2**30
     print(f"\nsource: {r['source_bytes'] / 1e9:.1f} GB {r['shape']}, device {r['device']}, "
           f"{'cold' if r['cold_cache'] else 'WARM (could not drop caches)'} page cache", file=sys.stderr)
     print(f"{'path':13} {'wall s':>8} {'x read':>7} {'RssAnon GiB':>12} {'VmRSS GiB':>10} {'GPU GiB':>8} {'out GB':>7}",
           file=sys.stderr)
-    for key in ("read", "prequant", "transformers"):
+    for key in ("read", "read_write", "prequant", "transformers"):
         if key not in r:
             continue
         m = r[key]
@@ -249,6 +273,11 @@ def print_table(r: dict) -> None:
         print(f"{key:13} {m['seconds']:8.1f} {m['ratio_to_read']:7.2f} {m['peak_rss_anon'] / gib:12.2f} "
               f"{m['peak_vm_rss'] / gib:10.2f} {gpu / gib if gpu else float('nan'):8.2f} "
               f"{m.get('output_bytes', 0) / 1e9:7.2f}", file=sys.stderr)
+    trace = r.get("prequant", {}).get("trace")
+    if trace:
+        print("prequant timeline (s since spawn): " + ", ".join(f"{k} {v}" for k, v in trace["events"].items()),
+              file=sys.stderr)
+        print("prequant busy (s): " + ", ".join(f"{k} {v}" for k, v in trace["busy"].items()), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -95,3 +95,21 @@ def test_help_shows_examples():
     proc = run_cli("convert", "--help")
     assert proc.returncode == 0
     assert "--max-shard-size" in proc.stdout and "Examples" in proc.stdout
+
+
+def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
+    """PREQUANT_TRACE (what scripts/bench.py reads): events in pipeline order, busy time for every stage that ran."""
+    trace = tmp_path / "trace.json"
+    run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu",
+            env={"PREQUANT_TRACE": str(trace)}, check=True)
+    t = json.loads(trace.read_text())
+    names = [name for name, _ in t["events"]]
+    order = ["start", "imported", "planned", "quantizer-ready", "pipeline-start", "pipeline-end",
+             "manifest-written", "published", "exit"]
+    assert [n for n in names if n in order] == order
+    assert any(n.startswith("shard-written:") for n in names)
+    times = [at for _, at in t["events"]]
+    assert times == sorted(times)
+    for stage in ("quantize", "stats", "write", "sha256", "fsync", "loaded-get-wait"):
+        assert t["busy"][stage] >= 0, stage
+
