@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Annotated
 
-from . import trace  # noqa: F401 - first, so a trace's "start" is the process' own start (standard library only)
+from . import trace  # first, so a trace's "start" is the process' own start (standard library only)
 
 import typer
 

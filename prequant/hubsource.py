@@ -23,7 +23,6 @@ import io
 import logging
 import os
 import pickle
-import struct
 import threading
 import time
 import zipfile
@@ -139,22 +138,8 @@ def _complete(src: Source, path: Path) -> bool:
 
 def _safetensors_refs(remote: RemoteFile, path: Path) -> list[reader.TensorRef]:
     """reader.read_header's checks, on the header bytes of a remote file."""
-    size = remote.size
-    prefix = remote.read(8)
-    if len(prefix) < 8:
-        raise PrequantError(f"{path}: file is {size} bytes, too short to be safetensors; re-download it")
-    (n,) = struct.unpack("<Q", prefix)
-    if 8 + n > size:
-        raise PrequantError(
-            f"{path}: header length {n} exceeds the file size {size}; the file is truncated or not safetensors, "
-            "re-download it"
-        )
-    if n > reader.MAX_HEADER_BYTES:
-        raise PrequantError(
-            f"{path}: header length {n} is over {reader.MAX_HEADER_BYTES} bytes, more than any real checkpoint; the "
-            "file is corrupt or not safetensors, re-download it"
-        )
-    refs, _ = reader.parse_header(path, remote.read(n), size)
+    n = reader.header_length(path, remote.read(8), remote.size)
+    refs, _ = reader.parse_header(path, remote.read(n), remote.size)
     return sorted(refs, key=lambda r: r.offset)
 
 
@@ -296,10 +281,6 @@ class HubTensors(reader.TensorSource):
     def read_into(self, ref: reader.TensorRef, start: int, out: memoryview) -> None:
         self.prepare(ref.file)
         super().read_into(ref, start, out)
-
-    def advise_willneed(self, ref: reader.TensorRef) -> None:
-        if self._ready.get(ref.file, False) is None:  # never wait for a download only to give advice
-            super().advise_willneed(ref)
 
     def step_done(self, step: Step) -> None:
         """A step's outputs are written (or were, before a resume); with delete, evict its shard after its last."""

@@ -9,7 +9,7 @@ model size:
 
 On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
 CUDA stream, so host memory stays at those two buffers. On the CPU the reader hands over zero-copy
-memory-mapped views and asks the kernel to read the next tensor ahead. Tensors kept as they are never
+memory-mapped views; readahead.py keeps the kernel reading the files ahead. Tensors kept as they are never
 enter this process: the writer has the kernel copy them file to file (copy_file_range).
 """
 
@@ -56,16 +56,16 @@ class _Stage:
     """A bounded queue that gives up as soon as any stage has failed."""
 
     def __init__(self, failed: threading.Event, name: str, size: int = IN_FLIGHT) -> None:
-        self.name = name
+        self._put_label, self._get_label = f"{name}-put-wait", f"{name}-get-wait"
         self._q: queue.Queue = queue.Queue(maxsize=size)
         self._failed = failed
 
     def put(self, item: object) -> None:
-        with trace.busy(f"{self.name}-put-wait"):
+        with trace.busy(self._put_label):
             self._put(item)
 
     def get(self) -> object:
-        with trace.busy(f"{self.name}-get-wait"):
+        with trace.busy(self._get_label):
             return self._get()
 
     def _put(self, item: object) -> None:
@@ -144,10 +144,9 @@ def run(
         loaded.put(_END)
 
     def read_steps(loader: _GpuLoader | None) -> None:
-        for i, step in enumerate(todo):
+        # No per-tensor advice: local files are read ahead by readahead.py, Hub shards were just written.
+        for step in todo:
             source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
-            if i + 1 < len(todo):
-                source.advise_willneed(todo[i + 1].source)
             if step.quantize:
                 data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
             elif step.source.offset >= 0:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from . import readahead
 from .dtypes import SAFETENSORS_DTYPES, itemsize
 from .errors import PrequantError
 
@@ -52,21 +51,7 @@ def read_header(path: Path) -> tuple[list[TensorRef], dict[str, str]]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise PrequantError(f"{path}: file is {size} bytes, too short to be safetensors; re-download it")
-            (n,) = struct.unpack("<Q", prefix)
-            if 8 + n > size:
-                raise PrequantError(
-                    f"{path}: header length {n} exceeds the file size {size}; the file is truncated or not "
-                    "safetensors, re-download it"
-                )
-            if n > MAX_HEADER_BYTES:
-                raise PrequantError(
-                    f"{path}: header length {n} is over {MAX_HEADER_BYTES} bytes, more than any real checkpoint; "
-                    "the file is corrupt or not safetensors, re-download it"
-                )
-            raw = f.read(n)
+            raw = f.read(header_length(path, f.read(8), size))
     except PermissionError as e:
         raise PrequantError(f"{path}: permission denied; make it readable") from e
     except IsADirectoryError as e:
@@ -74,6 +59,25 @@ def read_header(path: Path) -> tuple[list[TensorRef], dict[str, str]]:
     except OSError as e:  # missing (removed meanwhile), I/O error, ...: whatever it is, name the file
         raise PrequantError(f"{path}: cannot read it ({e.strerror or e}); check the file and re-download it") from e
     return parse_header(path, raw, size)
+
+
+def header_length(path: Path, prefix: bytes, size: int) -> int:
+    """The header length a safetensors file's first 8 bytes (`prefix`) announce, checked against the file's
+    `size`; works on bytes read locally or fetched by a range request."""
+    if len(prefix) < 8:
+        raise PrequantError(f"{path}: file is {size} bytes, too short to be safetensors; re-download it")
+    (n,) = struct.unpack("<Q", prefix)
+    if 8 + n > size:
+        raise PrequantError(
+            f"{path}: header length {n} exceeds the file size {size}; the file is truncated or not "
+            "safetensors, re-download it"
+        )
+    if n > MAX_HEADER_BYTES:
+        raise PrequantError(
+            f"{path}: header length {n} is over {MAX_HEADER_BYTES} bytes, more than any real checkpoint; "
+            "the file is corrupt or not safetensors, re-download it"
+        )
+    return n
 
 
 def parse_header(path: Path, raw: bytes, size: int) -> tuple[list[TensorRef], dict[str, str]]:
@@ -241,7 +245,6 @@ class TensorSource:
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
-        self._advice_chunks: dict[int, int] = {}
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}  # .bin shards: memory-mapped state dicts
 
     def prepare(self, path: Path, stop: threading.Event | None = None) -> None:
@@ -286,18 +289,6 @@ class TensorSource:
             if n == 0:
                 raise PrequantError(f"{ref.file}: unexpected end of file reading {ref.name!r}; the file is truncated")
             done += n
-
-    def advise_willneed(self, ref: TensorRef) -> None:
-        """Ask the kernel to start reading a tensor's pages now (readahead for the next tensor)."""
-        if ref.offset == BIN_OFFSET:
-            return  # where its bytes lie is torch's business; the shard's readahead covers it
-        try:
-            fd = self.fd(ref.file)
-            if fd not in self._advice_chunks:
-                self._advice_chunks[fd] = readahead.advice_chunk(fd)
-            readahead.willneed(fd, ref.offset, ref.nbytes, self._advice_chunks[fd])
-        except (AttributeError, OSError):
-            pass  # advisory only
 
     def close(self) -> None:
         for m in self._maps.values():
