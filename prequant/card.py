@@ -13,9 +13,9 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from . import __version__, stats
+from .metadata import CARD
 from .plan import Plan
 
-CARD = "README.md"
 # Metadata of the source card carried into the new one: licence terms (and the gate that makes users
 # accept them), and facts about the model that quantization does not change.
 _CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets")
@@ -31,8 +31,8 @@ def write_card(
     plan: Plan,
     stats_summary: dict | None,
     repo_id: str | None = None,
-) -> ModelCard:
-    """Write README.md into `staging` and return the card.
+) -> None:
+    """Write README.md into `staging`.
 
     The loading examples name `repo_id` when the destination is known (--push-to-hub), else a name
     derived from the base model: never the local output path, so that converting the same source with
@@ -51,9 +51,7 @@ def write_card(
     )
     name = repo_id or f"{base_model.split('/')[-1]}-bnb-4bit-{s.quant_type}"
     body = _body(name, repo_id is not None, base_model, base_model_is_repo, plan, stats_summary, original)
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
-    (staging / CARD).write_text(str(card))
-    return card
+    (staging / CARD).write_text(str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")))
 
 
 def _original_card(path: Path) -> dict | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UsageError
 
 # safetensors header code -> torch dtype. Codes torch does not have are left out on purpose:
 # a checkpoint using them is refused by the reader with a message that names the tensor.
@@ -37,7 +36,7 @@ NAMED: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "uint8": torch.uint8,
 }
-STORAGE_NAMES = ("bfloat16", "float16", "float32", "uint8")
+STORAGE_NAMES = tuple(NAMED)
 COMPUTE_NAMES = ("bfloat16", "float16", "float32")
 
 
@@ -49,10 +48,3 @@ def itemsize(code: str) -> int:
 def torch_name(dtype: torch.dtype) -> str:
     """'torch.bfloat16' -> 'bfloat16', the spelling bitsandbytes writes into quant-state JSON."""
     return str(dtype).removeprefix("torch.")
-
-
-def parse_named(value: str, allowed: tuple[str, ...], option: str) -> torch.dtype:
-    """Turn a CLI dtype name into a torch dtype, or fail naming the option."""
-    if value not in allowed:
-        raise UsageError(f"{option} {value!r} is not supported; use one of {', '.join(allowed)}")
-    return NAMED[value]

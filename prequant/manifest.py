@@ -1,10 +1,11 @@
 """OUTPUT_DIR/prequant.json: what a conversion wrote and how, so anyone can check it later.
 
 It lists every output file with its size and sha256, where the weights came from, the versions and
-options used, and per-tensor error statistics. Shards are hashed on a background thread the moment the
-writer finishes them (their pages are still in the page cache, and hashing overlaps the rest of the
-conversion); the small files are hashed at the end. The manifest is written into the staging folder and
-published with the rest, before config.json.
+options used, which tensors were quantized transposed (GPT-2 Conv1D: `verify --source` needs to know, and
+a square weight's shape cannot tell), and per-tensor error statistics. Shards are hashed on a background
+thread the moment the writer finishes them (their pages are still in the page cache, and hashing overlaps
+the rest of the conversion); the small files are hashed at the end. The manifest is written into the
+staging folder and published with the rest, before config.json.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from typing import Any
 from . import reader, trace
 from . import stats as stats_mod
 from .errors import PrequantError
-from .metadata import INDEX_NAMES
+from .metadata import CARD, INDEX_NAMES, MANIFEST
 from .plan import Plan
+from .source import Source
 from .writer import write_json
 
-MANIFEST = "prequant.json"
 FORMAT = "prequant-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds "transposed"; readers accept manifests without it (version 1)
 READ_CHUNK = 8 * 1024 * 1024  # hashlib releases the GIL on large updates: hashing runs beside the pipeline
 _PACKAGES = ("torch", "bitsandbytes", "transformers", "safetensors", "huggingface_hub")
 
@@ -51,7 +52,7 @@ class Recorder:
     """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `inspect`
     hooks), then writes the model card and prequant.json into the staging folder."""
 
-    def __init__(self, source: Any, plan: Plan, *, stats: bool = True, options: dict | None = None) -> None:
+    def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None) -> None:
         self.source, self.plan = source, plan
         self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
                         "stats": stats}
@@ -98,7 +99,7 @@ class Recorder:
             stats_summary=summary,
             repo_id=repo_id,
         )
-        names = [*self.plan.shards, *(p.as_posix() for p in side_files), "config.json", card.CARD]
+        names = [*self.plan.shards, *(p.as_posix() for p in side_files), "config.json", CARD]
         names += [n for n in INDEX_NAMES if (staging / n).is_file()]
         return self._write(staging, names, source, device)
 
@@ -134,6 +135,8 @@ class Recorder:
             "device": device,
             "source": source,
             "options": self.options,
+            # Source names of the tensors quantized as their transpose (the planner's Decision.transpose).
+            "transposed": [s.source.name for s in self.plan.steps if s.quantize and s.decision.transpose],
             "files": entries,
             "stats": {
                 "enabled": self.stats is not None,
@@ -160,21 +163,17 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def source_identity(src: Any) -> dict:
+def source_identity(src: Source) -> dict:
     """Where the weights came from: the Hub repo and commit when known, else the local path as given.
 
     Cheap hashes only: the source's config.json and index (a second read of hundreds of GB of weights
     is not cheap; a Hub commit sha pins them instead). Weight files are listed with their sizes.
     """
-    hub = getattr(src, "hub", None)
     ident: dict[str, Any] = {"spec": src.spec, "path": str(src.path), "format": src.format}
-    repo_id = getattr(src, "repo_id", None) or getattr(hub, "repo_id", None)
-    if repo_id:
-        ident["repo_id"] = repo_id
-        ident["revision"] = getattr(src, "revision", None) or getattr(hub, "revision", None)
-        ident["commit"] = getattr(src, "sha", None) or getattr(src, "commit", None) or getattr(hub, "sha", None)
+    if src.repo_id:
+        ident.update(repo_id=src.repo_id, revision=src.revision, commit=src.sha)
     ident["weight_files"] = dict(src.weight_sizes)  # a Hub source's shards may be deleted by now
-    for name in ("config.json", getattr(src.index_file, "name", None)):
+    for name in ("config.json", src.index_file.name if src.index_file is not None else None):
         if name and (src.path / name).is_file():
             ident.setdefault("sha256", {})[name] = sha256_file(src.path / name)
     return ident
@@ -203,4 +202,7 @@ def load(output_dir: Path) -> dict:
         isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str) for v in files.values()
     ):
         raise PrequantError(f"{MANIFEST}: its \"files\" table is malformed; the file is corrupt, convert again")
+    transposed = manifest.get("transposed")  # absent from version 1 manifests
+    if transposed is not None and not (isinstance(transposed, list) and all(isinstance(n, str) for n in transposed)):
+        raise PrequantError(f"{MANIFEST}: its \"transposed\" list is malformed; the file is corrupt, convert again")
     return manifest

@@ -7,13 +7,14 @@ import shutil
 from pathlib import Path
 
 from .errors import PrequantError
+from .source import BIN_INDEX, SAFETENSORS_INDEX
 from .plan import Plan, Settings
 from .writer import write_error, write_json
 
 # Weight formats never copied as side files: the output has its own weights, and copies of the
 # originals (e.g. Llama's original/consolidated.00.pth) would double the output for nothing.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
-INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+INDEX_NAMES = (SAFETENSORS_INDEX, BIN_INDEX)
 MANIFEST = "prequant.json"
 CARD = "README.md"  # the output gets its own model card (prequant.card), carrying the original
 
@@ -72,7 +73,7 @@ def write_index(staging: Path, plan: Plan, shard_sizes: dict[str, int]) -> None:
         return
     weight_map = {o.key: s.shard for s in plan.steps for o in s.outputs}
     index = {"metadata": {"total_size": sum(shard_sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
-    write_json(staging / "model.safetensors.index.json", index, sort_keys=False)
+    write_json(staging / SAFETENSORS_INDEX, index, sort_keys=False)
 
 
 def side_files(source_dir: Path) -> list[Path]:

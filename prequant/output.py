@@ -12,12 +12,14 @@ from pathlib import Path
 
 from . import failpoints
 from .errors import PrequantError, UsageError
+from .journal import JOB, JOURNAL
+from .metadata import INDEX_NAMES, MANIFEST
 
 STAGING = ".prequant-staging"
 PUBLISHING = "PUBLISHING"  # marker: everything is written, files are being moved into place
-_BOOKKEEPING = ("job.json", "journal.jsonl", PUBLISHING)
+_BOOKKEEPING = (JOB, JOURNAL, PUBLISHING)
 # What a previous conversion into the same directory may have left and a new one replaces.
-_REPLACED = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "prequant.json")
+_REPLACED = ("config.json", *INDEX_NAMES, MANIFEST)
 _REPLACED_GLOBS = ("model*.safetensors", "pytorch_model*.bin")
 
 
@@ -64,8 +66,12 @@ def staging_dir(output_dir: Path, keep: bool = False) -> Path:
     return staging
 
 
-def publish(output_dir: Path, staging: Path, last: tuple[str, ...] = ("model.safetensors.index.json", "config.json")) -> None:
-    """Move everything from staging into OUTPUT_DIR; the files in `last` go last, in that order.
+# Published last, in this order: the files that make the directory look like a complete checkpoint.
+_LAST = (INDEX_NAMES[0], "config.json")
+
+
+def publish(output_dir: Path, staging: Path) -> None:
+    """Move everything from staging into OUTPUT_DIR; the files in `_LAST` go last, in that order.
 
     With --overwrite, the old checkpoint's config and index go first, so that at no moment does the
     directory hold an old config over a mix of old and new shards. A publish interrupted half-way is
@@ -82,7 +88,7 @@ def publish(output_dir: Path, staging: Path, last: tuple[str, ...] = ("model.saf
     files = sorted(
         p.relative_to(staging) for p in staging.rglob("*") if p.is_file() and p.relative_to(staging).as_posix() not in _BOOKKEEPING
     )
-    order = sorted(files, key=lambda rel: (rel.as_posix() in last, last.index(rel.as_posix()) if rel.as_posix() in last else 0))
+    order = sorted(files, key=lambda rel: (rel.as_posix() in _LAST, _LAST.index(rel.as_posix()) if rel.as_posix() in _LAST else 0))
     for rel in order:
         target = output_dir / rel
         target.parent.mkdir(parents=True, exist_ok=True)

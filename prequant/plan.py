@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from .architectures import Decision, Layout
-from .dtypes import COMPUTE_NAMES, QUANTIZABLE, STORAGE_NAMES, itemsize
+from .dtypes import COMPUTE_NAMES, NAMED, QUANTIZABLE, STORAGE_NAMES, TORCH_TO_SAFETENSORS, itemsize
 from .errors import PrequantError, UsageError
 from .reader import TensorRef
 
@@ -21,7 +21,9 @@ QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 NESTED_BLOCKSIZE = 256
 QUANT_STATE_ESTIMATE = 170  # bytes of quant-state JSON, typical; the exact length is known only after quantizing
-_STORAGE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint8": "U8"}
+STORAGE_CODES = {name: TORCH_TO_SAFETENSORS[dtype] for name, dtype in NAMED.items()}  # "bfloat16" -> "BF16"
+# A packed weight's quant-state JSON is stored under "<weight key>.quant_state.bitsandbytes__<quant type>".
+STATE_KEY_PREFIX = "quant_state.bitsandbytes__"
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Settings:
 
     @property
     def state_key(self) -> str:
-        return f"quant_state.bitsandbytes__{self.quant_type}"
+        return STATE_KEY_PREFIX + self.quant_type
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ def quantized_outputs(t: TensorRef, s: Settings) -> tuple[OutTensor, ...]:
     """The keys transformers writes for a 4-bit weight, with their dtypes and shapes."""
     n = t.numel
     blocks = -(-n // s.blocksize)
-    storage = _STORAGE_CODES[s.quant_storage]
+    storage = STORAGE_CODES[s.quant_storage]
     # bitsandbytes allocates (n + 1) // (2 * itemsize) storage elements for the packed codes.
     packed_len = (n + 1) // (2 * itemsize(storage))
     outs = [

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-NESTED_BLOCKSIZE = 256
+from .plan import NESTED_BLOCKSIZE
+
 CHUNK_ELEMENTS = 1 << 20  # per pass; small enough to stay in cache on the CPU, a few MB on a GPU
 GPU_CHUNK_ELEMENTS = 1 << 24  # ~200 MB of temporaries: small next to the tensors in flight
 # Relative L2 error of bitsandbytes 4-bit on Gaussian weights, by quant type and block size (measured).
@@ -56,10 +57,6 @@ class TensorStats:
     def to_dict(self) -> dict:
         """JSON-ready: 6 significant digits, non-finite values as None (JSON has no NaN)."""
         return {k: (v if isinstance(v, int) else _round(v)) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TensorStats:
-        return cls(**{k: (math.nan if d.get(k) is None else d[k]) for k in cls.__dataclass_fields__})
 
 
 def quant_state(entries: dict[str, torch.Tensor]) -> dict:

@@ -8,7 +8,9 @@ Checks, in order, each failure recorded as one line naming the file or tensor:
    dtypes and shapes implied by the state's shape and blocksize), no stray keys under it;
 4. config.json's quantization_config against the tensors present;
 5. with a source: each quantized tensor dequantized and compared with the original (relative L2 error
-   and max error, with limits), each kept tensor byte for byte.
+   and max error, with limits), each kept tensor byte for byte. Which tensors were quantized transposed
+   (GPT-2 Conv1D) is read from prequant.json; for a manifest without that record it is decided from the
+   source's architecture, as convert decides it (never guessed from shapes: square weights are ambiguous).
 
 Everything is read through memory maps and streamed, so verifying a 165 GB output needs no more memory
 than converting it.
@@ -25,18 +27,19 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from . import architectures, metadata, reader, stats
 from . import manifest as manifests
-from . import reader, stats
+from . import source as sources
 from .architectures import should_convert
 from .dtypes import COMPUTE_NAMES, itemsize, torch_name
 from .errors import PrequantError, UsageError
-from .plan import BLOCKSIZES, NESTED_BLOCKSIZE, QUANT_TYPES
+from .plan import BLOCKSIZES, NESTED_BLOCKSIZE, QUANT_TYPES, STATE_KEY_PREFIX, STORAGE_CODES
 from .progress import Progress
-from .source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE
+from .source import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
 
-STATE_MARK = ".quant_state.bitsandbytes__"
+STATE_MARK = "." + STATE_KEY_PREFIX  # between a packed weight's key and its quant type
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
-STORAGE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint8": "U8"}
+# bnb_4bit_quant_storage -> safetensors code of the packed weight (dtypes.py names both).
 STATE_DTYPES = ("bfloat16", "float16", "float32")
 FAIL_FACTOR = 4.0  # heavy-tailed weights reach ~3x the Gaussian figure; a wrong tensor is >= 1.0
 OUTLIER_FACTOR = 1.5  # above this multiple of the Gaussian figure a tensor is flagged (warning)
@@ -174,7 +177,8 @@ def verify(
     groups = _check_quantized(refs, shard_of, report)
     _check_config(out, groups, report)
     if source is not None:
-        _compare_source(str(source), refs, groups, report, max_rel_error, progress)
+        transposed = manifest.get("transposed") if manifest is not None else None
+        _compare_source(str(source), refs, groups, report, max_rel_error, progress, transposed)
     return report
 
 
@@ -315,13 +319,10 @@ def _read_index(out: Path, report: Report) -> dict[str, str] | None:
     if not path.is_file():
         return None
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map must map tensor names to file names")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        report.fail(SAFETENSORS_INDEX, f"not a valid index ({e}); reconvert")
+        return read_weight_map(path)
+    except PrequantError as e:
+        report.fail(SAFETENSORS_INDEX, e.message.removeprefix(f"{path}: "))
         return None
-    return weight_map
 
 
 # -------------------------------------------------------------------------------------- quantized
@@ -512,11 +513,16 @@ def _compare_source(
     report: Report,
     max_rel_error: float | None,
     progress: bool,
+    transposed: list[str] | None,
 ) -> None:
-    from . import source as sources
-
+    """`transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
     src = sources.resolve(spec)
     src_refs = reader.scan(src.weight_files)
+    if transposed is None:
+        transposed = _transposed_by_architecture(src, src_refs, report)
+        if transposed is None:
+            return
+    transposed_set = set(transposed)
     per_tensor: dict[str, stats.TensorStats] = {}
     limits: set[float] = set()
     kept = 0
@@ -531,7 +537,7 @@ def _compare_source(
                 accounted.update(_expected_keys(group))
                 if not group.complete:
                     continue  # already reported; its bytes cannot be interpreted
-                st = _compare_quantized(t, group, sdata, odata, refs, report)
+                st = _compare_quantized(t, group, t.name in transposed_set, sdata, odata, refs, report)
                 if st is None:
                     continue
                 per_tensor[t.name] = st
@@ -562,9 +568,25 @@ def _compare_source(
     }
 
 
+def _transposed_by_architecture(
+    src: sources.Source, src_refs: list[reader.TensorRef], report: Report
+) -> list[str] | None:
+    """For a manifest that predates the record (or none): the tensors convert quantizes transposed, from the
+    same architecture analysis (remote code is never run); None, with the problem reported, if it cannot tell.
+    The skip list only removes tensors from quantization, never changes how one is laid out: none is needed."""
+    try:
+        layout = architectures.analyze(metadata.read_config(src.path), src.path, src_refs, [])
+    except PrequantError as e:
+        report.fail(manifests.MANIFEST, f"does not record which tensors were quantized transposed, and the source's "
+                    f"architecture cannot tell ({e.message}); the source cannot be compared")
+        return None
+    return [name for name, decision in layout.decisions.items() if decision.transpose]
+
+
 def _compare_quantized(
     t: reader.TensorRef,
     g: _Group,
+    transpose: bool,
     sdata: reader.TensorSource,
     odata: reader.TensorSource,
     refs: dict[str, reader.TensorRef],
@@ -572,12 +594,15 @@ def _compare_quantized(
 ) -> stats.TensorStats | None:
     shape = tuple(g.state["shape"])
     x = sdata.view(t)
-    if t.shape != shape:
-        if len(t.shape) == 2 and t.shape[::-1] == shape:
-            x = x.t()  # Conv1D weights are stored [in, out] and quantized transposed
-        else:
-            report.fail(t.name, f"quant state shape {list(shape)} does not match the source's {list(t.shape)}")
+    if transpose:  # GPT-2 Conv1D weights are stored [in, out] and quantized transposed
+        if x.dim() != 2:
+            report.fail(t.name, f"recorded as quantized transposed, but the source's is {x.dim()}-D {list(t.shape)}")
             return None
+        x = x.t()
+    if tuple(x.shape) != shape:
+        layout = " (transposed, as it was quantized)" if transpose else ""
+        report.fail(t.name, f"quant state shape {list(shape)} does not match the source's {list(x.shape)}{layout}")
+        return None
     if torch_name(x.dtype) != g.state["dtype"]:
         report.fail(t.name, f"quant state dtype {g.state['dtype']} but the source is {torch_name(x.dtype)}")
         return None

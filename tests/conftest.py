@@ -126,6 +126,30 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def converted_llama(checkpoints, tmp_path_factory) -> tuple[Path, Path]:
+    """(source, output): a tiny Llama converted into two shards, once per session. Shared: read it, never
+    modify it (copy it first, e.g. with shutil.copytree, to damage or edit it)."""
+    import prequant
+
+    src = checkpoints("llama")
+    out = tmp_path_factory.mktemp("llama-converted") / "out"
+    prequant.convert(src, out, device="cpu", progress=False, max_shard_size="100KB")
+    return src, out
+
+
+@pytest.fixture(scope="session")
+def converted_gpt2(checkpoints, tmp_path_factory) -> tuple[Path, Path]:
+    """(source, output): a tiny GPT-2 (Conv1D weights, quantized transposed) converted, once per session.
+    Shared: read it, never modify it."""
+    import prequant
+
+    src = checkpoints("gpt2")
+    out = tmp_path_factory.mktemp("gpt2-converted") / "out"
+    prequant.convert(src, out, device="cpu", progress=False)
+    return src, out
+
+
 def run_main(*args: str) -> tuple[int, str, str]:
     """`prequant ARGS` in this process (no interpreter start-up: fast); returns (exit code, stdout, stderr)."""
     import contextlib

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,24 +12,16 @@ import torch
 from conftest import DATA, run_cli, run_main
 
 import prequant
-from prequant import output, stats
-
-
-@pytest.fixture(scope="module")
-def converted(checkpoints, tmp_path_factory) -> tuple[Path, Path]:
-    """(source, output) of a tiny Llama converted into two shards."""
-    src = checkpoints("llama")
-    out = tmp_path_factory.mktemp("manifest") / "out"
-    prequant.convert(src, out, device="cpu", progress=False, max_shard_size="100KB")
-    return src, out
+from prequant import manifest, output, stats
+from prequant.errors import PrequantError
 
 
 def _manifest(out: Path) -> dict:
     return json.loads((out / "prequant.json").read_text())
 
 
-def test_every_output_file_is_listed_with_size_and_sha256(converted):
-    _, out = converted
+def test_every_output_file_is_listed_with_size_and_sha256(converted_llama):
+    _, out = converted_llama
     files = _manifest(out)["files"]
     on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {"prequant.json"}
     assert set(files) == on_disk
@@ -39,8 +32,8 @@ def test_every_output_file_is_listed_with_size_and_sha256(converted):
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
 
 
-def test_source_versions_and_options_are_recorded(converted):
-    src, out = converted
+def test_source_versions_and_options_are_recorded(converted_llama):
+    src, out = converted_llama
     m = _manifest(out)
     assert m["format"] == "prequant-manifest"
     assert m["source"]["path"] == str(src) and m["source"]["weight_files"] == {"model.safetensors": (src / "model.safetensors").stat().st_size}
@@ -54,8 +47,8 @@ def test_source_versions_and_options_are_recorded(converted):
     assert m["device"] == "cpu"
 
 
-def test_stats_cover_every_quantized_tensor_with_the_nf4_error(converted):
-    _, out = converted
+def test_stats_cover_every_quantized_tensor_with_the_nf4_error(converted_llama):
+    _, out = converted_llama
     m = _manifest(out)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     quantized = {k.removesuffix(".absmax") for k in index if k.endswith(".weight.absmax")}
@@ -100,12 +93,32 @@ def test_dequantization_matches_bitsandbytes_cuda(case):
     assert checked
 
 
-def test_transposed_conv1d_weights_are_measured_in_their_quantized_layout(checkpoints, tmp_path):
-    out = tmp_path / "out"
-    prequant.convert(checkpoints("gpt2"), out, device="cpu", progress=False)
+def test_transposed_conv1d_weights_are_measured_in_their_quantized_layout(converted_gpt2):
+    _, out = converted_gpt2
     tensors = _manifest(out)["tensors"]
     assert "transformer.h.0.attn.c_attn.weight" in tensors
     assert all(0.07 < st["rel_error"] < 0.12 for st in tensors.values())
+
+
+def test_transposed_tensors_are_recorded(converted_gpt2, converted_llama):
+    """Every Conv1D weight, the square attn.c_proj included (its shape cannot tell); nothing for nn.Linear."""
+    m = _manifest(converted_gpt2[1])
+    assert m["format_version"] == 2
+    assert sorted(m["transposed"]) == [f"transformer.h.{i}.{name}.weight" for i in range(2)
+                                       for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert set(m["transposed"]) == set(m["tensors"])
+    assert _manifest(converted_llama[1])["transposed"] == []
+
+
+def test_older_manifest_without_the_record_loads_and_a_malformed_one_fails(converted_llama, tmp_path):
+    out = Path(shutil.copytree(converted_llama[1], tmp_path / "out"))
+    m = _manifest(out)
+    del m["transposed"]
+    (out / "prequant.json").write_text(json.dumps(m | {"format_version": 1}))
+    assert "transposed" not in manifest.load(out)
+    (out / "prequant.json").write_text(json.dumps(m | {"transposed": "model.layers.0.mlp.up_proj.weight"}))
+    with pytest.raises(PrequantError, match='prequant.json: its "transposed" list is malformed'):
+        manifest.load(out)
 
 
 def test_manifest_is_published_before_config(checkpoints, tmp_path, monkeypatch):

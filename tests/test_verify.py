@@ -22,19 +22,10 @@ SHARD_2 = "model-00002-of-00002.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-@pytest.fixture(scope="module")
-def fresh(checkpoints, tmp_path_factory) -> tuple[Path, Path]:
-    """(source, output): a tiny Llama converted into two shards, shared read-only by the tests."""
-    src = checkpoints("llama")
-    out = tmp_path_factory.mktemp("verify") / "out"
-    prequant.convert(src, out, device="cpu", progress=False, max_shard_size="100KB")
-    return src, out
-
-
 @pytest.fixture
-def out(fresh, tmp_path) -> Path:
-    """A private copy of the fresh output, to damage."""
-    return Path(shutil.copytree(fresh[1], tmp_path / "out"))
+def out(converted_llama, tmp_path) -> Path:
+    """A private copy of the fresh output (conftest's converted_llama, shared read-only), to damage."""
+    return Path(shutil.copytree(converted_llama[1], tmp_path / "out"))
 
 
 def rehash(out: Path, *names: str) -> None:
@@ -60,8 +51,8 @@ def first_problem(out: Path, source: Path | None = None) -> str:
     return str(report.problems[0])
 
 
-def test_fresh_output_passes(fresh):
-    src, out = fresh
+def test_fresh_output_passes(converted_llama):
+    src, out = converted_llama
     report = verification.verify(out, src, progress=False)
     assert report.ok, report.to_text()
     assert report.files["checked"] == report.files["listed"] == 8
@@ -69,8 +60,8 @@ def test_fresh_output_passes(fresh):
     assert 0.07 < report.source["summary"]["max_rel_error"] < 0.12
 
 
-def test_cli_json_report_and_exit_zero(fresh):
-    src, out = fresh
+def test_cli_json_report_and_exit_zero(converted_llama):
+    src, out = converted_llama
     proc = run_cli("verify", str(out), "--source", str(src), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -176,9 +167,9 @@ def test_missing_manifest(out):
     assert first_problem(out).startswith("prequant.json: missing")
 
 
-def test_source_catches_swapped_tensors_that_hash_fine(fresh, out):
+def test_source_catches_swapped_tensors_that_hash_fine(converted_llama, out):
     """Structure and hashes cannot tell two same-shaped tensors apart; the source comparison can."""
-    src, _ = fresh
+    src, _ = converted_llama
     a, b = "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"
 
     def swap(tensors):
@@ -191,15 +182,15 @@ def test_source_catches_swapped_tensors_that_hash_fine(fresh, out):
     assert problem.startswith(f"{a}: relative error 1.") and "exceeds the limit 0.368" in problem
 
 
-def test_source_catches_an_edited_kept_tensor(fresh, out):
-    src, _ = fresh
+def test_source_catches_an_edited_kept_tensor(converted_llama, out):
+    src, _ = converted_llama
     key = "model.norm.weight"
     rehash(out, rewrite_shard(out, key, lambda t: t[key].mul_(2)))
     assert first_problem(out, src) == f"{key}: kept unquantized, but its bytes differ from the source"
 
 
-def test_rel_error_limit_is_configurable(fresh):
-    src, out = fresh
+def test_rel_error_limit_is_configurable(converted_llama):
+    src, out = converted_llama
     code, stdout, stderr = run_main("verify", str(out), "--source", str(src), "--max-rel-error", "0.05", "--json")
     assert code == 1 and "exceeds the limit 0.05" in stderr
     assert all("exceeds the limit 0.05" in p["message"] for p in json.loads(stdout)["problems"])
@@ -218,3 +209,57 @@ def test_heavy_tailed_tensor_is_flagged_as_outlier_not_failed():
 def test_not_a_directory_is_a_usage_error(tmp_path):
     code, _, stderr = run_main("verify", str(tmp_path / "nope"))
     assert code == 2 and stderr.startswith("Error: OUTPUT_DIR") and len(stderr.strip().splitlines()) == 1
+
+
+def edit_manifest(out: Path, edit) -> None:
+    """Apply `edit(manifest)` to prequant.json (it lists the other files, not itself: nothing to rehash)."""
+    manifest = json.loads((out / "prequant.json").read_text())
+    edit(manifest)
+    (out / "prequant.json").write_text(json.dumps(manifest))
+
+
+def test_gpt2_conv1d_output_passes_against_its_source(converted_gpt2, tmp_path):
+    """Conv1D weights are quantized transposed; the square attn.c_proj ([64, 64]) looks the same either way,
+    so verify must take the planner's decision (recorded in prequant.json), not guess from shapes."""
+    src, fresh_out = converted_gpt2
+    report = verification.verify(fresh_out, src, progress=False)
+    assert report.ok, report.to_text()
+    assert report.source["quantized"] == 8 and "transformer.h.0.attn.c_proj.weight" in report.source["tensors"]
+    assert report.source["summary"]["max_rel_error"] < 0.12
+
+    # Older manifests lack the record: verify decides from the source's architecture, as convert did.
+    out = Path(shutil.copytree(fresh_out, tmp_path / "out"))
+    edit_manifest(out, lambda m: m.pop("transposed"))
+    report = verification.verify(out, src, progress=False)
+    assert report.ok, report.to_text()
+    assert report.source["summary"]["max_rel_error"] < 0.12
+
+    # The record is what verify uses: one that omits c_proj makes it compare the wrong layout.
+    edit_manifest(out, lambda m: m.update(transposed=[n for n in m["tensors"] if not n.endswith("attn.c_proj.weight")]))
+    assert first_problem(out, src).startswith("transformer.h.0.attn.c_proj.weight: relative error 1.")
+
+
+def test_gpt2_record_naming_a_non_square_tensor_wrongly_fails_on_shape(converted_gpt2, tmp_path):
+    src, fresh_out = converted_gpt2
+    out = Path(shutil.copytree(fresh_out, tmp_path / "out"))
+    edit_manifest(out, lambda m: m.update(transposed=[]))  # c_attn is [64, 192] in the source, [192, 64] quantized
+    problem = first_problem(out, src)
+    assert problem == "transformer.h.0.attn.c_attn.weight: quant state shape [192, 64] does not match the source's [64, 192]"
+
+
+def test_older_manifest_and_a_source_without_config_fail_closed(converted_gpt2, tmp_path):
+    src, fresh_out = converted_gpt2
+    out = Path(shutil.copytree(fresh_out, tmp_path / "out"))
+    edit_manifest(out, lambda m: m.pop("transposed"))
+    bare = Path(shutil.copytree(src, tmp_path / "src"))
+    (bare / "config.json").unlink()
+    problem = first_problem(out, bare)
+    assert problem.startswith("prequant.json: does not record which tensors were quantized transposed") and (
+        "config.json is missing" in problem
+    )
+
+
+def test_malformed_index(out):
+    (out / INDEX).write_text('{"weight_map": ["not", "a", "map"]}')
+    rehash(out, INDEX)
+    assert first_problem(out).startswith(f"{INDEX}: not a valid index (needs a 'weight_map' object")
