@@ -80,7 +80,8 @@ def convert(
     ] = False,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
-    readahead.start_for_source(source)  # the disk works while torch imports
+    if not (dry_run or resume):
+        readahead.start_for_source(source)  # the disk works while torch imports
     from .converter import convert as run_convert
 
     trace.mark("imported")

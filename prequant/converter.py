@@ -122,6 +122,7 @@ def convert(
     record = manifest.Recorder(src, plan, stats=stats, options={"skip": list(skip), "max_shard_size": shard_limit})
     staging = output.staging_dir(out, keep=resume)
     side = metadata.side_files(src.path)
+    manifest_written: dict | None = None  # None: published by an earlier, interrupted run
     with _interruptible():
         if not (resume and output.publishing(staging)):
             job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
@@ -136,23 +137,24 @@ def convert(
                 bar.advance(step.source.nbytes)
                 if ahead is not None:
                     ahead.consumed(step.source.nbytes)
-                if src.hub is not None:
-                    data.step_done(step)  # a Hub shard: evicted after its last tensor with delete_source_shards
+                data.step_done(step)  # a Hub shard: evicted after its last tensor with delete_source_shards
 
-            with data, Progress(plan.input_bytes, enabled=progress) as bar:
-                trace.mark("pipeline-start")
-                shard_sizes = pipeline.run(
-                    plan, data, quantizer, staging, journal, on_step=done,
-                    inspect=record.inspect, on_shard=record.on_shard,
-                )
-                trace.mark("pipeline-end")
-            if ahead is not None:
-                ahead.stop()
-            journal.close()
+            try:
+                with data, Progress(plan.input_bytes, enabled=progress) as bar:
+                    trace.mark("pipeline-start")
+                    shard_sizes = pipeline.run(
+                        plan, data, quantizer, staging, journal, on_step=done,
+                        inspect=record.inspect, on_shard=record.on_shard,
+                    )
+                    trace.mark("pipeline-end")
+            finally:
+                if ahead is not None:
+                    ahead.stop()
+                journal.close()
             metadata.copy_side_files(src.path, staging, side)
             metadata.write_index(staging, plan, shard_sizes)
             metadata.write_config(staging, config, plan)
-            record.finish(staging, side, device=str(quantizer.device), repo_id=push_to_hub)
+            manifest_written = record.finish(staging, side, device=str(quantizer.device), repo_id=push_to_hub)
             trace.mark("manifest-written")
         output.publish(out, staging)
         trace.mark("published")
@@ -171,7 +173,7 @@ def convert(
         peak_gpu_bytes=_peak_gpu_bytes(quantizer.device),
         unquantized_parameters=plan.unquantized(),
         copied_files=[p.as_posix() for p in side],
-        stats=manifest.load(out)["stats"]["summary"],
+        stats=(manifest_written or manifest.load(out))["stats"]["summary"],
         hub_commit_url=hub_url,
     )
 

@@ -35,12 +35,13 @@ import torch
 from . import reader
 from . import source as source_mod
 from .errors import PrequantError, UsageError
+from .plan import STATE_KEY_PREFIX
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-QUANT_STATE_KEY = ".weight.quant_state.bitsandbytes__"
+QUANT_STATE_KEY = ".weight." + STATE_KEY_PREFIX
 PackedStorage = Literal["uint8", "checkpoint"]
 
 
@@ -73,6 +74,13 @@ class Checkpoint:
             prefix, sep, quant_type = name.partition(QUANT_STATE_KEY)
             if sep:
                 self.quantized[prefix] = quant_type
+        # Each quantized layer's quant-state entries (absmax, code tables, ...), found in one pass: looking
+        # them up per layer would scan every name once per layer (seconds per rank for Grok-1's 11k tensors).
+        self._state_keys: dict[str, list[str]] = {p: [] for p in self.quantized}
+        for name in self.tensors:
+            prefix, sep, _ = name.partition(".weight.")
+            if sep and prefix in self._state_keys:
+                self._state_keys[prefix].append(name)
 
     def view(self, name: str) -> torch.Tensor:
         """The tensor as a zero-copy CPU view of the mapped file (file-backed pages, never anonymous memory)."""
@@ -91,7 +99,7 @@ class Checkpoint:
 
         head = prefix + ".weight."
         # clone(): the state must not keep a view of the mapping alive (nor alias file pages on CPU).
-        parts = {k[len(head):]: self.view(k).clone() for k in self.tensors if k.startswith(head)}
+        parts = {k[len(head):]: self.view(k).clone() for k in self._state_keys[prefix]}
         return QuantState.from_dict(parts, device=device)
 
     @property

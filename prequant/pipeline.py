@@ -27,7 +27,7 @@ import torch
 from .dtypes import SAFETENSORS_DTYPES
 from .plan import Plan, Step
 from .quantize import Quantizer
-from .reader import TensorRef, TensorSource
+from .reader import BIN_OFFSET, TensorRef, TensorSource
 from . import failpoints, trace
 from .journal import Journal
 from .writer import ShardWriter
@@ -149,7 +149,7 @@ def run(
             source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
             if step.quantize:
                 data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
-            elif step.source.offset >= 0:
+            elif step.source.offset != BIN_OFFSET:
                 data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)
             else:  # a .bin shard's tensor: no known byte range, written from its memory-mapped view
                 data = (source.view(step.source), None)
@@ -171,12 +171,16 @@ def run(
     for t in threads:
         t.start()
     try:
-        guarded(lambda: _quantize_all(loaded, quantized, quantizer, inspect))()
-    finally:
-        if errors:
-            failed.set()
+        guarded(lambda: _quantize_all(loaded, quantized, quantizer, inspect))()  # a failure sets `failed`
         for t in threads:
             t.join()
+    except BaseException:
+        # Interrupted while joining (Ctrl-C, SIGTERM): stop the other stages before the caller closes the
+        # files they use; a writer left running could copy from a closed, reused descriptor.
+        failed.set()
+        for t in threads:
+            t.join()
+        raise
     if errors:
         raise errors[0]
     return shards.sizes
@@ -302,15 +306,14 @@ class _GpuLoader:
 
     def _fill(self, ref: TensorRef, start: int, buf: memoryview) -> None:
         """Bytes [start, start+len(buf)) of the tensor into buf, in READ_THREADS parts read at once."""
-        if ref.offset < 0:  # a .bin shard's tensor comes from torch's mapping, not from byte ranges
-            self.source.read_into(ref, start, buf)
-            return
         part = -(-len(buf) // READ_THREADS // 4096) * 4096
         spans = [(a, min(len(buf), a + part)) for a in range(0, len(buf), part)]
         for f in [self.pool.submit(self.source.read_into, ref, start + a, buf[a:b]) for a, b in spans]:
             f.result()
 
     def load(self, ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event]:
+        if ref.offset == BIN_OFFSET:
+            return self._load_bin(ref)
         out = torch.empty(ref.nbytes, dtype=torch.uint8, device=self.device)
         # `out` may reuse memory the default stream was still reading: order the copies after that work.
         self.stream.wait_stream(torch.cuda.default_stream(self.device))
@@ -327,6 +330,19 @@ class _GpuLoader:
             done = torch.cuda.Event()
             done.record(self.stream)
         return out.view(SAFETENSORS_DTYPES[ref.dtype]).view(ref.shape), done
+
+
+    def _load_bin(self, ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A .bin shard's tensor has no byte range in its file: copy torch's memory-mapped tensor as it is."""
+        src = self.source.view(ref)
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            with trace.busy("read"):
+                out.copy_(src)  # pageable: synchronous, straight from the mapped pages
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out, done
 
 
 def _chunks(nbytes: int) -> Iterator[int]:

@@ -73,9 +73,12 @@ class Readahead:
             self._cond.notify()
 
     def stop(self) -> None:
+        global _current
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        if _current is self:
+            _current = None  # the next conversion in this process starts a fresh one
 
     def _run(self) -> None:
         position = 0
@@ -87,12 +90,15 @@ class Readahead:
                     chunk = advice_chunk(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     for offset in range(0, size, _STEP):
+                        n = min(_STEP, size - offset)
                         with self._cond:
                             self._cond.wait_for(lambda: self._stopped or position - self._consumed < self.window)
                             if self._stopped:
                                 return
-                        willneed(fd, offset, min(_STEP, size - offset), chunk)
-                        position += min(_STEP, size - offset)
+                            behind = position + n <= self._consumed  # done already (e.g. before a --resume)
+                        if not behind:
+                            willneed(fd, offset, n, chunk)
+                        position += n
                 finally:
                     os.close(fd)
         except Exception:  # noqa: BLE001 - advisory only
@@ -116,7 +122,8 @@ def start(files: list[Path]) -> Readahead | None:
 
 
 def start_for_source(source: str) -> None:
-    """From the CLI, before torch is imported: the weight files of a local checkpoint directory."""
+    """From the CLI, before torch is imported: the weight files of a local checkpoint directory. (Not for a
+    dry run, which reads headers only, nor a resume, whose finished part convert() reports before it starts.)"""
     from . import source as sources  # standard library only, like this module
 
     try:

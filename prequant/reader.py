@@ -251,6 +251,9 @@ class TensorSource:
         """Wait until `path` can be read. Local files always can; a streamed Hub source waits for the
         shard's download (and gives up when `stop` is set: another pipeline stage failed)."""
 
+    def step_done(self, step: object) -> None:
+        """A step's outputs are written. Local files need nothing; a Hub source may evict a finished shard."""
+
     def fd(self, path: Path) -> int:
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
@@ -278,11 +281,10 @@ class TensorSource:
         return flat.view(dtype).view(ref.shape)
 
     def read_into(self, ref: TensorRef, start: int, out: memoryview) -> None:
-        """Read bytes [start, start+len(out)) of the tensor into `out` (pread: no shared file position)."""
+        """Read bytes [start, start+len(out)) of a safetensors tensor into `out` (pread: no shared file position).
+        A .bin shard's tensors have no byte range: read them through `view`."""
         if ref.offset == BIN_OFFSET:
-            flat = self._bin_tensor(ref).contiguous().view(-1).view(torch.uint8)
-            out[:] = flat[start : start + len(out)].numpy().tobytes()
-            return
+            raise PrequantError(f"internal: {ref.name} is in a .bin shard, which has no byte ranges; use view()")
         fd, pos, done = self.fd(ref.file), ref.offset + start, 0
         while done < len(out):
             n = os.preadv(fd, [out[done:]], pos + done)

@@ -125,7 +125,8 @@ class ShardWriter:
             os.ftruncate(self._fd, pos)
             with trace.busy("fsync"):
                 os.fsync(self._fd)  # a full disk or quota can surface only here (delayed allocation, NFS)
-            os.close(self._fd)
+            fd, self._fd = self._fd, -1  # closed even if close() reports an error: abort() must not close it again
+            os.close(fd)
             os.replace(self.partial, self.path)
         except OSError as e:
             raise write_error(self.partial, e) from e
@@ -134,10 +135,12 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Close without publishing (the .partial file stays for inspection or is cleaned by the caller)."""
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _load_sync_file_range():
@@ -214,7 +217,7 @@ def _copy_all(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int,
                 raise PrequantError(f"{path}: the source ended early while copying; was it truncated meanwhile?")
             done += n
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if e.errno in _FULL:
             raise _disk_full(path, nbytes - done) from e
         raise PrequantError(f"{path}: write failed ({e.strerror})") from e
 

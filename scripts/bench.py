@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES = {
-    # name: (config, layer tensors [(suffix, shape)], embedding rows)
+    # name: model dimensions; layer_tensors() and config_for() turn them into tensors and a config.json
     "llama": dict(hidden=4096, inter=14336, kv=1024, vocab=128256, heads=32, kv_heads=8),
     "grok": dict(hidden=6144, inter=32768, kv=1024, vocab=131072, heads=48, kv_heads=8, experts=8),
     "uniform": dict(hidden=4096, inter=4096, kv=4096, vocab=4096, heads=32, kv_heads=32),
@@ -247,7 +247,8 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     if args.json:
         args.json.write_text(text)
-    print(text)
+    else:
+        print(text)
 
 
 def read_trace(path: Path, spawned: float) -> dict:

@@ -110,6 +110,8 @@ def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
     assert any(n.startswith("shard-written:") for n in names)
     times = [at for _, at in t["events"]]
     assert times == sorted(times)
-    for stage in ("quantize", "stats", "write", "sha256", "fsync", "loaded-get-wait"):
-        assert t["busy"][stage] >= 0, stage
+    stages = {"quantize", "stats", "write", "sha256", "fsync", "loaded-get-wait", "quantized-put-wait"}
+    assert stages <= t["busy"].keys()
+    assert t["busy"]["quantize"] > 0 and t["busy"]["write"] > 0  # real work was timed
+    assert all(0 <= s <= times[-1] - times[0] + 0.01 for s in t["busy"].values())  # no stage outlasts the process
 

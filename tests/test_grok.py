@@ -166,3 +166,15 @@ def test_malicious_pickle_is_refused_without_running_it(tmp_path):
     assert "refused to unpickle" in proc.stderr and shard.name in proc.stderr
     assert not marker.exists()
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bin_shards_convert_on_the_gpu_to_the_cpu_kernels_bytes(grok, tmp_path):
+    """.bin tensors reach the GPU through torch's own mapping (no byte ranges): same bytes as the CPU run."""
+    naming, src, out, _ = grok
+    prequant.convert(src, tmp_path / "cuda", device="cuda", progress=False)
+    cpu, cuda = read_checkpoint(out), read_checkpoint(tmp_path / "cuda")
+    assert cpu.keys() == cuda.keys()
+    for key, t in cpu.items():
+        assert t.dtype == cuda[key].dtype and torch.equal(t.reshape(-1).view(torch.uint8), cuda[key].reshape(-1).view(torch.uint8)), key

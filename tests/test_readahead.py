@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,12 +34,14 @@ def test_advice_chunk_is_the_devices_readahead_or_the_default(tmp_path):
         chunk = readahead.advice_chunk(fd)
     finally:
         os.close(fd)
-    assert 128 * 1024 <= chunk <= 64 * 1024 * 1024 and chunk % 4096 == 0
     dev = os.stat(f).st_dev
-    queue = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue/read_ahead_kb"
-    if os.path.exists(queue):  # a whole disk: exactly what its queue says (at least the kernel default)
-        kb = max(int(open(queue).read()), int(open(queue.replace("read_ahead_kb", "max_sectors_kb")).read()))
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    queue = block / "queue" if (block / "queue").is_dir() else block.resolve().parent / "queue"  # a partition's disk
+    if (queue / "read_ahead_kb").exists():
+        kb = max(int((queue / "read_ahead_kb").read_text()), int((queue / "max_sectors_kb").read_text()))
         assert chunk == min(64 << 20, max(128 << 10, kb << 10))
+    else:  # no block device behind the file (overlay, tmpfs): the kernel's default readahead
+        assert chunk == 128 << 10
 
 
 @pytest.mark.parametrize("offset, length, chunk", [(0, 1, 4096), (100, 10_000, 4096), (0, 8 << 20, 1 << 20),
@@ -55,18 +59,63 @@ def test_willneed_covers_the_range_in_pieces_no_larger_than_the_chunk(tmp_path, 
     assert all(a[0] + a[1] == b[0] for a, b in zip(advice, advice[1:]))
 
 
-def test_background_readahead_stays_within_its_window(tmp_path, advice):
-    files = []
-    for i in range(2):
-        files.append(tmp_path / f"s{i}")
-        files[-1].write_bytes(os.urandom(3 * readahead._STEP // 2))  # 96 MiB each: two steps per file
-    r = readahead.Readahead(files, window=readahead._STEP)
-    time.sleep(0.5)
-    advised = sum(n for _, n, how in advice if how == os.POSIX_FADV_WILLNEED)
-    assert advised == readahead._STEP  # one window's worth, then it waits for the pipeline
-    r.consumed(3 * readahead._STEP)
-    deadline = time.monotonic() + 10
-    while sum(n for _, n, how in advice if how == os.POSIX_FADV_WILLNEED) < 3 * readahead._STEP:
-        assert time.monotonic() < deadline, "readahead did not go on after the pipeline caught up"
-        time.sleep(0.05)
-    r.stop()
+def _advised(advice: list[tuple[int, int, int]]) -> int:
+    return sum(n for _, n, how in advice if how == os.POSIX_FADV_WILLNEED)
+
+
+def _wait_until_blocked(r: readahead.Readahead) -> None:
+    """Until the read-ahead thread waits for the pipeline (or has finished): no deadline, a real state."""
+    while r._thread.is_alive():
+        frame = sys._current_frames().get(r._thread.ident)
+        if frame is not None and frame.f_code.co_name == "wait" and "threading" in frame.f_code.co_filename:
+            return
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def two_files(tmp_path) -> list[Path]:
+    files = [tmp_path / "s0", tmp_path / "s1"]
+    for f in files:
+        f.write_bytes(b"\1" * (3 * readahead._STEP // 2))  # 96 MiB each: two steps per file
+    return files
+
+
+def test_background_readahead_stays_within_its_window(two_files, advice):
+    window = readahead._STEP
+    r = readahead.Readahead(two_files, window=window)
+    _wait_until_blocked(r)
+    assert _advised(advice) == window  # one window's worth, then it waits for the pipeline
+    consumed = 0
+    while r._thread.is_alive():  # the pipeline consumes what was read ahead, the read-ahead goes on
+        advised = _advised(advice)
+        r.consumed(advised - consumed)
+        consumed = advised
+        _wait_until_blocked(r)
+        # Each step is advised only while it starts less than a window ahead of the pipeline.
+        assert _advised(advice) - consumed < window + readahead._STEP
+    assert _advised(advice) == 3 * readahead._STEP  # both files, each byte once
+
+
+def test_background_readahead_skips_what_the_pipeline_already_consumed(two_files, advice):
+    r = readahead.Readahead(two_files, window=readahead._STEP)
+    _wait_until_blocked(r)
+    first = len(advice)
+    # A resume reports finished tensors at once: the rest of s0 and the first step of s1 are done already.
+    r.consumed(readahead._STEP + readahead._STEP // 2 + readahead._STEP)
+    r._thread.join()
+    later = [(offset, n) for offset, n, how in advice[first:] if how == os.POSIX_FADV_WILLNEED]
+    assert sum(n for _, n in later) == readahead._STEP // 2  # only s1's last 32 MiB
+    assert all(offset >= readahead._STEP for offset, _ in later)
+
+
+def test_start_after_stop_gives_a_running_readahead(two_files, advice):
+    a = readahead.start(two_files)
+    assert a is readahead.start(two_files)  # the CLI's early start is the one convert() continues
+    a.stop()
+    a._thread.join()
+    before = _advised(advice)
+    b = readahead.start(two_files)  # e.g. a second convert() of the same source in one process
+    b._thread.join()
+    assert b is not a and not b._stopped
+    assert _advised(advice) - before == 3 * readahead._STEP  # it read the files ahead again, in full
+    b.stop()
