@@ -22,7 +22,8 @@ Xet is not implemented: the fixture sets ``HF_HUB_DISABLE_XET=1`` so large uploa
 
 Faults for tests: ``server.requests`` / ``server.request_log`` record every request,
 ``server.fail(repo_id, filename, ...)`` makes serving a file answer an HTTP error or cut the connection
-mid-body, ``server.require_token = True`` (or ``add_repo(..., private=True)``) answers 401 without
+mid-body (``ranged=True``/``False``: only ranged requests, e.g. header reads, or only whole-file ones),
+``server.require_token = True`` (or ``add_repo(..., private=True)``) answers 401 without
 ``Authorization: Bearer <server.token>``.
 
 Use the ``hub_server`` fixture (function-scoped): it starts a server in ``tmp_path``, points
@@ -107,7 +108,9 @@ class Fault:
 
     kind "status": answer ``status`` instead of the file; kind "drop": send the headers of the full
     answer, then the body up to absolute file offset ``after_bytes``, then cut the connection.
-    ``times``: how many matching requests it hits (None: all of them).
+    ``times``: how many matching requests it hits (None: all of them). ``ranged``: True hits only requests
+    with a Range header (e.g. header reads), False only requests without one (e.g. whole-file downloads),
+    None both.
     """
 
     repo_id: str
@@ -117,6 +120,7 @@ class Fault:
     after_bytes: int = 0
     times: int | None = None
     methods: tuple[str, ...] = ("GET",)
+    ranged: bool | None = None
 
 
 @dataclass
@@ -375,10 +379,15 @@ class HubServer:
             return revision
         raise HubError(404, "RevisionNotFound", f"Invalid rev id: {revision}")
 
-    def _take_fault(self, repo_id: str, filename: str, method: str) -> Fault | None:
+    def _take_fault(self, repo_id: str, filename: str, method: str, ranged: bool) -> Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.repo_id == repo_id and fault.filename == filename and method in fault.methods:
+                if (
+                    fault.repo_id == repo_id
+                    and fault.filename == filename
+                    and method in fault.methods
+                    and fault.ranged in (None, ranged)
+                ):
                     if fault.times is not None:
                         fault.times -= 1
                         if fault.times <= 0:
@@ -648,7 +657,7 @@ class _Handler(BaseHTTPRequestHandler):
             start, end = _parse_range(range_header, blob.size)
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{blob.size}"
-        fault = self.hub._take_fault(repo, filename, self.command)
+        fault = self.hub._take_fault(repo, filename, self.command, ranged=bool(range_header))
         if fault is not None and fault.kind == "status":
             raise HubError(fault.status, None, f"injected failure serving {filename}")
         self.record.status = status

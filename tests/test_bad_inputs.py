@@ -554,13 +554,39 @@ def test_symlinked_shards_like_the_hub_cache_are_accepted(checkpoints, tmp_path:
         (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
     proc = run_cli("convert", str(snapshot), str(tmp_path / "out"), "--device", "cpu", "--dry-run")
     assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "out").exists()
+    # A real conversion through the links gives the bytes of the same source held as plain files (same folder
+    # name, so that the card, which names the base model after it, is the same too).
+    plain = tmp_path / "plain-source" / snapshot.name
+    shutil.copytree(template, plain)
+    assert not any(p.is_symlink() for p in plain.iterdir()) and all(p.is_symlink() for p in snapshot.iterdir())
+    results = {}
+    linked, plain_out = tmp_path / "out-linked", tmp_path / "out-plain"
+    for name, src, out in (("linked", snapshot, linked), ("plain", plain, plain_out)):
+        proc = run_cli("convert", str(src), str(out), "--device", "cpu", "--json")
+        assert proc.returncode == 0, proc.stderr
+        results[name] = json.loads(proc.stdout)
+    for key in ("tensors_quantized", "tensors_kept", "shards", "input_bytes", "output_bytes", "unquantized_parameters"):
+        assert results["linked"][key] == results["plain"][key], key
+    assert results["linked"]["tensors_quantized"] == 14 and results["linked"]["tensors_kept"] == 7
+    files = sorted(p.name for p in linked.iterdir())
+    assert files == sorted(p.name for p in plain_out.iterdir())
+    assert {"model.safetensors", "config.json", "README.md", "prequant.json"} <= set(files)  # one output shard
+    for f in files:
+        if f != "prequant.json":  # it records the source's path
+            assert (linked / f).read_bytes() == (plain_out / f).read_bytes(), f
+    ours, theirs = (json.loads((d / "prequant.json").read_text()) for d in (linked, plain_out))
+    assert ours["files"] == theirs["files"]  # every output file's size and sha256
 
 
 def test_errors_show_a_traceback_with_prequant_debug(tmp_path: Path) -> None:
     """The one-line form is for users; PREQUANT_DEBUG=1 gives developers the traceback."""
     proc = run_cli("convert", str(tmp_path / "missing"), str(tmp_path / "out"), env={"PREQUANT_DEBUG": "1"})
     assert proc.returncode != 0
+    assert proc.returncode == 1  # the interpreter's status for an uncaught exception, not the error's own code
     assert "Traceback" in proc.stderr and "PrequantError" in proc.stderr
+    last = proc.stderr.rstrip().splitlines()[-1]  # the exception, last, as Python prints it
+    assert last.startswith(f"prequant.errors.PrequantError: source '{tmp_path / 'missing'}' does not exist"), last
 
 
 assert len({c.id for c in CASES}) == len(CASES) >= 15

@@ -149,7 +149,7 @@ def test_max_shard_size_smaller_than_one_tensor(checkpoints, tmp_path):
     [
         ({"quant_type": "fp4"}, {"bnb_4bit_quant_type": "fp4"}),
         ({"double_quant": False}, {"bnb_4bit_use_double_quant": False}),
-        ({"quant_storage": "uint8", "blocksize": 128}, {"bnb_4bit_quant_storage": torch.uint8}),
+        ({"quant_storage": "uint8"}, {"bnb_4bit_quant_storage": torch.uint8}),
     ],
     ids=["fp4", "no-double-quant", "uint8-storage"],
 )
@@ -157,16 +157,33 @@ def test_settings_variants_match_transformers_layout(checkpoints, tmp_path, opti
     src = checkpoints("llama")
     prequant.convert(src, tmp_path / "out", device="cpu", progress=False, **options)
     ours = read_checkpoint(tmp_path / "out")
-    if "blocksize" in options:
-        # transformers has no blocksize option: check the packed state says what we asked for.
-        state = _state(ours["model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"])
-        assert state["blocksize"] == 128
-        return
     theirs = read_checkpoint(transformers_reference(src, tmp_path / "ref", **overrides))
     assert {k: (v.dtype, v.shape) for k, v in ours.items()} == {k: (v.dtype, v.shape) for k, v in theirs.items()}
     ours_cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     theirs_cfg = json.loads((tmp_path / "ref" / "config.json").read_text())["quantization_config"]
     assert ours_cfg == theirs_cfg
+    if "quant_storage" in options:
+        packed = [k for k in ours if k + ".absmax" in ours]
+        assert packed and all(ours[k].dtype == torch.uint8 for k in packed)
+
+
+def test_blocksize_128_packs_one_absmax_per_128_weights(checkpoints, tmp_path):
+    # transformers has no blocksize option, so there is no reference to compare with: check that the packed
+    # state says what we asked for, and that every quantized tensor has one absmax per block of 128 values.
+    import math
+
+    src = checkpoints("llama")
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False, quant_storage="uint8", blocksize=128)
+    ours, source = read_checkpoint(tmp_path / "out"), read_checkpoint(src)
+    state = _state(ours["model.layers.0.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"])
+    assert state["blocksize"] == 128
+    quantized = [k.removesuffix(".absmax") for k in ours if k.endswith(".absmax")]
+    assert quantized
+    for key in quantized:
+        numel = source[key].numel()
+        assert ours[f"{key}.absmax"].numel() == math.ceil(numel / 128), key
+        assert _state(ours[f"{key}.quant_state.bitsandbytes__nf4"])["blocksize"] == 128, key
+        assert ours[key].dtype == torch.uint8 and ours[key].numel() == math.ceil(numel / 2), key
 
 
 def test_skip_keeps_module_and_config_lists_it_with_the_defaults(checkpoints, tmp_path):

@@ -269,9 +269,14 @@ def test_check_fsdp_both_loaders_agree_on_cpu(tiny, tmp_path):
 
 
 def test_check_fsdp_usage_errors(tiny, tmp_path):
-    assert run_cli("check-fsdp", str(tmp_path), "--nproc", "2").returncode == 2
+    proc = run_cli("check-fsdp", str(tmp_path), "--nproc", "2")
+    assert proc.returncode == 2
+    assert proc.stderr == f"Error: {tmp_path}: no config.json; pass a directory written by prequant convert\n"
+    assert proc.stdout == ""
     proc = run_cli("check-fsdp", str(tiny), "--nproc", "2", "--loader", "deepspeed")
     assert proc.returncode == 2 and "--loader 'deepspeed'" in proc.stderr
+    assert proc.stderr == "Error: --loader 'deepspeed': use one of transformers, prequant\n"
+    assert proc.stdout == ""
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
-"""GPU-only tests: bitsandbytes' CUDA kernel is the reference; run them on a CUDA machine.
+"""GPU tests: bitsandbytes' CUDA kernel is the reference; run them on a CUDA machine.
 
     python -m pytest -q -m gpu tests/test_gpu.py
+
+Every test here needs CUDA except the CPU parametrization of the golden-output test, which also runs without one.
 """
 
 from __future__ import annotations
@@ -11,12 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA, build_checkpoint, read_checkpoint, transformers_reference
+from conftest import DATA, build_checkpoint, cuda, read_checkpoint, transformers_reference
 
 import prequant
 from prequant import quantize as quantize_mod
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+GPU = [pytest.mark.gpu, cuda]  # marks for whatever needs a CUDA GPU (skipped without one)
+
+
+def gpu_only(test):
+    for mark in GPU:
+        test = mark(test)
+    return test
+
 
 VARIANTS = {
     "nf4_dq64": dict(quant_type="nf4", blocksize=64, double_quant=True),
@@ -40,7 +49,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU), "cpu"])
 def test_quantize_tensor_reproduces_golden_cuda_outputs(device):
     cases, tensors = _golden()
     for cv, state in cases.items():
@@ -64,6 +73,7 @@ DISTRIBUTIONS = {
 }
 
 
+@gpu_only
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cpu_kernel_equals_cuda_kernel_on_unseen_inputs(dist, dtype):
@@ -79,6 +89,7 @@ def test_cpu_kernel_equals_cuda_kernel_on_unseen_inputs(dist, dtype):
                     assert _same_bytes(cpu[k], gpu[k]), (dist, dtype, shape, opts, k)
 
 
+@gpu_only
 def test_cpu_kernel_equals_cuda_kernel_on_a_real_layer():
     x = (torch.randn(14336, 4096, generator=torch.Generator().manual_seed(7)) * 0.02).to(torch.bfloat16)
     for opts in (dict(quant_type="nf4", double_quant=True), dict(quant_type="fp4", double_quant=False)):
@@ -87,6 +98,7 @@ def test_cpu_kernel_equals_cuda_kernel_on_a_real_layer():
             assert _same_bytes(cpu[k], gpu[k]), (opts, k)
 
 
+@gpu_only
 def test_pieces_over_the_int32_limit_are_byte_identical_to_one_call(monkeypatch):
     x = torch.randn(3 * 2**20 + 4096, dtype=torch.bfloat16)
     whole = prequant.quantize_tensor(x, device="cuda")
@@ -96,6 +108,7 @@ def test_pieces_over_the_int32_limit_are_byte_identical_to_one_call(monkeypatch)
         assert _same_bytes(whole[k], pieces[k]), k
 
 
+@gpu_only
 @pytest.mark.slow
 def test_tensor_over_2g_elements_matches_cpu_kernel():
     n = 2**31 + 3 * 2**20 + 64
@@ -122,18 +135,21 @@ def _assert_identical_checkpoints(a: Path, b: Path) -> None:
     assert ca["quantization_config"] == cb["quantization_config"]
 
 
+@gpu_only
 def test_cuda_convert_is_byte_identical_to_transformers(tiny, tmp_path):
     src, ref = tiny
     prequant.convert(src, tmp_path / "out", device="cuda", progress=False)
     _assert_identical_checkpoints(tmp_path / "out", ref)
 
 
+@gpu_only
 def test_cpu_convert_is_byte_identical_to_transformers_on_cuda(tiny, tmp_path):
     src, ref = tiny
     prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
     _assert_identical_checkpoints(tmp_path / "out", ref)
 
 
+@gpu_only
 def test_cuda_logits_identical_to_on_the_fly_quantization(tiny, tmp_path):
     from conftest import bnb_config
     from transformers import AutoModelForCausalLM
@@ -147,6 +163,7 @@ def test_cuda_logits_identical_to_on_the_fly_quantization(tiny, tmp_path):
         assert torch.equal(loaded(ids).logits, fly(ids).logits)
 
 
+@gpu_only
 def test_real_size_layer_is_byte_identical_to_transformers(tmp_path):
     """One Llama-3-8B-sized decoder layer (4096 x 14336 MLP), converted on the GPU and on the CPU."""
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,16 @@ def publish(server: HubServer, repo_id: str, folder: Path, revision: str = "main
 def outputs(folder: Path) -> dict[str, bytes]:
     """Every output file but the two that name the source (manifest, card)."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in ("prequant.json", "README.md")}
+
+
+def _serves(record, name: str) -> bool:
+    """Whether `record` is a GET that answers with file `name`'s bytes (or an error in their place): the CDN
+    request of an LFS file, or its resolve request when it is not a redirect to the CDN."""
+    if record.method != "GET" or record.status == 302:
+        return False
+    if record.path.startswith("/cdn-lfs/"):
+        return record.query.get("file") == [name]
+    return "/resolve/" in record.path and record.path.split("/resolve/", 1)[1].split("/", 1)[1] == name
 
 
 def shard_requests(server: HubServer) -> list[tuple[str, bool]]:
@@ -182,11 +193,21 @@ def test_delete_source_shards_keeps_at_most_two_on_disk(
     assert (snapshot / "config.json").is_file() and not list(snapshot.glob("*.safetensors"))
 
 
-def _wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_for(condition) -> None:
+    """Poll until `condition()` holds, with no deadline (no guessed time limit): each condition is a state that
+    must come, or one that can no longer change (e.g. the awaited thread died), which the caller then checks."""
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def _blocked_in(thread: threading.Thread, function: str) -> bool:
+    """Whether `thread` is, right now, inside a call of `function` (a name in its current stack)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
@@ -195,18 +216,31 @@ def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
     plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
     src = sources.resolve(REPO, stream=True)
     files = list(dict.fromkeys(step.source.file for step in plan.steps))
+    assert len(files) == 4
     data = sources.tensors(src, plan.steps, delete=True)
     try:
         data.prepare(files[0])
         assert files[0].is_file()
-        _wait_until(lambda: len(data.downloaded) == 2)  # the next one, with nobody asking for it yet
-        time.sleep(0.3)
+        downloader = data._thread  # started by that first prepare
+        assert downloader is not None
+        _wait_for(lambda: len(data.downloaded) == 2 or not downloader.is_alive())
+        assert data.downloaded == [f.name for f in files[:2]]  # the next one, with nobody asking for it yet
+        data.prepare(files[1])  # downloaded; now also checked against the plan
+        # The download thread's next move is to wait for room for the third: once it is inside that wait, with
+        # two shards on disk, only a deletion (or close) can let it go on. No time is guessed.
+        _wait_for(lambda: _blocked_in(downloader, "_wait_for_room") or not downloader.is_alive())
+        assert downloader.is_alive(), "the download thread finished instead of waiting for room"
         assert data.downloaded == [f.name for f in files[:2]]  # two on disk: the third waits
+        assert not files[2].exists()
+        whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
+        assert whole == [f.name for f in files[:2]]  # the server never got a request for the third's bytes
         for step in plan.steps:
             if step.source.file == files[0]:
                 data.step_done(step)
         assert not files[0].exists() and data.evicted == [files[0].name]
-        _wait_until(lambda: len(data.downloaded) == 3)
+        # The deletion made room: the third comes unasked (a thread that died instead fails here, no hang).
+        _wait_for(lambda: len(data.downloaded) == 3 or not downloader.is_alive())
+        assert data.downloaded == [f.name for f in files[:3]]
         data.prepare(files[2])
         assert files[2].is_file()
     finally:
@@ -248,22 +282,21 @@ def test_delete_source_shards_refused_for_a_local_directory(tiny: Path, tmp_path
 
 
 def test_failed_download_stops_the_conversion_with_the_file_named(
-    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
     plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
     third = list(dict.fromkeys(step.source.file.name for step in plan.steps))[2]
-    real_scan = hubsource.scan
-
-    def scan_then_break(src):  # the headers read fine; then the third shard's download fails
-        refs = real_scan(src)
-        hub_server.fail(REPO, third, status=404)
-        return refs
-
-    monkeypatch.setattr(hubsource, "scan", scan_then_break)
+    # The headers read fine (ranged requests); then the third shard's download (a whole-file GET) fails.
+    hub_server.fail(REPO, third, status=404, ranged=False)
+    hub_server.clear_log()
     with pytest.raises(PrequantError) as error:
         prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
     assert third in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "out" / "config.json").exists()
+    # The fault hit what it was meant to, and nothing else: the third's header was read, its download refused.
+    requests = [r for r in hub_server.request_log if _serves(r, third)]
+    assert any("range" in r.headers and r.status == 206 for r in requests)
+    assert [r.status for r in requests if "range" not in r.headers] == [404]
 
 
 def test_a_failure_elsewhere_never_leaves_the_reader_waiting(
@@ -291,9 +324,14 @@ def test_a_failure_elsewhere_never_leaves_the_reader_waiting(
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
-    worker.join(timeout=60)
+    worker.join()  # no deadline: a reader left waiting would hang the test here
     assert not worker.is_alive(), "the conversion hung"
+    assert len(result) == 1
     assert isinstance(result[0], PrequantError) and step.source.name in str(result[0])
+    assert "\n" not in str(result[0])
+    # Every pipeline stage was joined before the error came back: nothing is left waiting for a download.
+    stages = {"prequant-read_all", "prequant-write_all"}
+    assert not [t.name for t in threading.enumerate() if t.name in stages and t.is_alive()]
 
 
 # --------------------------------------------------------------------------------- specs and revisions

@@ -227,9 +227,40 @@ NASTY_HEADERS = {
 }
 
 
-@pytest.mark.parametrize("text", NASTY_HEADERS.values(), ids=NASTY_HEADERS.keys())
-def test_nasty_headers(text: bytes) -> None:
-    read_and_check(write(encode(text, b"\x00" * 8)))
+# Every one of them is refused; what the refusal says after "<file>: ".
+NASTY_REFUSALS = {
+    "deeply nested": "header is not valid JSON",
+    "integer too long to parse": "header is not valid JSON",
+    "utf-16 text": "header is not valid JSON",
+    "dtype is a list": """tensor 't': dtype ["F32"] is not supported""",
+    "dtype is an object": """tensor 't': dtype {"F32": 1} is not supported""",
+    "empty tensor with a dimension past int64": (
+        "tensor 't': shape [0, 18446744073709551616] is not a list of at most 64 non-negative integers"
+    ),
+    "thousands of dimensions": "tensor 't': shape [1, 1, 1, ",
+    "shape of bools": "tensor 't': shape [true] is not a list of at most 64 non-negative integers",
+    "offsets as floats": "tensor 't': data_offsets [0.0, 4.0] is not a pair of integers",
+    "NaN offsets": "tensor 't': data_offsets [NaN, 4] is not a pair of integers",
+    "metadata is a list": "__metadata__ is not a JSON object",
+    "metadata is false": "__metadata__ is not a JSON object",
+    "header is a string": "header is not a JSON object",
+    "header is empty": "header is not valid JSON",
+    "huge tensor name": "tensor 'nnnnnnnn",
+    "newline in a tensor name": """tensor 'a\\nb': dtype "X" is not supported""",
+}
+
+
+@pytest.mark.parametrize("name", list(NASTY_HEADERS))
+def test_nasty_headers(name: str) -> None:
+    assert NASTY_HEADERS.keys() == NASTY_REFUSALS.keys()
+    path = write(encode(NASTY_HEADERS[name], b"\x00" * 8))
+    read_and_check(path)
+    with pytest.raises(PrequantError) as refused:
+        reader.read_header(path)
+    message = refused.value.message
+    assert type(refused.value) is PrequantError and refused.value.exit_code == 1  # a bad file, not a usage error
+    assert message.startswith(f"{path}: {NASTY_REFUSALS[name]}"), message[:300]
+    assert "\n" not in message and len(message) < 1000, message[:300]  # one readable line, even for a 1 MB name
 
 
 def test_unreadable_paths_are_prequant_errors() -> None:

@@ -75,6 +75,15 @@ def test_card_metadata_and_original_card(converted):
     assert "## Original model card" in text and "Trained on nothing; for tests only." in text
     assert 'from_pretrained("tiny-llama-bnb-4bit-nf4", torch_dtype=torch.bfloat16)' in text  # FSDP+QLoRA
     assert "`lm_head`" in text or "output embedding" in text  # what stayed unquantized
+    # ... exactly: the tiny Llama's lm_head (256 x 64) is left out as the output embedding, and its token
+    # embedding (256 x 64) and five RMSNorm weights (64 each) are not linear weights.
+    assert "| `llm_int8_skip_modules` | transformers' defaults |\n| tensors quantized / kept | 14 / 7 |\n" in text
+    assert (
+        "Left unquantized (original dtype):\n\n"
+        "- 16,384 parameters: skipped (output embedding / tied / last module)\n"
+        "- 16,704 parameters: not a linear weight\n\n"
+        "## How to load\n"
+    ) in text
     assert "relative L2 error median 0.09" in text  # the verification summary
 
 
