@@ -458,16 +458,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from .fsdp import Checkpoint, default_device
+    from .fsdp import Checkpoint, init_distributed
 
     sampler = MemorySampler()
-    device = default_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = Checkpoint(args.checkpoint)
     vocab = int(ckpt.config.get("vocab_size") or ckpt.config.get("text_config", {}).get("vocab_size"))

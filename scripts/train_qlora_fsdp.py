@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from prequant.fsdp import default_device, load_for_fsdp
+from prequant.fsdp import init_distributed, load_for_fsdp
 
 
 def batches(args: argparse.Namespace, vocab: int, rank: int, world: int) -> Iterator[torch.Tensor]:
@@ -64,12 +64,7 @@ def main() -> None:
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     args = ap.parse_args()
 
-    device = default_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")  # CPU: for trying the script without GPUs
+    device = init_distributed()  # NCCL on GPUs; gloo on the CPU, for trying the script without GPUs
     rank, world = dist.get_rank(), dist.get_world_size()
 
     t0 = time.monotonic()

@@ -328,12 +328,7 @@ def _worker(ckpt: str, out: str, storage: str) -> None:
     import prequant.fsdp as F
     from prequant.check_fsdp import PackedBytes
 
-    device = F.default_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    device = F.init_distributed()
     rank = dist.get_rank()
     read = {"bytes": 0}
     original = F._read_rows
