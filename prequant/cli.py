@@ -11,7 +11,7 @@ from . import trace  # first, so a trace's "start" is the process' own start (st
 
 import typer
 
-from . import readahead
+from . import layout_worker, readahead
 from .errors import PrequantError
 
 app = typer.Typer(
@@ -80,6 +80,8 @@ def convert(
     ] = False,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
+    if layout_worker.worthwhile():
+        layout_worker.start(source, skip or [], trust_remote_code)  # transformers imports there, torch here
     if not (dry_run or resume):
         readahead.start_for_source(source)  # the disk works while torch imports
     from .converter import convert as run_convert
@@ -222,8 +224,35 @@ def version() -> None:
     print(__version__)
 
 
+def run() -> None:
+    """The `prequant` command (console script and `python -m prequant`): `main()`, then leave at once.
+
+    Once a command has finished, stdout and stderr are flushed and atexit handlers (the trace, logging)
+    have run, nothing is left to do; the interpreter's own teardown would still spend about two seconds
+    destroying torch's and CUDA's state (measured on the GPU machine), so the process exits without it.
+    An unexpected exception still takes the normal path, traceback and all."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said there anyway
+            pass
+    os._exit(code)
+
+
 def main() -> None:
-    """Entry point: run the app; PrequantError becomes `Error: ...` on stderr with its exit code."""
+    """Run the app; PrequantError becomes `Error: ...` on stderr with its exit code."""
     try:
         app(standalone_mode=False)
     except PrequantError as e:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import __version__, architectures, metadata, output, pipeline, reader, readahead, trace
+from . import __version__, architectures, layout_worker, metadata, output, pipeline, reader, readahead, trace
 from . import source as sources
 from . import manifest
 from . import verify as verification
@@ -110,15 +110,16 @@ def convert(
     if src.index_file is not None:
         reader.check_index(src.index_file, tensors)
     config = metadata.read_config(src.path)
-    layout = architectures.analyze(config, src.path, tensors, list(skip), trust_remote_code)
+    # The GPU and bitsandbytes start up while a child process started by the CLI decides the layout.
+    quantizer = None if dry_run else Quantizer(settings, pick_device(device))
+    trace.mark("quantizer-ready")
+    layout = (layout_worker.take(src.path, tensors, list(skip), trust_remote_code)
+              or architectures.analyze(config, src.path, tensors, list(skip), trust_remote_code))
     architectures.require_known(layout)
     plan = make_plan(tensors, layout, settings, shard_limit)
     trace.mark("planned")
     if dry_run:
         return plan
-
-    quantizer = Quantizer(settings, pick_device(device))
-    trace.mark("quantizer-ready")
     record = manifest.Recorder(src, plan, stats=stats, options={"skip": list(skip), "max_shard_size": shard_limit})
     staging = output.staging_dir(out, keep=resume)
     side = metadata.side_files(src.path)

@@ -4,11 +4,12 @@ Three stages joined by small bounded queues, so at most a few tensors are in fli
 model size:
 
     reader thread  ->  main thread (quantize)  ->  writer thread
-    page-in / H2D       CPU kernel or CUDA         pwrite into the shard,
-                        + device-to-host           finalize shard when complete
+    page-in / H2D       CPU kernel or CUDA,        pwrite into the shard,
+                        async device-to-host       finalize shard when complete
 
 On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
-CUDA stream, so host memory stays at those two buffers. On the CPU the reader hands over zero-copy
+CUDA stream, and results come back into pinned buffers that torch's caching host allocator reuses, so host
+memory stays at those buffers and the few tensors in flight. On the CPU the reader hands over zero-copy
 memory-mapped views; readahead.py keeps the kernel reading the files ahead. Tensors kept as they are never
 enter this process: the writer has the kernel copy them file to file (copy_file_range).
 """
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -102,15 +104,15 @@ def run(
     journal: Journal | None = None,
     on_step: Callable[[Step], None] = lambda step: None,
     inspect: Inspect | None = None,
-    on_shard: Callable[[Path], None] = lambda path: None,
+    on_shard: Callable[[str, BinaryIO], None] = lambda name, file: file.close(),
 ) -> dict[str, int]:
     """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
     With a journal, finished work is recorded as it lands and work a previous run finished is skipped.
     `on_step` is called (from the writer thread) after each step's outputs are written, or at start for
     each step already done; `inspect(step, source, entries)` is called on the quantizing thread with both
-    on the quantizing device (statistics are cheap there); `on_shard(path)` (writer thread) when a shard
-    file is complete.
+    on the quantizing device (statistics are cheap there); `on_shard(name, file)` (writer thread) when a
+    shard's bytes are all written, with the shard open for reading (the callee closes it), before its flush.
     """
     failed = threading.Event()
     errors: list[BaseException] = []
@@ -159,7 +161,10 @@ def run(
         try:
             shards.finish_resumed()
             while (item := quantized.get()) is not _END:
-                step, entries = item  # type: ignore[misc]
+                step, entries, copied = item  # type: ignore[misc]
+                if copied is not None:
+                    with trace.busy("device-to-host-wait"):
+                        copied.synchronize()
                 with trace.busy("write"):
                     shards.write(step, entries)
                 del entries, item
@@ -189,7 +194,9 @@ def run(
 class _Shards:
     """The open shard writers, journaling finished steps and shards (writer thread only)."""
 
-    def __init__(self, plan: Plan, staging: Path, journal: Journal | None, on_shard: Callable[[Path], None]) -> None:
+    def __init__(
+        self, plan: Plan, staging: Path, journal: Journal | None, on_shard: Callable[[str, BinaryIO], None]
+    ) -> None:
         self.plan, self.staging, self.journal, self.on_shard = plan, staging, journal, on_shard
         self.open: dict[str, ShardWriter] = {}
         self.sizes: dict[str, int] = {}
@@ -215,7 +222,7 @@ class _Shards:
         for shard, steps in self.steps_of.items():
             if shard in self.finished:
                 self.sizes[shard] = self._data_bytes(shard)
-                self.on_shard(self.staging / shard)
+                self.on_shard(shard, open(self.staging / shard, "rb", buffering=0))  # noqa: SIM115 - callee closes
             elif all(s.source.name in self.done_steps for s in steps):
                 self._finalize(self._writer(shard))
 
@@ -247,7 +254,7 @@ class _Shards:
 
     def _finalize(self, writer: ShardWriter) -> None:
         shard = writer.path.name
-        self.on_shard(writer.finalize())
+        writer.finalize(on_sealed=lambda file: self.on_shard(shard, file))
         self.sizes[shard] = writer.data_bytes
         del self.open[shard]
         if self.journal is not None:
@@ -269,7 +276,7 @@ def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspe
     while (item := loaded.get()) is not _END:
         step, (tensor, ready) = item  # type: ignore[misc]
         if not step.quantize:
-            quantized.put((step, {step.source.name: tensor}))
+            quantized.put((step, {step.source.name: tensor}, None))
             continue
         if ready is not None:
             torch.cuda.current_stream(quantizer.device).wait_event(ready)
@@ -279,12 +286,20 @@ def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspe
         if inspect is not None:
             with trace.busy("stats"):
                 inspect(step, x, entries)
+        copied = None
         if cuda:
-            # Synchronous device-to-host: the writer needs host bytes, and its queue bounds what waits.
+            # Into pinned memory, asynchronously: this thread goes on to the next tensor while the copy runs,
+            # and the writer waits for `copied`. Torch's caching host allocator reuses these buffers (it
+            # holds each until the copy that used it has finished); the queue bounds how many are in use.
             with trace.busy("device-to-host"):
-                entries = {k: v.cpu() for k, v in entries.items()}
+                host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in entries.items()}
+                for k, v in entries.items():
+                    host[k].copy_(v, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(torch.cuda.current_stream(quantizer.device))
+                entries = host
         prefix = step.source.name
-        quantized.put((step, {prefix if k == "weight" else f"{prefix}.{k}": v for k, v in entries.items()}))
+        quantized.put((step, {prefix if k == "weight" else f"{prefix}.{k}": v for k, v in entries.items()}, copied))
         del tensor, x, entries, item
     quantized.put(_END)
 

@@ -10,7 +10,7 @@ shapes, random bf16), then in one run measures, each from cold page cache where 
                 its own timeline (PREQUANT_TRACE: start-up, planning, pipeline, hashing; busy time per stage)
   transformers  from_pretrained(SRC, quantization_config=BitsAndBytesConfig(...)) + save_pretrained
 
-and reports wall time, peak RssAnon / VmRSS (sampled from /proc every 20 ms), peak GPU memory, output size
+and reports wall time, peak RssAnon / VmRSS (of the process and its children, sampled from /proc every 20 ms), peak GPU memory, output size
 and each time's ratio to the cold read, as a table (stderr) and JSON (stdout or --json FILE).
 
     python scripts/bench.py --size-gb 16 --shape llama --device cuda --transformers
@@ -118,18 +118,35 @@ def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0) -> Pa
     return out
 
 
-def drop_caches() -> bool:
-    """Flush and drop the page cache so the next read comes from the disk; False when not permitted."""
+def drop_caches(warm_libraries: bool = False) -> bool:
+    """Flush and drop the page cache so the next read comes from the disk; False when not permitted.
+
+    `warm_libraries`: then import what both converters import (torch, CUDA, transformers, bitsandbytes) in
+    a throwaway process, so only the checkpoint is cold, as on a machine that has run Python since boot."""
     try:
         subprocess.run(["sync"], check=True)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
     except OSError:
         return False
+    if warm_libraries:
+        subprocess.run([sys.executable, "-c", WARM_LIBRARIES], check=True, env=_env())
+    return True
+
+
+WARM_LIBRARIES = (
+    "import torch, bitsandbytes.functional, transformers, prequant.cli, prequant.converter\n"
+    "from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausalLM\n"
+    "if torch.cuda.is_available(): torch.zeros(1, device='cuda')"
+)
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 class Sampler:
-    """Samples a process' memory from /proc/PID/status until it exits; keeps the peaks."""
+    """Samples the memory of a process and all its descendants (prequant's layout child included) from
+    /proc every `interval` until the process exits; keeps the peaks of their sums."""
 
     FIELDS = ("RssAnon", "RssFile", "VmRSS")
 
@@ -140,21 +157,38 @@ class Sampler:
         self._thread.start()
 
     def _run(self) -> None:
-        path = Path(f"/proc/{self.pid}/status")
-        while True:
-            try:
-                text = path.read_text()
-            except OSError:
-                return
-            for line in text.splitlines():
-                key, _, value = line.partition(":")
-                if key in self.peak:
-                    self.peak[key] = max(self.peak[key], int(value.split()[0]) * 1024)
+        while Path(f"/proc/{self.pid}").exists():
+            total = dict.fromkeys(self.FIELDS, 0)
+            for pid in _tree(self.pid):
+                try:
+                    text = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue  # exited meanwhile
+                for line in text.splitlines():
+                    key, _, value = line.partition(":")
+                    if key in total:
+                        total[key] += int(value.split()[0]) * 1024
+            for key, value in total.items():
+                self.peak[key] = max(self.peak[key], value)
             time.sleep(self.interval)
 
     def join(self) -> dict[str, int]:
         self._thread.join(timeout=1)
         return self.peak
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from /proc/PID/task/*/children."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+    return found
 
 
 def timed(cmd: list[str], env: dict | None = None) -> dict:
@@ -193,6 +227,8 @@ def main() -> None:
     ap.add_argument("--transformers", action="store_true", help="also measure transformers' path (needs a GPU)")
     ap.add_argument("--prequant-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for prequant convert (repeatable), e.g. --prequant-arg=--no-stats")
+    ap.add_argument("--warm-libraries", action="store_true",
+                    help="cold checkpoint, warm Python libraries: import them after dropping the page cache")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint and outputs")
     ap.add_argument("--json", type=Path, help="write the JSON report here (default: stdout)")
     args = ap.parse_args()
@@ -208,10 +244,11 @@ def main() -> None:
 
     report["cold_cache"] = drop_caches()
     report["read"] = timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, shards)])
+    report["libraries"] = "warm" if args.warm_libraries else "cold"
     out = args.dir / "out-prequant"
     shutil.rmtree(out, ignore_errors=True)
-    drop_caches()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    drop_caches(args.warm_libraries)
+    env = _env()
     trace_file = args.dir / "prequant-trace.json"
     spawned = time.time()
     report["prequant"] = timed([sys.executable, "-m", "prequant", "convert", str(src), str(out), "--device",
@@ -230,7 +267,7 @@ def main() -> None:
     if args.transformers:
         ref = args.dir / "out-transformers"
         shutil.rmtree(ref, ignore_errors=True)
-        drop_caches()
+        drop_caches(args.warm_libraries)
         r = timed([sys.executable, "-c", TRANSFORMERS_PATH, str(src), str(ref)], env=env)
         r.update(json.loads(r.pop("stdout").strip().splitlines()[-1]))
         r["output_bytes"] = sum(p.stat().st_size for p in ref.glob("*.safetensors"))
@@ -263,7 +300,8 @@ def read_trace(path: Path, spawned: float) -> dict:
 def print_table(r: dict) -> None:
     gib = 2**30
     print(f"\nsource: {r['source_bytes'] / 1e9:.1f} GB {r['shape']}, device {r['device']}, "
-          f"{'cold' if r['cold_cache'] else 'WARM (could not drop caches)'} page cache", file=sys.stderr)
+          f"{'cold' if r['cold_cache'] else 'WARM (could not drop caches)'} page cache, "
+          f"{r.get('libraries', 'cold')} libraries", file=sys.stderr)
     print(f"{'path':13} {'wall s':>8} {'x read':>7} {'RssAnon GiB':>12} {'VmRSS GiB':>10} {'GPU GiB':>8} {'out GB':>7}",
           file=sys.stderr)
     for key in ("read", "read_write", "prequant", "transformers"):

@@ -1,0 +1,50 @@
+"""The layout decided in a child process (started by the CLI) is the in-process layout, or is not used."""
+
+import json
+
+import pytest
+
+import prequant
+from prequant import architectures, layout_worker, metadata
+from prequant import source as sources
+
+from conftest import run_cli
+
+
+def _in_process(src_dir, skip=(), trust=False):
+    src = sources.resolve(str(src_dir))
+    tensors = sources.scan(src)
+    layout = architectures.analyze(metadata.read_config(src.path), src.path, tensors, list(skip), trust)
+    return src, tensors, layout
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
+def test_child_decides_exactly_what_this_process_decides(checkpoints, kind):
+    src, tensors, expected = _in_process(checkpoints(kind))
+    layout_worker.start(str(src.path), [], False)
+    got = layout_worker.take(src.path, tensors, [], False)
+    assert got is not None, "the child's answer was not used"
+    assert got == expected
+
+
+def test_child_answer_to_another_question_is_not_used(checkpoints):
+    src, tensors, _ = _in_process(checkpoints("llama"))
+    layout_worker.start(str(src.path), ["mlp"], False)
+    assert layout_worker.take(src.path, tensors, [], False) is None  # other skip list
+    layout_worker.start(str(src.path), [], False)
+    assert layout_worker.take(src.path, tensors[:-1], [], False) is None  # other tensors (files changed meanwhile)
+    assert layout_worker.take(src.path, tensors, [], False) is None  # an answer is taken once
+
+
+def test_no_child_for_what_is_not_a_local_checkpoint(tmp_path):
+    layout_worker.start("org/some-model", [], False)
+    layout_worker.start(str(tmp_path / "missing"), [], False)
+    assert layout_worker._child is None
+
+
+def test_cli_plan_equals_library_plan(checkpoints, tmp_path):
+    """The CLI (layout from the child) and the library (in-process) print the same plan, reasons included."""
+    src = checkpoints("gpt2")
+    cli = run_cli("convert", str(src), str(tmp_path / "out"), "--dry-run", "--json", "--skip", "h.0.mlp", check=True)
+    library = prequant.convert(src, tmp_path / "out", dry_run=True, skip=["h.0.mlp"])
+    assert json.loads(cli.stdout) == json.loads(json.dumps(library.to_dict()))
