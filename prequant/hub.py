@@ -14,8 +14,10 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from huggingface_hub import HfApi, constants, errors, hf_hub_download
 from huggingface_hub.errors import (
@@ -40,6 +42,7 @@ except ImportError:  # pragma: no cover - older huggingface_hub: offline resolve
     TreeCacheEntry = read_tree_cache = write_tree_cache = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Waits before the 2nd and 3rd download attempts. huggingface_hub already resumes a body cut mid-way
 # (5 times) and retries failing HEAD calls; these cover what it does not retry: a 5xx on GET, an
@@ -114,23 +117,20 @@ def download(source: HubSource, filename: str, *, token: str | None = None) -> P
         raise PrequantError(
             f"{source.repo_id} has no file {filename} at commit {source.sha}; the repo lists {len(source.files)} files"
         )
-    for delay in (*_RETRY_DELAYS_S, None):
+    def attempt() -> Path:
         try:
-            path = _fetch(source, filename, token)
+            return _fetch(source, filename, token)
         except Exception as error:
             if _offline():
                 raise PrequantError(
                     f"cannot download {label}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache "
                     f"at {_cache_dir()}; unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
                 ) from error
-            if delay is None or not _is_transient(error):
-                raise PrequantError(_explain(error, f"download {label}", source.repo_id, source.sha, token)) from error
-            log.warning("download of %s failed (%s); retrying in %.0fs", label, _short(error, token), delay)
-            time.sleep(delay)
-        else:
-            _remember(source)
-            return path
-    raise AssertionError("unreachable")
+            raise
+
+    path = _retrying(attempt, f"download {label}", source, token)
+    _remember(source)
+    return path
 
 
 def cache_path(source: HubSource, filename: str) -> Path:
@@ -151,26 +151,38 @@ def read_range(source: HubSource, filename: str, start: int, end: int, *, token:
         )
     url = hf_hub_url(source.repo_id, filename, revision=source.sha, endpoint=_endpoint())
     headers = {**build_hf_headers(token=token, library_name="prequant"), "Range": f"bytes={start}-{end - 1}"}
+
+    def attempt() -> bytes:
+        with get_session().stream("GET", url, headers=headers, timeout=_API_TIMEOUT_S) as response:
+            if response.status_code >= 400:
+                response.read()  # the error's message is in the body
+            hf_raise_for_status(response)
+            partial = response.status_code == 206
+            want, body = (end - start if partial else end), bytearray()
+            for chunk in response.iter_bytes():  # a server ignoring Range sends it all: stop at `end`
+                body += chunk
+                if len(body) >= want:
+                    break
+        data = bytes(body[:want] if partial else body[start:end])
+        if len(data) != end - start:
+            raise _IncompleteDownload(f"got {len(data)} bytes of the {end - start} asked for")
+        return data
+
+    return _retrying(attempt, f"read {label}", source, token)
+
+
+def _retrying(attempt: Callable[[], T], action: str, source: HubSource, token: str | None) -> T:
+    """`attempt()`, tried again after each of `_RETRY_DELAYS_S` while it fails transiently; a PrequantError
+    as it is, any other failure explained as one that names `action`."""
     for delay in (*_RETRY_DELAYS_S, None):
         try:
-            with get_session().stream("GET", url, headers=headers, timeout=_API_TIMEOUT_S) as response:
-                if response.status_code >= 400:
-                    response.read()  # the error's message is in the body
-                hf_raise_for_status(response)
-                partial = response.status_code == 206
-                want, body = (end - start if partial else end), bytearray()
-                for chunk in response.iter_bytes():  # a server ignoring Range sends it all: stop at `end`
-                    body += chunk
-                    if len(body) >= want:
-                        break
-            data = bytes(body[:want] if partial else body[start:end])
-            if len(data) != end - start:
-                raise _IncompleteDownload(f"got {len(data)} bytes of the {end - start} asked for")
-            return data
+            return attempt()
+        except PrequantError:
+            raise
         except Exception as error:
             if delay is None or not _is_transient(error):
-                raise PrequantError(_explain(error, f"read {label}", source.repo_id, source.sha, token)) from error
-            log.warning("reading %s failed (%s); retrying in %.0fs", label, _short(error, token), delay)
+                raise PrequantError(_explain(error, action, source.repo_id, source.sha, token)) from error
+            log.warning("%s failed (%s); retrying in %.0fs", action, _short(error, token), delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
 

@@ -281,6 +281,24 @@ def test_delete_source_shards_refused_for_a_local_directory(tiny: Path, tmp_path
     assert sorted(p.name for p in tiny.iterdir()) == before
 
 
+def test_header_read_is_retried_after_a_server_error(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    first = sorted(p.name for p in tiny.glob("*.safetensors"))[0]
+    fault = hub_server.fail(REPO, first, status=503, times=1, ranged=True)
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    assert fault.times == 0  # the fault was hit, and the retried ranged read planned the repo
+    assert plan.input_bytes == sum(p.stat().st_size for p in tiny.glob("*.safetensors")) - sum(
+        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tiny.glob("*.safetensors"))
+
+
+def test_header_read_that_keeps_failing_names_the_file(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    first = sorted(p.name for p in tiny.glob("*.safetensors"))[0]
+    hub_server.fail(REPO, first, status=500, ranged=True)
+    with pytest.raises(PrequantError) as error:
+        prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    message = str(error.value)
+    assert f"read {first} of {REPO}" in message and "500" in message and "\n" not in message
+
+
 def test_failed_download_stops_the_conversion_with_the_file_named(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
