@@ -158,7 +158,7 @@ def upload(
     as_json: JsonOpt = False,
 ) -> None:
     """Verify OUTPUT_DIR, then upload it to a Hub model repo in one commit (refused if it does not verify)."""
-    from .verify import upload as run_upload
+    from .publish import upload as run_upload
 
     result = run_upload(output_dir, repo_id, revision=revision, private=private, commit_message=commit_message)
     if as_json:

@@ -14,7 +14,7 @@ from pathlib import Path
 from . import __version__, architectures, layout_worker, metadata, output, pipeline, reader, readahead, trace
 from . import source as sources
 from . import manifest
-from . import verify as verification
+from . import publish
 from .errors import Interrupted
 from .journal import Journal, fingerprint
 from .plan import Plan, Settings, Step, make_plan, parse_size
@@ -159,7 +159,7 @@ def convert(
             trace.mark("manifest-written")
         output.publish(out, staging)
         trace.mark("published")
-    hub_url = verification.push_converted(out, push_to_hub, progress=progress) if push_to_hub else None
+    hub_url = publish.push_converted(out, push_to_hub, progress=progress) if push_to_hub else None
 
     return Summary(
         output_dir=str(out),

@@ -12,7 +12,7 @@ from conftest import run_cli, run_main
 from safetensors.torch import load_file, save_file
 
 import prequant
-from prequant import stats
+from prequant import compare, stats
 from prequant import verify as verification
 from prequant.manifest import sha256_file
 from prequant.stats import entry_stats
@@ -202,7 +202,7 @@ def test_heavy_tailed_tensor_is_flagged_as_outlier_not_failed():
     st = entry_stats(x, prequant.quantize_tensor(x, blocksize=1024))
     expected = stats.expected_rel_error("nf4", 1024)
     report = verification.Report("out")
-    verification._judge("w", st, expected=expected, limit=verification.FAIL_FACTOR * expected, report=report)
+    compare._judge("w", st, expected=expected, limit=compare.FAIL_FACTOR * expected, report=report)
     assert report.ok and report.warnings and "outlier" in report.warnings[0].message
 
 
