@@ -2,17 +2,15 @@
 
 Settings are read from the environment at call time (HF_ENDPOINT, HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE,
 HF_TOKEN), not only when huggingface_hub was imported, so a library caller can change them between calls.
-Every failure becomes one `PrequantError` line that names the repo (and the file) and says what to do;
-tokens never appear in messages.
+Every failure becomes one `PrequantError` line that names the repo (and the file) and says what to do
+(worded by `hub_errors`); tokens never appear in messages.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,17 +19,15 @@ from typing import TypeVar
 
 from huggingface_hub import HfApi, constants, errors, hf_hub_download
 from huggingface_hub.errors import (
-    GatedRepoError,
     HfHubHTTPError,
     HFValidationError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
 from huggingface_hub.utils import validate_repo_id
 
 from .errors import PrequantError, UsageError
+from .hub_errors import explain, first_line, short
 
 # A missing file on the Hub (huggingface_hub < 1.0 had no Remote- prefix and no Local/Remote split).
 _RemoteEntryNotFound = getattr(errors, "RemoteEntryNotFoundError", None) or errors.EntryNotFoundError
@@ -51,8 +47,6 @@ _RETRY_DELAYS_S = (1.0, 3.0)
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _API_TIMEOUT_S = 60.0
 _SHA_RE = re.compile(r"[0-9a-f]{40}")
-_NETWORK_FIX = "check the network or HF_ENDPOINT, or download the repo and pass its local directory"
-_LOGIN_FIX = "set HF_TOKEN or run `hf auth login`"
 _LISTINGS: dict[tuple[str, str], dict] = {}  # (repo_id, sha) -> file listing, from resolve() until a download
 
 
@@ -75,7 +69,7 @@ def parse_repo_spec(spec: str) -> tuple[str, str | None]:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise UsageError(f"invalid Hub repo '{spec}': {_first_line(str(error)).rstrip('.')}; {example}") from None
+        raise UsageError(f"invalid Hub repo '{spec}': {first_line(str(error)).rstrip('.')}; {example}") from None
     if at and (not revision or re.search(r"\s", revision)):
         raise UsageError(f"invalid revision in '{spec}': {example}")
     return repo_id, revision or None
@@ -95,7 +89,7 @@ def resolve(
     try:
         info = _api(token).model_info(repo_id, revision=revision, files_metadata=True, timeout=_API_TIMEOUT_S)
     except Exception as error:
-        raise PrequantError(_explain(error, f"resolve {label}", repo_id, revision, token)) from error
+        raise PrequantError(explain(error, f"resolve {label}", repo_id, revision, token)) from error
     files = {sibling.rfilename: sibling.size for sibling in info.siblings or []}
     if info.sha is None or info.siblings is None or any(size is None for size in files.values()):
         raise PrequantError(
@@ -181,8 +175,8 @@ def _retrying(attempt: Callable[[], T], action: str, source: HubSource, token: s
             raise
         except Exception as error:
             if delay is None or not _is_transient(error):
-                raise PrequantError(_explain(error, action, source.repo_id, source.sha, token)) from error
-            log.warning("%s failed (%s); retrying in %.0fs", action, _short(error, token), delay)
+                raise PrequantError(explain(error, action, source.repo_id, source.sha, token)) from error
+            log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
 
@@ -238,7 +232,7 @@ def upload(
             commit_message=commit_message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
         )
     except Exception as error:
-        raise PrequantError(_explain(error, action, repo_id, revision, token, writing=True)) from error
+        raise PrequantError(explain(error, action, repo_id, revision, token, writing=True)) from error
     return info.commit_url
 
 
@@ -388,123 +382,6 @@ def _cached_files(storage: Path, sha: str, snapshot: Path) -> dict[str, int]:
         for path in sorted(snapshot.rglob("*"))
         if path.is_file()
     }
-
-
-# ------------------------------------------------------------------------------------------- errors
-
-
-def _explain(
-    error: BaseException,
-    action: str,
-    repo_id: str,
-    revision: str | None,
-    token: str | None,
-    *,
-    writing: bool = False,
-) -> str:
-    """One line: what failed, why, and what to do."""
-    # huggingface_hub wraps some HTTP errors (e.g. a failed HEAD becomes LocalEntryNotFoundError): use the HTTP one.
-    error = next((e for e in _chain(error) if isinstance(e, HfHubHTTPError)), error)
-    endpoint = _endpoint()
-    secrets = _known_tokens(token)
-    reason = _short(error, token)
-    status = getattr(getattr(error, "response", None), "status_code", None)
-    if isinstance(error, GatedRepoError):
-        return (
-            f"cannot {action}: {repo_id} is a gated repo; accept its conditions at {endpoint}/{repo_id}, "
-            f"then {_LOGIN_FIX} with that account"
-        )
-    if isinstance(error, RepositoryNotFoundError):
-        if secrets:
-            return (
-                f"cannot {action}: repository {repo_id} was not found on {endpoint}, or your token has no "
-                "access to it; check the name and the token (HF_TOKEN or `hf auth login`)"
-            )
-        return (
-            f"cannot {action}: repository {repo_id} was not found on {endpoint}; check the name, or if it is "
-            f"private {_LOGIN_FIX}"
-        )
-    if isinstance(error, RevisionNotFoundError):
-        return (
-            f"cannot {action}: revision '{revision}' does not exist in {repo_id}; pass an existing branch, "
-            "tag or full commit sha as org/name@revision"
-        )
-    if isinstance(error, _RemoteEntryNotFound) and not isinstance(error, LocalEntryNotFoundError):
-        return f"cannot {action}: the file does not exist at that commit ({reason})"
-    if isinstance(error, OfflineModeIsEnabled):
-        return f"cannot {action}: offline mode is enabled (HF_HUB_OFFLINE); unset it, or pass a local directory"
-    if status == 401:
-        fix = "set a valid HF_TOKEN or run `hf auth login`" if secrets else _LOGIN_FIX
-        return f"cannot {action}: the Hub at {endpoint} refused the credentials (401: {reason}); {fix}"
-    if status == 403:
-        need = "write access to" if writing else "access to"
-        return f"cannot {action}: the token lacks {need} {repo_id} (403); use a token with that permission"
-    if isinstance(error, HfHubHTTPError):
-        return f"cannot {action}: the Hub at {endpoint} answered {status or 'an error'} ({reason}); try again later"
-    if _is_incomplete(error):
-        return f"cannot {action}: the file is incomplete ({reason}); run again, or check the disk and the network"
-    if any(isinstance(e, json.JSONDecodeError) for e in _chain(error)):
-        return f"cannot {action}: {endpoint} did not answer like a Hugging Face Hub ({reason}); check HF_ENDPOINT"
-    if _is_network_error(error):
-        fix = "check the network or HF_ENDPOINT" if writing else _NETWORK_FIX
-        return f"cannot reach the Hugging Face Hub at {endpoint} to {action}: {_short(_root(error), token)}; {fix}"
-    return f"cannot {action}: {type(error).__name__}: {reason}"
-
-
-def _network_error_types() -> tuple[type[BaseException], ...]:
-    """Transport failures of whichever HTTP client huggingface_hub has loaded (httpx2, httpx or requests)."""
-    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    for module, name in (
-        ("httpx2", "TransportError"),
-        ("httpx", "TransportError"),
-        ("requests", "ConnectionError"),
-        ("requests", "Timeout"),
-    ):
-        loaded = sys.modules.get(module)  # never import a client just to name its errors
-        if loaded is not None and isinstance(getattr(loaded, name, None), type):
-            types.append(getattr(loaded, name))
-    return tuple(types)
-
-
-def _is_network_error(error: BaseException) -> bool:
-    return any(isinstance(e, _network_error_types()) for e in _chain(error))
-
-
-def _chain(error: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and current not in seen:
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return seen
-
-
-def _root(error: BaseException) -> BaseException:
-    """The innermost network error behind a wrapped one (the useful "why")."""
-    network = [e for e in _chain(error) if isinstance(e, _network_error_types())]
-    return network[-1] if network else error
-
-
-def _short(error: BaseException, token: str | None) -> str:
-    """The error's reason as a short line, without any token."""
-    text = _first_line(getattr(error, "server_message", None) or str(error)) or type(error).__name__
-    for secret in _known_tokens(token):
-        text = text.replace(secret, "***")
-    return text[:300]
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
-
-
-def _known_tokens(token: str | None) -> list[str]:
-    """Tokens this process may send, so that messages can be scrubbed of them."""
-    candidates = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
-    try:
-        candidates.append(Path(constants.HF_TOKEN_PATH).read_text().strip())
-    except OSError:
-        pass
-    return [t for t in candidates if t and len(t) >= 8]
 
 
 __all__ = ["HubSource", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "resolve", "upload"]

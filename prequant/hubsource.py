@@ -1,12 +1,8 @@
-"""A Hub repo as a conversion source: planned from remote headers, its shards streamed one by one.
+"""A Hub repo as a conversion source: resolved to a commit, planned from remote headers, its shards streamed.
 
-Planning needs every tensor's name, dtype and shape before any work, but a 600 GB checkpoint should
-not have to be on disk to be planned. So the repo's small files (config, index, tokenizer, code, card)
-are downloaded first, then each weight shard's header is read with HTTP range requests: a safetensors
-header directly, a PyTorch `.bin` shard's pickle through `torch.load(weights_only=True,
-map_location="meta")` over a seekable remote file (the zip directory and `data.pkl`, a few hundred KB,
-never the tensor data; torch's restricted unpickler refuses anything but tensors). The resulting
-`TensorRef`s point at the path each shard will have in the Hugging Face cache.
+`resolve` downloads the repo's small files (config, index, tokenizer, code, card) and names each weight
+shard by the path it will have in the Hugging Face cache; `remote_headers` plans from the shards' headers,
+read by HTTP range requests, without downloading them.
 
 During conversion `HubTensors` downloads the shards one by one in the order the plan reads them, the
 next one while the current one converts. Reading a shard waits until it is complete and its header
@@ -19,17 +15,14 @@ Shards that were in the cache before the run are never deleted.
 from __future__ import annotations
 
 import gc
-import io
 import logging
 import os
-import pickle
 import threading
 import time
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import hub, reader
+from . import hub, reader, remote_headers
 from .errors import PrequantError, UsageError
 from .metadata import WEIGHT_SUFFIXES
 from .source import WEIGHT_LAYOUTS, Source, shard_names
@@ -40,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SLOTS = 2  # downloaded source shards on disk at once with delete
-BLOCK = 256 * 1024  # remote reads are whole blocks: a safetensors header usually fits in the first
 _LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
 
 
@@ -99,124 +91,6 @@ def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> So
         spec, root, tuple(root / n for n in names), index, fmt,
         repo_id=repo_id, revision=revision, sha=listing.sha, hub=listing,
     )
-
-
-# ----------------------------------------------------------------------------------------- planning
-
-
-def scan(src: Source) -> list[reader.TensorRef]:
-    """Every tensor of a Hub source, as `reader.scan` would give them once downloaded, from each shard's
-    header: read from the cache when the shard is there, else by range requests."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    assert src.hub is not None
-    with ThreadPoolExecutor(max_workers=min(8, len(src.weight_files)), thread_name_prefix="prequant-header") as pool:
-        per_file = list(pool.map(lambda path: _shard_refs(src, path), src.weight_files))
-    return reader.merge(per_file, f"{src.repo_id} is inconsistent at this revision, pick another revision")
-
-
-def _shard_refs(src: Source, path: Path) -> list[reader.TensorRef]:
-    assert src.hub is not None
-    name = path.relative_to(src.path).as_posix()
-    if _complete(src, path):
-        return reader.scan([path])
-    remote = RemoteFile(src.hub, name)
-    label = f"{name} of {src.repo_id}@{src.hub.sha[:12]}"
-    try:
-        return _bin_refs(remote, path, label) if path.suffix == ".bin" else _safetensors_refs(remote, path)
-    except PrequantError as e:
-        raise PrequantError(e.message.replace(str(path), label)) from e  # name the repo's file, not the cache path
-
-
-def _complete(src: Source, path: Path) -> bool:
-    assert src.hub is not None
-    try:
-        return path.stat().st_size == src.hub.files[path.relative_to(src.path).as_posix()]
-    except OSError:
-        return False
-
-
-def _safetensors_refs(remote: RemoteFile, path: Path) -> list[reader.TensorRef]:
-    """reader.read_header's checks, on the header bytes of a remote file."""
-    n = reader.header_length(path, remote.read(8), remote.size)
-    refs, _ = reader.parse_header(path, remote.read(n), remote.size)
-    return sorted(refs, key=lambda r: r.offset)
-
-
-def _bin_refs(remote: RemoteFile, path: Path, label: str) -> list[reader.TensorRef]:
-    """A remote PyTorch shard's tensors from its pickle alone (meta tensors: no data is read)."""
-    import torch
-
-    from . import binreader
-
-    f = io.BufferedReader(remote, BLOCK)
-    if not zipfile.is_zipfile(f):
-        raise PrequantError(
-            f"{label}: not a zip-format PyTorch checkpoint (legacy torch.save or corrupt); convert it to "
-            "safetensors first"
-        )
-    f.seek(0)
-    try:
-        state = torch.load(f, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise binreader.refused(label, e) from e
-    except PrequantError:
-        raise
-    except Exception as e:  # torch wraps errors raised by our reads
-        if remote.error is not None:
-            raise remote.error from e
-        raise PrequantError(f"{label}: cannot read this PyTorch checkpoint ({type(e).__name__}); re-download it") from e
-    state = binreader.check_state(label, state)  # the same checks as a local shard, on the meta state dict
-    return [
-        reader.TensorRef(name, dtype, shape, path, reader.BIN_OFFSET, nbytes)
-        for name, dtype, shape, nbytes in binreader.describe(path, state)
-    ]
-
-
-class RemoteFile(io.RawIOBase):
-    """A read-only, seekable Hub file: reads become range requests for whole blocks, kept once fetched."""
-
-    def __init__(self, source: hub.HubSource, filename: str) -> None:
-        super().__init__()
-        self.source, self.filename, self.size = source, filename, source.files[filename]
-        self.error: PrequantError | None = None  # the last failed read (torch hides it behind its own error)
-        self._pos = 0
-        self._blocks: dict[int, bytes] = {}
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer) -> int:  # type: ignore[override]
-        n = min(len(buffer), self.size - self._pos)
-        if n <= 0:
-            return 0
-        first, last = self._pos // BLOCK, (self._pos + n - 1) // BLOCK
-        missing = [i for i in range(first, last + 1) if i not in self._blocks]
-        if missing:  # one request for the whole run of blocks
-            start, end = missing[0] * BLOCK, min(self.size, (missing[-1] + 1) * BLOCK)
-            try:
-                data = hub.read_range(self.source, self.filename, start, end)
-            except PrequantError as e:
-                self.error = e
-                raise
-            for i in range(missing[0], missing[-1] + 1):
-                self._blocks[i] = data[(i - missing[0]) * BLOCK : (i - missing[0] + 1) * BLOCK]
-        data = b"".join(self._blocks[i] for i in range(first, last + 1))
-        skip = self._pos - first * BLOCK
-        buffer[:n] = data[skip : skip + n]
-        self._pos += n
-        return n
 
 
 # ---------------------------------------------------------------------------------------- streaming
@@ -379,7 +253,7 @@ class HubTensors(reader.TensorSource):
         """Download one shard and check its header against the plan; its blob if this run put it in the cache."""
         assert self.src.hub is not None
         name = self._name(path)
-        cached = _complete(self.src, path)
+        cached = remote_headers.complete(self.src, path)
         blobs = path.parents[2] / "blobs"  # <repo>/snapshots/<sha>/<name> -> <repo>/blobs
         before = set(os.listdir(blobs)) if blobs.is_dir() else set()
         started = time.monotonic()
@@ -402,4 +276,4 @@ class HubTensors(reader.TensorSource):
         return blob if owned else None
 
 
-__all__ = ["HubTensors", "RemoteFile", "resolve", "scan"]
+__all__ = ["HubTensors", "resolve"]

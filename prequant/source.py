@@ -98,9 +98,9 @@ def scan(src: Source) -> list[TensorRef]:
     from . import reader
 
     if src.hub is not None:
-        from . import hubsource
+        from . import remote_headers
 
-        return hubsource.scan(src)
+        return remote_headers.scan(src)
     return reader.scan(src.weight_files)
 
 

@@ -19,7 +19,7 @@ from conftest import run_cli, run_main
 from hub_server import TOKEN, HubServer
 
 import prequant
-from prequant import hub, hubsource
+from prequant import hub, hubsource, remote_headers
 from prequant import source as sources
 from prequant.errors import PrequantError
 
@@ -410,7 +410,7 @@ def grok_bin(tmp_path_factory) -> Path:
 def test_alias_grok_1_plans_bin_shards_from_their_pickles(
     hub_server: HubServer, grok_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(hubsource, "BLOCK", 4096)  # tiny shards: smaller reads, to see that data is skipped
+    monkeypatch.setattr(remote_headers, "BLOCK", 4096)  # tiny shards: smaller reads, to see that data is skipped
     sha = publish(hub_server, "keyfan/grok-1-hf", grok_bin)
     code, out, err = run_main("convert", "grok-1", str(tmp_path / "out"), "--dry-run", "--json")
     assert code == 0, err
