@@ -170,7 +170,7 @@ def upload(
 @app.command(
     "check-fsdp",
     epilog=(
-        "Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.check_fsdp` once per loader "
+        "Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.fsdp_job` once per loader "
         "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
         "Examples:\n\n"
         "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2\n\n"
@@ -267,11 +267,11 @@ def main() -> None:
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+        # typer raises the click it runs on: the click package, or (typer >= 0.2x) its own vendored copy.
+        click_exceptions = sys.modules[typer.BadParameter.__module__]
+        if isinstance(e, click_exceptions.ClickException):
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+        if isinstance(e, click_exceptions.Abort):
             sys.exit(1)
         raise

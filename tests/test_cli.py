@@ -83,6 +83,13 @@ def test_bad_option_value_is_a_usage_error(checkpoints, tmp_path):
     assert "nf4 or fp4" in _one_line_error(proc)
 
 
+def test_missing_argument_is_a_usage_error_without_traceback(tmp_path):
+    proc = run_cli("convert", str(tmp_path))
+    assert proc.returncode == 2
+    assert "Missing argument" in proc.stderr and "output_dir" in proc.stderr.lower()
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_gpu_is_a_usage_error(checkpoints, tmp_path):
     proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cuda")

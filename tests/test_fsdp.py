@@ -130,7 +130,7 @@ def test_load_for_fsdp_needs_a_process_group(tiny):
 
 def test_byte_check_sees_nan_canonicalization(tiny):
     """What bitsandbytes #1945 does to bf16-stored codes (NaN words -> 0x7FFF) is counted as corruption."""
-    from prequant.check_fsdp import PackedBytes
+    from prequant.fsdp_job import PackedBytes
 
     check = PackedBytes(str(tiny), torch.device("cpu"))
     prefix = next(p for p in sorted(check.ckpt.quantized) if _nan_words(check.expected(p)).any())
@@ -326,7 +326,7 @@ def _worker(ckpt: str, out: str, storage: str) -> None:
     import torch.distributed as dist
 
     import prequant.fsdp as F
-    from prequant.check_fsdp import PackedBytes
+    from prequant.fsdp_job import PackedBytes
 
     device = F.init_distributed()
     rank = dist.get_rank()

@@ -1,0 +1,386 @@
+"""check-fsdp's job on one torchrun rank: load, check the packed bytes, train, report (see prequant.check_fsdp).
+
+`prequant check-fsdp` (`prequant.check_fsdp.check_fsdp`) launches it once per loader:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m prequant.fsdp_job CKPT --loader prequant
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .check_fsdp import BUFFER_DTYPES, GIB, LOADERS, PACKED_STORAGES
+from .errors import PrequantError
+
+RSS_ANON_LIMIT = 2 * 2**30  # per rank, with load_for_fsdp
+
+
+class MemorySampler:
+    """Samples this process' RssAnon and RssFile from /proc/self/status in a thread; keeps phase peaks."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def read() -> dict[str, int]:
+        values = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                values[key] = int(rest.split()[0]) * 1024
+        return values
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def sample(self) -> None:
+        now = self.read()
+        with self._lock:
+            for k, v in now.items():
+                self.peak[k] = max(self.peak[k], v)
+
+    def reset(self) -> dict[str, int]:
+        """The peaks since the last reset (sampled once more now), then start over from the current values."""
+        self.sample()
+        with self._lock:
+            peaks, self.peak = dict(self.peak), self.read()
+        return peaks
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1)
+
+
+def autocast(device: torch.device) -> torch.autocast:
+    """bf16 autocast around forward, as accelerate applies it for the Trainer's `bf16=True` (the HF FSDP-QLoRA
+    recipe). transformers' path needs it: peft casts LoRA inputs to the fp32 master weight's dtype, FSDP1 then
+    hands the layer bf16 weights. Both loaders run under it, so their losses compare like for like."""
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _gpu_peaks(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {"peak_gpu_allocated": 0, "peak_gpu_reserved": 0, "gpu_allocated": 0}
+    torch.cuda.synchronize(device)
+    peaks = {"peak_gpu_allocated": torch.cuda.max_memory_allocated(device),
+             "peak_gpu_reserved": torch.cuda.max_memory_reserved(device),
+             "gpu_allocated": torch.cuda.memory_allocated(device)}
+    torch.cuda.reset_peak_memory_stats(device)
+    return peaks
+
+
+def load_transformers(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """transformers' FSDP+QLoRA path, as accelerate + the Trainer set it up (see prequant.check_fsdp's docstring)."""
+    from peft import get_peft_model
+    from peft.utils.other import fsdp_auto_wrap_policy
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from transformers import AutoModelForCausalLM
+
+    from .fsdp import init_lora_weights, lora_config
+
+    # What `accelerate launch` with fsdp_config_qlora.yaml exports; transformers reads them in from_pretrained.
+    os.environ.setdefault("ACCELERATE_USE_FSDP", "true")
+    os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    # The recipe: dtype = bnb_4bit_quant_storage, and the Trainer's FSDP mixed precision uses it for all three.
+    storage = getattr(torch, str(_quantization_config(args.checkpoint).get("bnb_4bit_quant_storage", "bfloat16")))
+    storage = storage if storage.is_floating_point else torch.bfloat16  # uint8 storage cannot shard under FSDP1
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=storage)
+    model.config.use_cache = False
+    model = get_peft_model(model, lora_config(args.lora_r, args.lora_alpha, 0.0, "all-linear"))
+    init_lora_weights(model, args.seed)
+    model.train()  # the Trainer trains in train mode (bitsandbytes' CPU path also repacks weights in eval mode)
+    mp = MixedPrecision(param_dtype=storage, reduce_dtype=storage, buffer_dtype=_buffer_dtype(args))
+    return FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=fsdp_auto_wrap_policy(model),
+                mixed_precision=mp, cpu_offload=CPUOffload(offload_params=False),
+                backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False, limit_all_gathers=True,
+                use_orig_params=False, sync_module_states=device.type == "cuda",  # FSDP1 broadcasts on GPUs only
+                device_id=device)
+
+
+def load_prequant(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    from .fsdp import load_for_fsdp
+
+    return load_for_fsdp(args.checkpoint, lora_r=args.lora_r, lora_alpha=args.lora_alpha, seed=args.seed,
+                         device=device, buffer_dtype=_buffer_dtype(args), packed_storage=args.packed_storage)
+
+
+def _quantization_config(checkpoint: str) -> dict:
+    return json.loads((Path(checkpoint) / "config.json").read_text()).get("quantization_config") or {}
+
+
+def _buffer_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    return None if args.buffer_dtype == "keep" else getattr(torch, args.buffer_dtype)
+
+
+class PackedBytes:
+    """Compares packed weights with the checkpoint's bytes: the shards at rest (gathered) and the unsharded
+    weight each Linear4bit receives in forward (where FSDP2's bf16 NaN canonicalization would show)."""
+
+    def __init__(self, checkpoint: str, device: torch.device) -> None:
+        from .fsdp import Checkpoint
+
+        self.ckpt = Checkpoint(checkpoint)
+        self.device = device
+        self.result = {"tensors": 0, "bytes": 0, "nan_patterns": 0, "mismatched_at_rest": 0,
+                       "mismatched_in_forward": 0, "nan_canonicalized": 0, "checked_in_forward": 0, "first_bad": []}
+
+    def expected(self, prefix: str) -> torch.Tensor:
+        return self.ckpt.view(prefix + ".weight").reshape(-1).view(torch.uint8).to(self.device)
+
+    def _compare(self, prefix: str, got: torch.Tensor, where: str) -> None:
+        want = self.expected(prefix)
+        if where == "at_rest":  # once per tensor: its size, and how many bf16 words are NaN bit patterns
+            self.result["tensors"] += 1
+            self.result["bytes"] += want.numel()
+            if want.numel() % 2 == 0:  # exponent all ones, mantissa nonzero
+                w = want.view(torch.int16)
+                self.result["nan_patterns"] += int((((w & 0x7F80) == 0x7F80) & ((w & 0x7F) != 0)).sum())
+        got = got.detach().reshape(-1).view(torch.uint8)
+        bad = int((got != want).sum()) if got.numel() == want.numel() else max(got.numel(), want.numel())
+        self.result[f"mismatched_{where}"] += bad
+        if bad and got.numel() == want.numel() and want.numel() % 2 == 0:
+            g16, w16 = got.view(torch.int16), want.view(torch.int16)
+            canon = (g16 != w16) & ((g16 == 0x7FFF) | (g16 == 0x7FC0) | (g16 == -1) | (g16 == -64))
+            self.result["nan_canonicalized"] += int(canon.sum())
+        if bad and len(self.result["first_bad"]) < 5:
+            self.result["first_bad"].append(f"{prefix} ({where}: {bad} bytes)")
+
+    def at_rest(self, model: torch.nn.Module, loader: str) -> None:
+        from .fsdp import packed_layers
+
+        if loader == "transformers":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            with FSDP.summon_full_params(model, writeback=False):
+                for prefix, module in packed_layers(model):
+                    self._compare(prefix, module.weight, "at_rest")
+            return
+        for prefix, module in packed_layers(model):
+            self._compare(prefix, _gather_bytes(module.weight), "at_rest")
+
+    def in_forward(self, model: torch.nn.Module, batch: torch.Tensor) -> None:
+        from .fsdp import packed_layers
+
+        handles = []
+        for prefix, module in packed_layers(model):
+            def hook(mod: torch.nn.Module, args: Any, prefix: str = prefix) -> None:
+                self.result["checked_in_forward"] += 1
+                self._compare(prefix, mod.weight, "in_forward")
+
+            handles.append(module.register_forward_pre_hook(hook))
+        try:
+            with torch.no_grad(), autocast(batch.device):
+                model(input_ids=batch, labels=batch)
+        finally:
+            for h in handles:
+                h.remove()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def _gather_bytes(param: torch.Tensor) -> torch.Tensor:
+    """All the bytes of an FSDP2 dim-0 sharded parameter, gathered as uint8 (never through a float op, and not
+    with DTensor.full_tensor(), which crashes on bf16-packed Params4bit: bitsandbytes issue #1945)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.detach().reshape(-1).view(torch.uint8)
+    from .fsdp import local_rows, shard_rows
+
+    local = param.to_local().detach().reshape(-1).view(torch.uint8)
+    mesh = param.device_mesh
+    rows, size = param.shape[0], mesh.size()
+    row_bytes = param.element_size() * math.prod(param.shape[1:])
+    chunk = shard_rows(rows, 0, size)[1] * row_bytes
+    padded = torch.zeros(chunk, dtype=torch.uint8, device=local.device)
+    padded[: local.numel()] = local
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=mesh.get_group())
+    assert local_rows(param)[0] * row_bytes == mesh.get_local_rank() * chunk
+    return torch.cat(parts)[: rows * row_bytes]
+
+
+def largest_layer_bytes(ckpt: Any) -> int:
+    """Bytes of the largest layer in the checkpoint: a decoder block (`...layers.N.`) or a top-level module."""
+    sizes: dict[str, int] = {}
+    for name, ref in ckpt.tensors.items():
+        m = re.match(r"^(.*?\.\d+)\.", name)  # model.layers.7.… -> model.layers.7
+        key = m.group(1) if m else re.sub(r"\.(weight|bias)(\..*)?$", "", name)  # lm_head.weight -> lm_head
+        sizes[key] = sizes.get(key, 0) + ref.nbytes
+    return max(sizes.values(), default=0)
+
+
+def _train(model: torch.nn.Module, batch: torch.Tensor, steps: int, lr: float) -> tuple[list[float], bool]:
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    losses, grads_finite = [], True
+    for step in range(steps):
+        with autocast(batch.device):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if step == 0:
+            grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None]
+            grads_finite = bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"check-fsdp: step {step + 1}/{steps} loss {losses[-1]:.6f}", file=sys.stderr, flush=True)
+    return losses, grads_finite
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The job, on every rank (under torchrun): load, check bytes, train, report (rank 0 writes the JSON)."""
+    ap = argparse.ArgumentParser(prog="python -m prequant.fsdp_job", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint")
+    ap.add_argument("--loader", choices=LOADERS, default="prequant")
+    ap.add_argument("--report", type=Path, help="rank 0 writes the JSON report here (default: stdout)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=int, default=32)
+    ap.add_argument("--buffer-dtype", choices=BUFFER_DTYPES, default="bfloat16")
+    ap.add_argument("--packed-storage", choices=PACKED_STORAGES, default="uint8")
+    args = ap.parse_args(argv)
+
+    import torch.distributed as dist
+
+    from .fsdp import Checkpoint, init_distributed
+
+    sampler = MemorySampler()
+    device = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = Checkpoint(args.checkpoint)
+    vocab = int(ckpt.config.get("vocab_size") or ckpt.config.get("text_config", {}).get("vocab_size"))
+    limits = {"checkpoint": ckpt.nbytes, "largest_layer": largest_layer_bytes(ckpt), "rss_anon": RSS_ANON_LIMIT}
+    limits["gpu_load"] = limits["checkpoint"] // world + limits["largest_layer"]
+    ckpt.close()
+    import bitsandbytes  # noqa: F401  (imported before the clock starts: the load phase measures loading)
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    sampler.reset()
+    _gpu_peaks(device)
+    t0 = time.monotonic()
+    model = (load_transformers if args.loader == "transformers" else load_prequant)(args, device)
+    dist.barrier()
+    load = {"seconds": time.monotonic() - t0, **_gpu_peaks(device), **_prefix(sampler.reset(), "peak_")}
+
+    batch = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+    batch = batch.to(device)
+    check = PackedBytes(args.checkpoint, device)
+    check.at_rest(model, args.loader)
+    check.in_forward(model, batch)
+    check.close()
+    dist.barrier()
+    sampler.reset()
+    _gpu_peaks(device)
+
+    t0 = time.monotonic()
+    losses, grads_finite = _train(model, batch, args.steps, args.lr)
+    dist.barrier()
+    train = {"seconds": time.monotonic() - t0, **_gpu_peaks(device), **_prefix(sampler.reset(), "peak_")}
+    sampler.stop()
+
+    mine = {"rank": rank, "load": load, "train": train, "losses": losses, "grads_finite": grads_finite,
+            "packed": check.result}
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        report = {"loader": args.loader, "world_size": world, "device": str(device), "options": vars(args) | {
+            "checkpoint": args.checkpoint, "report": str(args.report)}, "limits": limits, "ranks": ranks,
+            "summary": summarize(args.loader, ranks, limits, device)}
+        text = json.dumps(report, indent=2, default=str)
+        if args.report:
+            args.report.write_text(text)
+        else:
+            print(text)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _prefix(d: dict[str, int], prefix: str) -> dict[str, int]:
+    return {prefix + k.lower().replace("rss", "rss_"): v for k, v in d.items()}
+
+
+def summarize(loader: str, ranks: list[dict], limits: dict, device: torch.device) -> dict:
+    """The verdict of one run over all ranks: losses finite and decreasing, bytes intact, (prequant) limits."""
+    losses = ranks[0]["losses"]
+    finite = bool(losses) and all(math.isfinite(x) for r in ranks for x in r["losses"])
+    decreasing = finite and len(losses) > 1 and losses[-1] < losses[0]
+    monotonic = decreasing and all(b < a for a, b in itertools.pairwise(losses))
+    agree = all(r["losses"] == losses for r in ranks)
+    intact = all(r["packed"]["mismatched_at_rest"] == 0 and r["packed"]["mismatched_in_forward"] == 0
+                 and r["packed"]["checked_in_forward"] >= r["packed"]["tensors"] for r in ranks)
+    s = {
+        "losses": losses, "finite": finite, "decreasing": decreasing, "monotonic": monotonic, "ranks_agree": agree,
+        "grads_finite": all(r["grads_finite"] for r in ranks), "packed_intact": intact,
+        "packed_tensors": ranks[0]["packed"]["tensors"], "nan_patterns": ranks[0]["packed"]["nan_patterns"],
+        "mismatched_at_rest": max(r["packed"]["mismatched_at_rest"] for r in ranks),
+        "mismatched_in_forward": max(r["packed"]["mismatched_in_forward"] for r in ranks),
+        "nan_canonicalized": max(r["packed"]["nan_canonicalized"] for r in ranks),
+        "load_seconds": max(r["load"]["seconds"] for r in ranks),
+        "peak_gpu_load": max(r["load"]["peak_gpu_allocated"] for r in ranks),
+        "peak_gpu_train": max(r["train"]["peak_gpu_allocated"] for r in ranks),
+        "peak_rss_anon": max(max(r["load"]["peak_rss_anon"], r["train"]["peak_rss_anon"]) for r in ranks),
+        "peak_rss_anon_load": max(r["load"]["peak_rss_anon"] for r in ranks),
+        "peak_rss_file": max(max(r["load"]["peak_rss_file"], r["train"]["peak_rss_file"]) for r in ranks),
+        "limits": limits,
+    }
+    problems = []
+    if not finite:
+        problems.append("a loss is not finite")
+    elif not decreasing:
+        problems.append("the loss did not decrease")
+    if not agree:
+        problems.append("ranks disagree on the loss of the same batch")
+    if not s["grads_finite"]:
+        problems.append("LoRA gradients missing or not finite")
+    if not intact:
+        problems.append(f"packed bytes changed ({s['mismatched_at_rest']} at rest, {s['mismatched_in_forward']} in "
+                        f"forward, {s['nan_canonicalized']} bf16 words turned into a canonical NaN)")
+    if loader == "prequant" and device.type == "cuda":
+        if s["peak_gpu_load"] > limits["gpu_load"]:
+            problems.append(f"peak GPU memory during load {s['peak_gpu_load'] / GIB:.2f} GiB is over the limit "
+                            f"{limits['gpu_load'] / GIB:.2f} GiB")
+        if s["peak_rss_anon"] > limits["rss_anon"]:
+            problems.append(f"peak RssAnon {s['peak_rss_anon'] / GIB:.2f} GiB is over {limits['rss_anon'] / GIB:.0f} GiB")
+    s["problems"] = problems
+    s["ok"] = not problems
+    return s
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PrequantError as e:
+        print(f"Error: {e.message}", file=sys.stderr)
+        sys.exit(e.exit_code)
