@@ -273,10 +273,19 @@ class TensorSource:
             return torch.empty(ref.shape, dtype=dtype)
         if ref.offset == BIN_OFFSET:
             return self._bin_tensor(ref)
+        fd = self.fd(ref.file)
         if ref.file not in self._maps:
             # ACCESS_COPY (MAP_PRIVATE) gives a writable buffer for torch.frombuffer without ever
             # writing back; pages stay shared with the page cache as long as nobody writes them.
-            self._maps[ref.file] = mmap.mmap(self.fd(ref.file), 0, access=mmap.ACCESS_COPY)
+            self._maps[ref.file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        # Touching mapped pages past the end of a file raises SIGBUS, which kills the process without a word:
+        # a file cut short since it was scanned gets an error naming it instead.
+        size = os.fstat(fd).st_size
+        if size < ref.offset + ref.nbytes:
+            raise PrequantError(
+                f"{ref.file}: now {size:,} bytes, too short for {ref.name!r} (which ends at byte "
+                f"{ref.offset + ref.nbytes:,}); the file changed while prequant was reading it: restore it and rerun"
+            )
         flat = torch.frombuffer(self._maps[ref.file], dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
         return flat.view(dtype).view(ref.shape)
 

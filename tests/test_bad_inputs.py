@@ -590,3 +590,22 @@ def test_errors_show_a_traceback_with_prequant_debug(tmp_path: Path) -> None:
 
 
 assert len({c.id for c in CASES}) == len(CASES) >= 15
+
+
+def test_source_cut_short_after_the_scan_is_an_error_not_a_bus_error(checkpoints, tmp_path):
+    """A memory-mapped tensor past a file's new end would SIGBUS when read; it is refused, naming file and tensor."""
+    from prequant import reader
+    from prequant.errors import PrequantError
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints("llama"), src)
+    shard = src / "model.safetensors"
+    refs = reader.scan([shard])
+    last = max(refs, key=lambda r: r.offset + r.nbytes)
+    with reader.TensorSource() as data:
+        data.view(refs[0])  # mapped while the file is whole
+        os.truncate(shard, last.offset + 1)
+        with pytest.raises(PrequantError) as error:
+            data.view(last)
+    message = str(error.value)
+    assert str(shard) in message and repr(last.name) in message and "\n" not in message
