@@ -124,7 +124,7 @@ def convert(
     staging = output.staging_dir(out, keep=resume)
     side = metadata.side_files(src.path)
     manifest_written: dict | None = None  # None: published by an earlier, interrupted run
-    with _interruptible():
+    with _interruptible(), record:
         if not (resume and output.publishing(staging)):
             job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
             journal = Journal(staging, job, resume=resume)

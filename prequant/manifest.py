@@ -61,11 +61,25 @@ class Recorder:
                         "stats": stats}
         self.stats = stats_mod.Collector() if stats else None
         self._hashes: dict[str, Future[str]] = {}
-        self._queue: queue.Queue[tuple[BinaryIO, Future[str]]] = queue.Queue()
+        self._queue: queue.Queue[tuple[BinaryIO, Future[str]] | None] = queue.Queue()
         # Shards are hashed side by side: one thread hashes ~1 GB/s, which a fast disk outruns (5 GB shards
         # finishing every 2 s from a 7 GB/s source). Daemon threads: a failed conversion never waits for them.
-        for i in range(HASH_THREADS):
-            threading.Thread(target=self._hash_loop, name=f"prequant-hash-{i}", daemon=True).start()
+        self._threads = [threading.Thread(target=self._hash_loop, name=f"prequant-hash-{i}", daemon=True)
+                         for i in range(HASH_THREADS)]
+        for t in self._threads:
+            t.start()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        """End the hashing threads once what is queued is hashed: waited for after a success (instant, since
+        `finish` has read every hash), not after a failure (nobody will read them)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if exc_type is None:
+            for t in self._threads:
+                t.join()
 
     @property
     def inspect(self) -> Callable[..., None] | None:
@@ -79,8 +93,8 @@ class Recorder:
         self._queue.put((file, future))
 
     def _hash_loop(self) -> None:
-        while True:
-            file, future = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            file, future = item
             try:
                 with trace.busy("sha256"):
                     future.set_result(sha256_file(file))

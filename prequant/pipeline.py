@@ -346,7 +346,6 @@ class _GpuLoader:
             done.record(self.stream)
         return out.view(SAFETENSORS_DTYPES[ref.dtype]).view(ref.shape), done
 
-
     def _load_bin(self, ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event]:
         """A .bin shard's tensor has no byte range in its file: copy torch's memory-mapped tensor as it is."""
         src = self.source.view(ref)

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
 
 STATE_MARK = "." + STATE_KEY_PREFIX  # between a packed weight's key and its quant type
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
-# bnb_4bit_quant_storage -> safetensors code of the packed weight (dtypes.py names both).
-STATE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -91,8 +89,8 @@ def _parse_state(key: str, ref: reader.TensorRef, data: reader.TensorSource, qua
         problems.append(f"quant_type {state.get('quant_type')!r} does not match the key's __{quant_type}")
     if state.get("blocksize") not in BLOCKSIZES:
         problems.append(f"blocksize {state.get('blocksize')!r} is not one of {BLOCKSIZES}")
-    if state.get("dtype") not in STATE_DTYPES:
-        problems.append(f"dtype {state.get('dtype')!r} is not one of {', '.join(STATE_DTYPES)}")
+    if state.get("dtype") not in COMPUTE_NAMES:  # the dtype the weight had: one bitsandbytes computes in
+        problems.append(f"dtype {state.get('dtype')!r} is not one of {', '.join(COMPUTE_NAMES)}")
     shape = state.get("shape")
     if not isinstance(shape, list) or not shape or not all(isinstance(d, int) and d > 0 for d in shape):
         problems.append(f"shape {shape!r} is not a list of positive integers")

@@ -13,7 +13,6 @@ import ctypes
 import errno
 import json
 import os
-import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +55,6 @@ class ShardWriter:
         self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
         try:
             _preallocate(self._fd, self._data_start + self._fixed_end, self.partial)
-            self._writeback = _WRITEBACK.open(self._fd)
         except BaseException:
             os.close(self._fd)
             raise
@@ -79,7 +77,7 @@ class ShardWriter:
         if nbytes != end - begin:
             raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
         _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial)
-        _WRITEBACK.start(self._writeback, self._data_start + begin, nbytes)
+        _start_writeback(self._fd, self._data_start + begin, nbytes)
         with self._lock:
             self._pending.discard(key)
 
@@ -106,7 +104,7 @@ class ShardWriter:
             if raw.numel() != end - begin:
                 raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
             _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
-            _WRITEBACK.start(self._writeback, self._data_start + begin, end - begin)
+            _start_writeback(self._fd, self._data_start + begin, end - begin)
         else:
             self._blobs[key] = raw.numpy().tobytes()
         with self._lock:
@@ -135,7 +133,6 @@ class ShardWriter:
             with trace.busy("fsync"):
                 os.fsync(self._fd)  # a full disk or quota can surface only here (delayed allocation, NFS)
             fd, self._fd = self._fd, -1  # closed even if close() reports an error: abort() must not close it again
-            _WRITEBACK.close(self._writeback)
             os.close(fd)
             os.replace(self.partial, self.path)
         except OSError as e:
@@ -147,7 +144,6 @@ class ShardWriter:
         """Close without publishing (the .partial file stays for inspection or is cleaned by the caller)."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
-            _WRITEBACK.close(self._writeback)
             try:
                 os.close(fd)
             except OSError:
@@ -168,56 +164,15 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-class _Writeback:
-    """Starts writing shard bytes to disk as they land, from a thread of its own.
-
-    Otherwise the kernel holds them dirty (up to a tenth of RAM) and each shard's fsync then writes
-    gigabytes at once while the pipeline stands still. `sync_file_range` only starts the writes, but it
-    blocks while the disk's queue is full, so the writer thread does not issue it itself: it goes on
-    writing the next tensors into the page cache. (With durable output a conversion from a cached source
-    is still bound by the disk's write rate: on the GPU machine this moved 1.3 s of blocking off the writer
-    thread, yet the 16 GB pipeline took about as long, the wait showing up in the shard's fsync instead.)
-    This thread works on its own duplicate of each shard's descriptor, closed once the shard's requests
-    are done, so a shard closed meanwhile never has its number reused under it. Advisory: errors are left
-    to the shard's fsync, which still runs and is what makes the shard durable."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[int, int, int]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def open(self, fd: int) -> int:
-        """A descriptor for this shard's writeback requests (-1 where there is no sync_file_range)."""
-        if _SYNC_FILE_RANGE is None:
-            return -1
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="prequant-writeback", daemon=True)
-                self._thread.start()
-        return os.dup(fd)
-
-    def start(self, fd: int, offset: int, nbytes: int) -> None:
-        if fd >= 0 and nbytes > 0:
-            self._queue.put((fd, offset, nbytes))
-
-    def close(self, fd: int) -> None:
-        if fd >= 0:
-            self._queue.put((fd, -1, 0))
-
-    def _run(self) -> None:
-        while True:
-            fd, offset, nbytes = self._queue.get()
-            try:
-                if offset < 0:
-                    os.close(fd)
-                else:
-                    with trace.busy("writeback-start"):
-                        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-            finally:
-                self._queue.task_done()
-
-
-_WRITEBACK = _Writeback()
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing these bytes to disk now, without waiting. Otherwise the kernel holds them dirty (up to
+    a tenth of RAM) and the shard's fsync then writes gigabytes at once while the pipeline stands still.
+    Advisory: errors are left to that fsync, which still runs and is what makes the shard durable.
+    (Issuing it from a thread of its own was tried on the GPU machine: the writer's own writes then blocked
+    instead, and the 16 GB pipeline was no faster; with durable output it is bound by the disk's write rate.)"""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        with trace.busy("writeback-start"):
+            _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _open_for_write(path: Path, truncate: bool = True) -> int:

@@ -238,16 +238,20 @@ def test_parse_size_reads_units_like_transformers():
 
 
 def test_conversions_leave_no_file_descriptors_open(checkpoints, tmp_path):
-    """Shards, their writeback duplicates, hashed files: every descriptor a conversion opens is closed."""
+    """Shards, source files, the files handed to the hashing threads: every descriptor a conversion opens is closed."""
     import os
-
-    from prequant import writer
 
     src = checkpoints("llama", "200KB")  # several shards
     prequant.convert(src, tmp_path / "warm-up", device="cpu", progress=False)
-    writer._WRITEBACK._queue.join()
     before = set(os.listdir("/proc/self/fd"))
     for i in range(3):
         prequant.convert(src, tmp_path / f"out{i}", device="cpu", progress=False)
-    writer._WRITEBACK._queue.join()
     assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_conversions_leave_no_hashing_threads_behind(checkpoints, tmp_path):
+    import threading
+
+    for i in range(2):
+        prequant.convert(checkpoints("llama", "200KB"), tmp_path / f"out{i}", device="cpu", progress=False)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("prequant-hash")]

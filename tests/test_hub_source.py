@@ -283,9 +283,11 @@ def test_delete_source_shards_refused_for_a_local_directory(tiny: Path, tmp_path
 
 def test_header_read_is_retried_after_a_server_error(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
     first = sorted(p.name for p in tiny.glob("*.safetensors"))[0]
-    fault = hub_server.fail(REPO, first, status=503, times=1, ranged=True)
+    hub_server.fail(REPO, first, status=503, times=1, ranged=True)
+    hub_server.clear_log()
     plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
-    assert fault.times == 0  # the fault was hit, and the retried ranged read planned the repo
+    requests = [r for r in hub_server.request_log if _serves(r, first)]
+    assert [(r.status, "range" in r.headers) for r in requests] == [(503, True), (206, True)]  # refused, retried
     assert plan.input_bytes == sum(p.stat().st_size for p in tiny.glob("*.safetensors")) - sum(
         8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tiny.glob("*.safetensors"))
 
@@ -343,7 +345,6 @@ def test_a_failure_elsewhere_never_leaves_the_reader_waiting(
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
     worker.join()  # no deadline: a reader left waiting would hang the test here
-    assert not worker.is_alive(), "the conversion hung"
     assert len(result) == 1
     assert isinstance(result[0], PrequantError) and step.source.name in str(result[0])
     assert "\n" not in str(result[0])

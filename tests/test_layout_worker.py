@@ -8,7 +8,7 @@ import prequant
 from prequant import architectures, layout_worker, metadata
 from prequant import source as sources
 
-from conftest import run_cli
+from conftest import run_main
 
 
 def _in_process(src_dir, skip=(), trust=False):
@@ -33,6 +33,8 @@ def test_child_answer_to_another_question_is_not_used(checkpoints):
     assert layout_worker.take(src.path, tensors, [], False) is None  # other skip list
     layout_worker.start(str(src.path), [], False)
     assert layout_worker.take(src.path, tensors[:-1], [], False) is None  # other tensors (files changed meanwhile)
+    layout_worker.start(str(src.path), [], False)
+    assert layout_worker.take(src.path, tensors, [], False) is not None
     assert layout_worker.take(src.path, tensors, [], False) is None  # an answer is taken once
 
 
@@ -42,9 +44,16 @@ def test_no_child_for_what_is_not_a_local_checkpoint(tmp_path):
     assert layout_worker._child is None
 
 
-def test_cli_plan_equals_library_plan(checkpoints, tmp_path):
-    """The CLI (layout from the child) and the library (in-process) print the same plan, reasons included."""
+def test_cli_plan_equals_library_plan(checkpoints, tmp_path, monkeypatch):
+    """The CLI (layout from the child, here even on a small machine) and the library (in-process) print the
+    same plan, reasons included."""
     src = checkpoints("gpt2")
-    cli = run_cli("convert", str(src), str(tmp_path / "out"), "--dry-run", "--json", "--skip", "h.0.mlp", check=True)
+    taken = []
+    take = layout_worker.take
+    monkeypatch.setattr(layout_worker, "worthwhile", lambda: True)
+    monkeypatch.setattr(layout_worker, "take", lambda *args: taken.append(take(*args)) or taken[-1])
+    code, out, err = run_main("convert", str(src), str(tmp_path / "out"), "--dry-run", "--json", "--skip", "h.0.mlp")
+    assert code == 0, err
+    assert len(taken) == 1 and taken[0] is not None, "the CLI did not use the child's layout"
     library = prequant.convert(src, tmp_path / "out", dry_run=True, skip=["h.0.mlp"])
-    assert json.loads(cli.stdout) == json.loads(json.dumps(library.to_dict()))
+    assert json.loads(out) == json.loads(json.dumps(library.to_dict()))
