@@ -23,6 +23,16 @@ import torch
 
 from .check_fsdp import BUFFER_DTYPES, GIB, LOADERS, PACKED_STORAGES
 from .errors import PrequantError
+from .fsdp import (
+    Checkpoint,
+    init_distributed,
+    init_lora_weights,
+    load_for_fsdp,
+    local_rows,
+    lora_config,
+    packed_layers,
+    shard_rows,
+)
 
 RSS_ANON_LIMIT = 2 * 2**30  # per rank, with load_for_fsdp
 
@@ -96,8 +106,6 @@ def load_transformers(args: argparse.Namespace, device: torch.device) -> torch.n
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from transformers import AutoModelForCausalLM
 
-    from .fsdp import init_lora_weights, lora_config
-
     # What `accelerate launch` with fsdp_config_qlora.yaml exports; transformers reads them in from_pretrained.
     os.environ.setdefault("ACCELERATE_USE_FSDP", "true")
     os.environ.setdefault("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
@@ -118,8 +126,6 @@ def load_transformers(args: argparse.Namespace, device: torch.device) -> torch.n
 
 
 def load_prequant(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    from .fsdp import load_for_fsdp
-
     return load_for_fsdp(args.checkpoint, lora_r=args.lora_r, lora_alpha=args.lora_alpha, seed=args.seed,
                          device=device, buffer_dtype=_buffer_dtype(args), packed_storage=args.packed_storage)
 
@@ -137,8 +143,6 @@ class PackedBytes:
     weight each Linear4bit receives in forward (where FSDP2's bf16 NaN canonicalization would show)."""
 
     def __init__(self, checkpoint: str, device: torch.device) -> None:
-        from .fsdp import Checkpoint
-
         self.ckpt = Checkpoint(checkpoint)
         self.device = device
         self.result = {"tensors": 0, "bytes": 0, "nan_patterns": 0, "mismatched_at_rest": 0,
@@ -166,8 +170,6 @@ class PackedBytes:
             self.result["first_bad"].append(f"{prefix} ({where}: {bad} bytes)")
 
     def at_rest(self, model: torch.nn.Module, loader: str) -> None:
-        from .fsdp import packed_layers
-
         if loader == "transformers":
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -179,8 +181,6 @@ class PackedBytes:
             self._compare(prefix, _gather_bytes(module.weight), "at_rest")
 
     def in_forward(self, model: torch.nn.Module, batch: torch.Tensor) -> None:
-        from .fsdp import packed_layers
-
         handles = []
         for prefix, module in packed_layers(model):
             def hook(mod: torch.nn.Module, args: Any, prefix: str = prefix) -> None:
@@ -207,7 +207,6 @@ def _gather_bytes(param: torch.Tensor) -> torch.Tensor:
 
     if not isinstance(param, DTensor):
         return param.detach().reshape(-1).view(torch.uint8)
-    from .fsdp import local_rows, shard_rows
 
     local = param.to_local().detach().reshape(-1).view(torch.uint8)
     mesh = param.device_mesh
@@ -272,8 +271,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     import torch.distributed as dist
-
-    from .fsdp import Checkpoint, init_distributed
 
     sampler = MemorySampler()
     device = init_distributed()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from huggingface_hub import HfApi, constants, errors, hf_hub_download
+from huggingface_hub import HfApi, constants, hf_hub_download
 from huggingface_hub.errors import (
     HfHubHTTPError,
     HFValidationError,
@@ -27,10 +27,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from .errors import PrequantError, UsageError
-from .hub_errors import explain, first_line, short
-
-# A missing file on the Hub (huggingface_hub < 1.0 had no Remote- prefix and no Local/Remote split).
-_RemoteEntryNotFound = getattr(errors, "RemoteEntryNotFoundError", None) or errors.EntryNotFoundError
+from .hub_errors import IncompleteDownload, RemoteEntryNotFound, explain, first_line, is_incomplete, short
 
 try:  # Per-commit file listing cache (huggingface_hub >= 2.x; snapshot_download writes it too)
     from huggingface_hub._tree_cache import TreeCacheEntry, read_tree_cache, write_tree_cache
@@ -89,7 +86,8 @@ def resolve(
     try:
         info = _api(token).model_info(repo_id, revision=revision, files_metadata=True, timeout=_API_TIMEOUT_S)
     except Exception as error:
-        raise PrequantError(explain(error, f"resolve {label}", repo_id, revision, token)) from error
+        message = explain(error, f"resolve {label}", repo_id, revision, token, endpoint=_endpoint())
+        raise PrequantError(message) from error
     files = {sibling.rfilename: sibling.size for sibling in info.siblings or []}
     if info.sha is None or info.siblings is None or any(size is None for size in files.values()):
         raise PrequantError(
@@ -159,7 +157,7 @@ def read_range(source: HubSource, filename: str, start: int, end: int, *, token:
                     break
         data = bytes(body[:want] if partial else body[start:end])
         if len(data) != end - start:
-            raise _IncompleteDownload(f"got {len(data)} bytes of the {end - start} asked for")
+            raise IncompleteDownload(f"got {len(data)} bytes of the {end - start} asked for")
         return data
 
     return _retrying(attempt, f"read {label}", source, token)
@@ -175,7 +173,8 @@ def _retrying(attempt: Callable[[], T], action: str, source: HubSource, token: s
             raise
         except Exception as error:
             if delay is None or not _is_transient(error):
-                raise PrequantError(explain(error, action, source.repo_id, source.sha, token)) from error
+                message = explain(error, action, source.repo_id, source.sha, token, endpoint=_endpoint())
+                raise PrequantError(message) from error
             log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
@@ -232,7 +231,8 @@ def upload(
             commit_message=commit_message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
         )
     except Exception as error:
-        raise PrequantError(explain(error, action, repo_id, revision, token, writing=True)) from error
+        message = explain(error, action, repo_id, revision, token, endpoint=_endpoint(), writing=True)
+        raise PrequantError(message) from error
     return info.commit_url
 
 
@@ -273,10 +273,6 @@ def _label(repo_id: str, revision: str | None, alias: str | None) -> str:
 # --------------------------------------------------------------------------------------- downloading
 
 
-class _IncompleteDownload(Exception):
-    """The file on disk does not have the size the Hub lists."""
-
-
 def _fetch(source: HubSource, filename: str, token: str | None) -> Path:
     # Pinned to the sha: a cached file is returned without any network call.
     path = Path(
@@ -294,23 +290,16 @@ def _fetch(source: HubSource, filename: str, token: str | None) -> Path:
     size, expected = path.stat().st_size, source.files[filename]
     if size != expected:
         evict(source, filename)  # never leave a wrong-sized file for the next run to trust
-        raise _IncompleteDownload(f"got {size} bytes, the Hub lists {expected}")
+        raise IncompleteDownload(f"got {size} bytes, the Hub lists {expected}")
     return path
 
 
 def _is_transient(error: BaseException) -> bool:
-    if isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError, _RemoteEntryNotFound)):
+    if isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFound)):
         return False
     if isinstance(error, HfHubHTTPError):
         return error.response is not None and error.response.status_code in _RETRY_STATUSES
-    return _is_incomplete(error)
-
-
-def _is_incomplete(error: BaseException) -> bool:
-    # Ours, or huggingface_hub's own size check after a body that ended early.
-    return isinstance(error, _IncompleteDownload) or (
-        isinstance(error, OSError) and "Consistency check failed" in str(error)
-    )
+    return is_incomplete(error)
 
 
 # --------------------------------------------------------------------------------- offline resolving

@@ -1,7 +1,8 @@
 """Hub failures as one message line each: what failed, why, and what to do; tokens never appear in it.
 
-Knows huggingface_hub's errors and the transport errors of whichever HTTP client it has loaded. `hub`
-imports this module, so `explain` imports hub's settings only when it runs.
+Knows huggingface_hub's errors and the transport errors of whichever HTTP client it has loaded. It also
+names the failures `hub`'s retry policy sorts (a missing file, an incomplete download); it imports nothing
+of `hub`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 from huggingface_hub import constants
+from huggingface_hub import errors as hf_errors
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -25,6 +27,21 @@ _NETWORK_FIX = "check the network or HF_ENDPOINT, or download the repo and pass 
 _LOGIN_FIX = "set HF_TOKEN or run `hf auth login`"
 
 
+# A missing file on the Hub (huggingface_hub < 1.0 had no Remote- prefix and no Local/Remote split).
+RemoteEntryNotFound = getattr(hf_errors, "RemoteEntryNotFoundError", None) or hf_errors.EntryNotFoundError
+
+
+class IncompleteDownload(Exception):
+    """The file on disk does not have the size the Hub lists."""
+
+
+def is_incomplete(error: BaseException) -> bool:
+    """Ours, or huggingface_hub's own size check after a body that ended early."""
+    return isinstance(error, IncompleteDownload) or (
+        isinstance(error, OSError) and "Consistency check failed" in str(error)
+    )
+
+
 def explain(
     error: BaseException,
     action: str,
@@ -32,14 +49,12 @@ def explain(
     revision: str | None,
     token: str | None,
     *,
+    endpoint: str,
     writing: bool = False,
 ) -> str:
-    """One line: what failed, why, and what to do."""
-    from .hub import _endpoint, _is_incomplete, _RemoteEntryNotFound  # hub imports this module
-
+    """One line: what failed, why, and what to do (`endpoint`: the Hub the request went to)."""
     # huggingface_hub wraps some HTTP errors (e.g. a failed HEAD becomes LocalEntryNotFoundError): use the HTTP one.
     error = next((e for e in _chain(error) if isinstance(e, HfHubHTTPError)), error)
-    endpoint = _endpoint()
     secrets = _known_tokens(token)
     reason = short(error, token)
     status = getattr(getattr(error, "response", None), "status_code", None)
@@ -63,7 +78,7 @@ def explain(
             f"cannot {action}: revision '{revision}' does not exist in {repo_id}; pass an existing branch, "
             "tag or full commit sha as org/name@revision"
         )
-    if isinstance(error, _RemoteEntryNotFound) and not isinstance(error, LocalEntryNotFoundError):
+    if isinstance(error, RemoteEntryNotFound) and not isinstance(error, LocalEntryNotFoundError):
         return f"cannot {action}: the file does not exist at that commit ({reason})"
     if isinstance(error, OfflineModeIsEnabled):
         return f"cannot {action}: offline mode is enabled (HF_HUB_OFFLINE); unset it, or pass a local directory"
@@ -75,7 +90,7 @@ def explain(
         return f"cannot {action}: the token lacks {need} {repo_id} (403); use a token with that permission"
     if isinstance(error, HfHubHTTPError):
         return f"cannot {action}: the Hub at {endpoint} answered {status or 'an error'} ({reason}); try again later"
-    if _is_incomplete(error):
+    if is_incomplete(error):
         return f"cannot {action}: the file is incomplete ({reason}); run again, or check the disk and the network"
     if any(isinstance(e, json.JSONDecodeError) for e in _chain(error)):
         return f"cannot {action}: {endpoint} did not answer like a Hugging Face Hub ({reason}); check HF_ENDPOINT"
