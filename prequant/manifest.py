@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import platform
 import queue
@@ -37,11 +38,30 @@ HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _PACKAGES = ("torch", "bitsandbytes", "transformers", "safetensors", "huggingface_hub")
 
 
-def sha256_file(path: Path | BinaryIO, on_bytes: Any = None) -> str:
+def sha256_file(path: Path | BinaryIO, on_bytes: Any = None, *, mapped: bool = False) -> str:
     """Hex sha256 of a file (a path, or a file open for reading, which is closed), read in large chunks;
-    `on_bytes(n)` is called as bytes go by (progress)."""
+    `on_bytes(n)` is called as bytes go by (progress).
+
+    `mapped`: hash the page cache in place through a memory map, about 10% faster than copying it out
+    (1.21 against 1.1 GB/s on the CPU machine), which shortens the tail of a conversion, where the last
+    shard is hashed. Only for files this process has just written: if another process truncated the file
+    meanwhile, reading the map would kill this one (SIGBUS), so files from elsewhere are read."""
     digest = hashlib.sha256()
     with (open(path, "rb", buffering=0) if isinstance(path, (str, Path)) else path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if mapped and size:
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                m.madvise(mmap.MADV_SEQUENTIAL)
+                with memoryview(m) as view:
+                    for start in range(0, size, READ_CHUNK):
+                        n = min(READ_CHUNK, size - start)
+                        digest.update(view[start:start + n])
+                        # Unmap what was hashed (the page cache keeps it): else the whole shard counts in
+                        # this process' RSS (measured: VmRSS 5.6 GiB for a 4.65 GB shard, 1.55 GiB before).
+                        m.madvise(mmap.MADV_DONTNEED, start, n)
+                        if on_bytes is not None:
+                            on_bytes(n)
+            return digest.hexdigest()
         buf = bytearray(READ_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -97,7 +117,7 @@ class Recorder:
             file, future = item
             try:
                 with trace.busy("sha256"):
-                    future.set_result(sha256_file(file))
+                    future.set_result(sha256_file(file, mapped=True))
             except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
                 future.set_exception(e)
 

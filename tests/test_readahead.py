@@ -119,3 +119,54 @@ def test_start_after_stop_gives_a_running_readahead(two_files, advice):
     assert b is not a and not b._stopped
     assert _advised(advice) - before == 3 * readahead._STEP  # it read the files ahead again, in full
     b.stop()
+
+
+def test_background_readahead_keeps_at_most_depth_bytes_asked_and_not_yet_read(two_files, monkeypatch):
+    """A deep queue of advice makes every other read (a library page the imports fault in) wait behind it."""
+    events: list[tuple[str, int, int]] = []
+    real_fadvise, real_pread = os.posix_fadvise, os.pread
+
+    def fadvise(fd: int, offset: int, length: int, how: int) -> None:
+        if how == os.POSIX_FADV_WILLNEED:
+            events.append(("ask", offset, length))
+        real_fadvise(fd, offset, length, how)
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        events.append(("wait", offset, n))
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(os, "pread", pread)
+    fd = os.open(two_files[0], os.O_RDONLY)
+    chunk = readahead.advice_chunk(fd)
+    os.close(fd)
+    depth = 3 * chunk
+    readahead.Readahead(two_files, window=10 * readahead._STEP, depth=depth)._thread.join()
+    asked: list[tuple[int, int]] = []  # (end, bytes) of the current file's pieces not yet waited for
+    worst, total, previous = 0, 0, -1
+    for kind, offset, n in events:
+        if kind == "ask":
+            if offset < previous:  # the next file: the previous one was drained before it closed
+                assert not asked
+            previous = offset
+            asked.append((offset + n, n))
+            total += n
+            worst = max(worst, sum(b for _, b in asked))
+        else:
+            asked = [(end, b) for end, b in asked if end > offset + 1]
+    assert not asked  # every piece was waited for
+    assert total == 3 * readahead._STEP and worst <= depth
+    assert any(kind == "wait" for kind, _, _ in events)
+
+
+def test_the_clis_early_readahead_is_shallow_and_deepens_once_convert_takes_it_over(tmp_path):
+    """Shallow while the imports fault in library pages (they would wait behind it), deep once the pipeline runs."""
+    (tmp_path / "model.safetensors").write_bytes(b"\1" * (3 * readahead._STEP // 2))
+    readahead.start_for_source(str(tmp_path))
+    early = readahead._current
+    try:
+        assert early is not None and early.depth == readahead.START_DEPTH
+        assert readahead.start([tmp_path / "model.safetensors"]) is early  # what convert() does after planning
+        assert early.depth == readahead.PIPELINE_DEPTH > readahead.START_DEPTH
+    finally:
+        early.stop()
