@@ -1,16 +1,17 @@
-"""Benchmark: how a checkpoint's read-ahead slows a cold process' start-up (its imports), and whether
-de-prioritizing the read-ahead helps.
+"""Benchmark: how a checkpoint's read-ahead slows a cold process' start-up (its imports), by read-ahead depth.
 
 Each mode drops the page cache (root needed, else it says so), then times `import torch, transformers` and
 the LlamaForCausalLM class (what `prequant convert` imports before it can plan) in a fresh interpreter,
-while a background thread of that interpreter reads a scratch file of --size-gb ahead:
+while a background thread of that interpreter reads a scratch file of --size-gb ahead with
+prequant.readahead.Readahead:
 
-  none     no read-ahead: the baseline
-  normal   prequant.readahead.willneed over the whole file (what the CLI starts before its imports)
-  idle     the same from a thread with I/O priority class idle (ioprio_set)
-  paced    one device-sized request at a time, each waited for before the next
+  none        no read-ahead: the baseline
+  unbounded   advice for the whole file at once, as the read-ahead did before it had a depth
+  32M, 128M   at most that many bytes asked of the disk and not yet read (readahead.START_DEPTH and
+              PIPELINE_DEPTH are the depths the CLI uses while starting up and once the pipeline runs)
 
-Prints each mode's import time and its ratio to the baseline, and when the read-ahead finished.
+Prints each mode's import time, its ratio to the baseline, and when the read-ahead finished. With
+--warm-libraries the libraries are imported once after the cache is dropped, so only the file is cold.
 
     python scripts/bench_startup.py --size-gb 8 --dir /tmp
 """
@@ -27,26 +28,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
-import ctypes, json, os, sys, threading, time
+import json, os, sys, threading, time
 sys.path.insert(0, sys.argv[3])
 mode, path = sys.argv[1], sys.argv[2]
 t0 = time.monotonic()
 done = {}
 
 def read_ahead():
+    from pathlib import Path
     from prequant import readahead
-    if mode == "idle":
-        ctypes.CDLL(None, use_errno=True).syscall(251, 1, threading.get_native_id(), 3 << 13)  # ioprio_set, x86_64
-    fd = os.open(path, os.O_RDONLY)
-    size = os.fstat(fd).st_size
-    if mode == "paced":
-        chunk = readahead.advice_chunk(fd)
-        for off in range(0, size, chunk):
-            readahead.willneed(fd, off, min(chunk, size - off), chunk)
-            os.pread(fd, 1, min(off + chunk, size) - 1)  # wait until this request is in
-    else:
-        readahead.willneed(fd, 0, size)
-        os.pread(fd, 1, size - 1)
+    depth = {"unbounded": 1 << 60, "32M": 32 << 20, "128M": 128 << 20}[mode]
+    readahead.Readahead([Path(path)], depth=depth)._thread.join()
     done["readahead_s"] = round(time.monotonic() - t0, 2)
 
 if mode != "none":
@@ -61,20 +53,24 @@ print(json.dumps({"mode": mode, "imports_s": imports, **done}))
 """
 
 
-def drop_caches() -> bool:
+def drop_caches(warm_libraries: bool) -> bool:
     try:
         subprocess.run(["sync"], check=True)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
     except OSError:
         return False
+    if warm_libraries:
+        subprocess.run([sys.executable, "-c", "import torch, transformers; from transformers import LlamaForCausalLM"],
+                       check=True)
+    return True
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=8)
     ap.add_argument("--dir", type=Path, default=Path("/tmp"))
-    ap.add_argument("--modes", default="none,normal,idle,paced")
+    ap.add_argument("--modes", default="none,unbounded,32M,128M")
+    ap.add_argument("--warm-libraries", action="store_true", help="only the scratch file is cold")
     args = ap.parse_args()
     scratch = args.dir / "prequant-startup-scratch.bin"
     size = int(args.size_gb * 1e9)
@@ -86,7 +82,7 @@ def main() -> None:
     results = []
     try:
         for mode in args.modes.split(","):
-            cold = drop_caches()
+            cold = drop_caches(args.warm_libraries)
             out = subprocess.run([sys.executable, "-c", CHILD, mode, str(scratch), str(ROOT)], check=True,
                                  capture_output=True, text=True).stdout
             results.append(json.loads(out.strip().splitlines()[-1]) | {"cold": cold})
