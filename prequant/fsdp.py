@@ -35,13 +35,12 @@ import torch
 from . import reader
 from . import source as source_mod
 from .errors import PrequantError, UsageError
-from .plan import STATE_KEY_PREFIX
+from .plan import split_state_key, state_key
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-QUANT_STATE_KEY = ".weight." + STATE_KEY_PREFIX
 PackedStorage = Literal["uint8", "checkpoint"]
 
 
@@ -71,9 +70,9 @@ class Checkpoint:
         # the architecture, says which modules become Linear4bit.
         self.quantized: dict[str, str] = {}
         for name in self.tensors:
-            prefix, sep, quant_type = name.partition(QUANT_STATE_KEY)
-            if sep:
-                self.quantized[prefix] = quant_type
+            found = split_state_key(name)
+            if found is not None and found[0].endswith(".weight"):
+                self.quantized[found[0].removesuffix(".weight")] = found[1]
         # Each quantized layer's quant-state entries (absmax, code tables, ...), found in one pass: looking
         # them up per layer would scan every name once per layer (seconds per rank for Grok-1's 11k tensors).
         self._state_keys: dict[str, list[str]] = {p: [] for p in self.quantized}
@@ -329,7 +328,7 @@ def _build_meta_model(
         if not isinstance(old, torch.nn.Linear):
             raise PrequantError(f"{prefix} is a {type(old).__name__}, not nn.Linear: cannot hold 4-bit weights")
         meta_packed = ckpt.packed(prefix, packed_dtype).to("meta")
-        qs = json.loads(bytes(ckpt.view(f"{prefix}{QUANT_STATE_KEY}{quant_type}").tolist()))
+        qs = json.loads(bytes(ckpt.view(state_key(f"{prefix}.weight", quant_type)).tolist()))
         new = Linear4bit(old.in_features, old.out_features, bias=old.bias is not None, compute_dtype=compute_dtype,
                          compress_statistics=f"{prefix}.weight.nested_absmax" in ckpt.tensors,
                          quant_type=quant_type, quant_storage=meta_packed.dtype, device="meta")

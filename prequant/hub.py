@@ -114,10 +114,7 @@ def download(source: HubSource, filename: str, *, token: str | None = None) -> P
             return _fetch(source, filename, token)
         except Exception as error:
             if _offline():
-                raise PrequantError(
-                    f"cannot download {label}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache "
-                    f"at {_cache_dir()}; unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
-                ) from error
+                raise _not_cached_offline(f"download {label}") from error
             raise
 
     path = _retrying(attempt, f"download {label}", source, token)
@@ -137,10 +134,7 @@ def read_range(source: HubSource, filename: str, start: int, end: int, *, token:
 
     label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
     if _offline():
-        raise PrequantError(
-            f"cannot read {label}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache at "
-            f"{_cache_dir()}; unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
-        )
+        raise _not_cached_offline(f"read {label}")
     url = hf_hub_url(source.repo_id, filename, revision=source.sha, endpoint=_endpoint())
     headers = {**build_hf_headers(token=token, library_name="prequant"), "Range": f"bytes={start}-{end - 1}"}
 
@@ -336,6 +330,13 @@ def _remember(source: HubSource) -> None:
             write_tree_cache(str(storage), source.sha, listing)
     except OSError as error:  # a cache we cannot annotate only costs offline resolves
         log.debug("could not record %s@%s in the cache: %s", source.repo_id, ref, error)
+
+
+def _not_cached_offline(action: str) -> PrequantError:
+    return PrequantError(
+        f"cannot {action}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache at {_cache_dir()}; "
+        "unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
+    )
 
 
 def _resolve_offline(repo_id: str, revision: str | None, label: str) -> HubSource:

@@ -24,6 +24,18 @@ QUANT_STATE_ESTIMATE = 170  # bytes of quant-state JSON, typical; the exact leng
 STORAGE_CODES = {name: TORCH_TO_SAFETENSORS[dtype] for name, dtype in NAMED.items()}  # "bfloat16" -> "BF16"
 # A packed weight's quant-state JSON is stored under "<weight key>.quant_state.bitsandbytes__<quant type>".
 STATE_KEY_PREFIX = "quant_state.bitsandbytes__"
+_STATE_MARK = "." + STATE_KEY_PREFIX
+
+
+def state_key(weight_key: str, quant_type: str) -> str:
+    """The checkpoint key of a packed weight's quant-state JSON (bitsandbytes' naming)."""
+    return f"{weight_key}{_STATE_MARK}{quant_type}"
+
+
+def split_state_key(key: str) -> tuple[str, str] | None:
+    """(weight key, quant type) when `key` names a quant-state JSON, else None."""
+    weight, mark, quant_type = key.partition(_STATE_MARK)
+    return (weight, quant_type) if mark else None
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,8 @@ class Settings:
             raise UsageError(f"--quant-storage {self.quant_storage!r} is not supported; use {', '.join(STORAGE_NAMES)}")
 
     @property
-    def state_key(self) -> str:
+    def state_entry(self) -> str:
+        """The quant state's name among a weight's entries (as `quantize_tensor` returns them)."""
         return STATE_KEY_PREFIX + self.quant_type
 
 
@@ -211,7 +224,7 @@ def quantized_outputs(t: TensorRef, s: Settings) -> tuple[OutTensor, ...]:
             OutTensor(f"{t.name}.nested_absmax", "F32", (-(-blocks // NESTED_BLOCKSIZE),)),
             OutTensor(f"{t.name}.nested_quant_map", "F32", (256,)),
         ]
-    outs.append(OutTensor(f"{t.name}.{s.state_key}", "U8", None))
+    outs.append(OutTensor(state_key(t.name, s.quant_type), "U8", None))
     return tuple(outs)
 
 

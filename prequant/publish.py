@@ -36,7 +36,7 @@ def upload(
             f"refusing to upload {out}: {extra[0]}{more} is not part of the conversion (not in prequant.json) and "
             "would be published too; move it out of OUTPUT_DIR"
         )
-    files = sorted(manifests.load(out)["files"]) + [manifests.MANIFEST]
+    files = report.listed_files + [manifests.MANIFEST]  # as verify just read them
     url = hub.upload(out, repo_id, revision=revision, private=private, commit_message=commit_message, token=token)
     return {
         "repo_id": repo_id,

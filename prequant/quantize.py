@@ -80,7 +80,7 @@ class Quantizer:
             out.update(absmax=codes, nested_absmax=nested_absmax, nested_quant_map=nested_map)
             state.update(nested_blocksize=NESTED_BLOCKSIZE, nested_dtype="float32", nested_offset=offset)
         # Same JSON text bitsandbytes packs (json.dumps defaults, this key order).
-        out[s.state_key] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+        out[s.state_entry] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
         return out
 
     def _cuda_4bit(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .plan import NESTED_BLOCKSIZE
+from .plan import NESTED_BLOCKSIZE, STATE_KEY_PREFIX
 
 CHUNK_ELEMENTS = 1 << 20  # per pass; small enough to stay in cache on the CPU, a few MB on a GPU
 GPU_CHUNK_ELEMENTS = 1 << 24  # ~200 MB of temporaries: small next to the tensors in flight
@@ -61,7 +61,7 @@ class TensorStats:
 
 def quant_state(entries: dict[str, torch.Tensor]) -> dict:
     """The parsed quant-state JSON among a tensor's entries (keys as in `quantize_tensor`)."""
-    key = next(k for k in entries if k.startswith("quant_state."))
+    key = next(k for k in entries if k.startswith(STATE_KEY_PREFIX))
     return json.loads(bytes(entries[key].cpu().tolist()))
 
 

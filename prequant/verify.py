@@ -56,6 +56,7 @@ class Report:
     warnings: list[Problem] = field(default_factory=list)
     files: dict = field(default_factory=dict)
     extra_files: list[str] = field(default_factory=list)
+    listed_files: list[str] = field(default_factory=list)  # what prequant.json lists (what upload sends)
     tensors: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     conversion_stats: dict | None = None
@@ -174,6 +175,7 @@ def _check_manifest(out: Path, report: Report) -> dict | None:
 def _check_files(out: Path, manifest: dict, report: Report, progress: bool) -> set[str]:
     """Sizes first (cheap, catches truncation), then sha256 of the files whose size is right."""
     listed: dict[str, dict] = manifest["files"]
+    report.listed_files = sorted(listed)
     bad: set[str] = set()
     to_hash: list[tuple[str, Path, str]] = []
     for name, entry in listed.items():

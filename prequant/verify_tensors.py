@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING
 from . import reader
 from .architectures import should_convert
 from .dtypes import COMPUTE_NAMES, itemsize
-from .plan import BLOCKSIZES, NESTED_BLOCKSIZE, QUANT_TYPES, STATE_KEY_PREFIX, STORAGE_CODES
+from .plan import BLOCKSIZES, NESTED_BLOCKSIZE, QUANT_TYPES, STORAGE_CODES, split_state_key, state_key
 
 if TYPE_CHECKING:
     from .verify import Report
 
-STATE_MARK = "." + STATE_KEY_PREFIX  # between a packed weight's key and its quant type
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
 
@@ -41,8 +40,8 @@ def check_quantized(refs: dict[str, reader.TensorRef], shard_of: dict[str, str],
     """Every quant state parses and has exactly its companions, with the dtypes and shapes it implies."""
     groups: dict[str, Group] = {}
     with reader.TensorSource() as data:
-        for key in sorted(k for k in refs if STATE_MARK in k):
-            weight, _, quant_type = key.partition(STATE_MARK)
+        for key in sorted(k for k in refs if split_state_key(k) is not None):
+            weight, quant_type = split_state_key(key)  # type: ignore[misc]
             group = _parse_state(key, refs[key], data, quant_type, report)
             if group is None:
                 continue
@@ -62,7 +61,7 @@ def check_quantized(refs: dict[str, reader.TensorRef], shard_of: dict[str, str],
 
 
 def _parse_state(key: str, ref: reader.TensorRef, data: reader.TensorSource, quant_type: str, report: Report) -> Group | None:
-    weight = key.partition(STATE_MARK)[0]
+    weight = split_state_key(key)[0]  # type: ignore[index]
     if ref.dtype != "U8" or len(ref.shape) != 1:
         report.fail(key, f"is {ref.dtype}{list(ref.shape)}; a quant state is 1-D U8 (JSON bytes)")
         return None
@@ -120,13 +119,13 @@ def expected_keys(g: Group) -> dict[str, tuple[tuple[str, ...], tuple[int, ...] 
     if g.nested:
         keys[f"{g.weight}.nested_absmax"] = (("F32",), (-(-blocks // NESTED_BLOCKSIZE),))
         keys[f"{g.weight}.nested_quant_map"] = (("F32",), (256,))
-    keys[f"{g.weight}{STATE_MARK}{g.quant_type}"] = (("U8",), None)
+    keys[state_key(g.weight, g.quant_type)] = (("U8",), None)
     return keys
 
 
 def _check_companions(g: Group, refs: dict[str, reader.TensorRef], shard_of: dict[str, str], report: Report) -> None:
     n = math.prod(g.state["shape"])
-    home = shard_of.get(f"{g.weight}{STATE_MARK}{g.quant_type}")
+    home = shard_of.get(state_key(g.weight, g.quant_type))
     expected = expected_keys(g)
     for key, (dtypes, shape) in expected.items():
         ref = refs.get(key)
