@@ -26,13 +26,9 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import validate_repo_id
 
+from . import hub_cache as cache
 from .errors import PrequantError, UsageError
 from .hub_errors import IncompleteDownload, RemoteEntryNotFound, explain, first_line, is_incomplete, short
-
-try:  # Per-commit file listing cache (huggingface_hub >= 2.x; snapshot_download writes it too)
-    from huggingface_hub._tree_cache import TreeCacheEntry, read_tree_cache, write_tree_cache
-except ImportError:  # pragma: no cover - older huggingface_hub: offline resolve lists the snapshot folder
-    TreeCacheEntry = read_tree_cache = write_tree_cache = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,8 +39,6 @@ T = TypeVar("T")
 _RETRY_DELAYS_S = (1.0, 3.0)
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _API_TIMEOUT_S = 60.0
-_SHA_RE = re.compile(r"[0-9a-f]{40}")
-_LISTINGS: dict[tuple[str, str], dict] = {}  # (repo_id, sha) -> file listing, from resolve() until a download
 
 
 @dataclass(frozen=True)
@@ -81,20 +75,21 @@ def resolve(
     (e.g. ``grok-1``), used only in messages.
     """
     label = _label(repo_id, revision, alias)
-    if _offline():
-        return _resolve_offline(repo_id, revision, label)
+    if cache.offline():
+        sha, files = cache.resolve_offline(repo_id, revision, label)
+        return HubSource(repo_id=repo_id, revision=revision, sha=sha, files=files)
     try:
         info = _api(token).model_info(repo_id, revision=revision, files_metadata=True, timeout=_API_TIMEOUT_S)
     except Exception as error:
-        message = explain(error, f"resolve {label}", repo_id, revision, token, endpoint=_endpoint())
+        message = explain(error, f"resolve {label}", repo_id, revision, token, endpoint=cache.endpoint())
         raise PrequantError(message) from error
     files = {sibling.rfilename: sibling.size for sibling in info.siblings or []}
     if info.sha is None or info.siblings is None or any(size is None for size in files.values()):
         raise PrequantError(
-            f"the Hub at {_endpoint()} returned no commit sha or file list for {label}; check that HF_ENDPOINT "
+            f"the Hub at {cache.endpoint()} returned no commit sha or file list for {label}; check that HF_ENDPOINT "
             "points to a Hugging Face Hub"
         )
-    _keep_listing(repo_id, info.sha, info.siblings or [])
+    cache.keep_listing(repo_id, info.sha, info.siblings or [])
     return HubSource(repo_id=repo_id, revision=revision, sha=info.sha, files=files)  # type: ignore[arg-type]
 
 
@@ -113,18 +108,18 @@ def download(source: HubSource, filename: str, *, token: str | None = None) -> P
         try:
             return _fetch(source, filename, token)
         except Exception as error:
-            if _offline():
-                raise _not_cached_offline(f"download {label}") from error
+            if cache.offline():
+                raise cache.not_cached_offline(f"download {label}") from error
             raise
 
     path = _retrying(attempt, f"download {label}", source, token)
-    _remember(source)
+    cache.remember(source.repo_id, source.revision, source.sha)
     return path
 
 
 def cache_path(source: HubSource, filename: str) -> Path:
     """Where `download` puts ``filename`` (its snapshot path in the cache), whether it is there yet or not."""
-    return _storage_folder(source.repo_id) / "snapshots" / source.sha / filename
+    return cache.storage_folder(source.repo_id) / "snapshots" / source.sha / filename
 
 
 def read_range(source: HubSource, filename: str, start: int, end: int, *, token: str | None = None) -> bytes:
@@ -133,9 +128,9 @@ def read_range(source: HubSource, filename: str, start: int, end: int, *, token:
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
-    if _offline():
-        raise _not_cached_offline(f"read {label}")
-    url = hf_hub_url(source.repo_id, filename, revision=source.sha, endpoint=_endpoint())
+    if cache.offline():
+        raise cache.not_cached_offline(f"read {label}")
+    url = hf_hub_url(source.repo_id, filename, revision=source.sha, endpoint=cache.endpoint())
     headers = {**build_hf_headers(token=token, library_name="prequant"), "Range": f"bytes={start}-{end - 1}"}
 
     def attempt() -> bytes:
@@ -167,7 +162,7 @@ def _retrying(attempt: Callable[[], T], action: str, source: HubSource, token: s
             raise
         except Exception as error:
             if delay is None or not _is_transient(error):
-                message = explain(error, action, source.repo_id, source.sha, token, endpoint=_endpoint())
+                message = explain(error, action, source.repo_id, source.sha, token, endpoint=cache.endpoint())
                 raise PrequantError(message) from error
             log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), delay)
             time.sleep(delay)
@@ -176,7 +171,7 @@ def _retrying(attempt: Callable[[], T], action: str, source: HubSource, token: s
 
 def evict(source: HubSource, filename: str) -> None:
     """Delete a downloaded file (its snapshot pointer and blob) from the cache; does nothing if absent."""
-    storage = _storage_folder(source.repo_id)
+    storage = cache.storage_folder(source.repo_id)
     pointer = storage / "snapshots" / source.sha / filename
     if pointer.is_symlink():
         blob = Path(os.path.normpath(pointer.parent / os.readlink(pointer)))
@@ -208,10 +203,10 @@ def upload(
     if spec_revision is not None and revision not in (None, spec_revision):
         raise UsageError(f"two revisions given for the upload to {repo_id}: {spec_revision} and {revision}")
     revision = revision or spec_revision
-    if revision is not None and _SHA_RE.fullmatch(revision):
+    if revision is not None and cache.SHA_RE.fullmatch(revision):
         raise UsageError(f"cannot upload to commit {revision} of {repo_id}: pass a branch name")
     action = f"upload {folder} to {repo_id}" + (f"@{revision}" if revision else "")
-    if _offline():
+    if cache.offline():
         raise PrequantError(f"cannot {action}: HF_HUB_OFFLINE is set; unset it to upload")
     api = _api(token)
     try:
@@ -225,38 +220,13 @@ def upload(
             commit_message=commit_message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
         )
     except Exception as error:
-        message = explain(error, action, repo_id, revision, token, endpoint=_endpoint(), writing=True)
+        message = explain(error, action, repo_id, revision, token, endpoint=cache.endpoint(), writing=True)
         raise PrequantError(message) from error
     return info.commit_url
 
 
-# ------------------------------------------------------------------------------------------- settings
-
-
-def _endpoint() -> str:
-    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-
-
-def _cache_dir() -> Path:
-    """The hub cache, resolved like huggingface_hub does at import, but from the current environment."""
-    env = os.environ
-    xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    home = env.get("HF_HOME") or os.path.join(xdg, "huggingface")
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
-    return Path(os.path.expandvars(os.path.expanduser(cache)))
-
-
-def _offline() -> bool:
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    return constants.HF_HUB_OFFLINE if value is None else value.strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
 def _api(token: str | None) -> HfApi:
-    return HfApi(endpoint=_endpoint(), token=token, library_name="prequant")
-
-
-def _storage_folder(repo_id: str) -> Path:
-    return _cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    return HfApi(endpoint=cache.endpoint(), token=token, library_name="prequant")
 
 
 def _label(repo_id: str, revision: str | None, alias: str | None) -> str:
@@ -274,10 +244,10 @@ def _fetch(source: HubSource, filename: str, token: str | None) -> Path:
             source.repo_id,
             filename,
             revision=source.sha,
-            cache_dir=_cache_dir(),
-            endpoint=_endpoint(),
+            cache_dir=cache.cache_dir(),
+            endpoint=cache.endpoint(),
             token=token,
-            local_files_only=_offline(),
+            local_files_only=cache.offline(),
             library_name="prequant",
         )
     )
@@ -294,84 +264,6 @@ def _is_transient(error: BaseException) -> bool:
     if isinstance(error, HfHubHTTPError):
         return error.response is not None and error.response.status_code in _RETRY_STATUSES
     return is_incomplete(error)
-
-
-# --------------------------------------------------------------------------------- offline resolving
-
-
-def _keep_listing(repo_id: str, sha: str, siblings: list) -> None:
-    """Hold the commit's full listing until a download creates its snapshot folder (see `_remember`)."""
-    if TreeCacheEntry is not None and all(s.blob_id and s.size is not None for s in siblings):
-        _LISTINGS[(repo_id, sha)] = {
-            s.rfilename: TreeCacheEntry(
-                size=s.size,
-                blob_id=s.blob_id,
-                lfs_sha256=s.lfs.sha256 if s.lfs else None,
-                lfs_size=s.lfs.size if s.lfs else None,
-            )
-            for s in siblings
-        }
-
-
-def _remember(source: HubSource) -> None:
-    """Record revision -> sha and the full file listing in the cache, so that an offline run can resolve.
-
-    Downloads are pinned to the sha, so huggingface_hub writes no ref itself. Done only once a file is
-    downloaded: a cache entry without a snapshot folder would look corrupted to `hf cache`.
-    """
-    storage = _storage_folder(source.repo_id)
-    ref = source.revision or constants.DEFAULT_REVISION
-    try:
-        if not _SHA_RE.fullmatch(ref) and _read_ref(storage / "refs" / ref) != source.sha:
-            (storage / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-            (storage / "refs" / ref).write_text(source.sha)
-        listing = _LISTINGS.pop((source.repo_id, source.sha), None)
-        if listing is not None and read_tree_cache(str(storage), source.sha) is None:
-            write_tree_cache(str(storage), source.sha, listing)
-    except OSError as error:  # a cache we cannot annotate only costs offline resolves
-        log.debug("could not record %s@%s in the cache: %s", source.repo_id, ref, error)
-
-
-def _not_cached_offline(action: str) -> PrequantError:
-    return PrequantError(
-        f"cannot {action}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache at {_cache_dir()}; "
-        "unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
-    )
-
-
-def _resolve_offline(repo_id: str, revision: str | None, label: str) -> HubSource:
-    storage = _storage_folder(repo_id)
-    ref = revision or constants.DEFAULT_REVISION
-    sha = ref if _SHA_RE.fullmatch(ref) else _read_ref(storage / "refs" / ref)
-    snapshot = storage / "snapshots" / (sha or "-")
-    if sha is None or not snapshot.is_dir():
-        raise PrequantError(
-            f"cannot resolve {label} offline: it is not in the Hugging Face cache at {_cache_dir()}; unset "
-            "HF_HUB_OFFLINE to download it, or pass the model's local directory"
-        )
-    return HubSource(repo_id=repo_id, revision=revision, sha=sha, files=_cached_files(storage, sha, snapshot))
-
-
-def _read_ref(path: Path) -> str | None:
-    try:
-        sha = path.read_text().strip()
-    except OSError:
-        return None
-    return sha if _SHA_RE.fullmatch(sha) else None
-
-
-def _cached_files(storage: Path, sha: str, snapshot: Path) -> dict[str, int]:
-    """The commit's full listing if cached, else what the snapshot folder holds (possibly partial)."""
-    if read_tree_cache is not None:
-        entries = read_tree_cache(str(storage), sha)
-        if entries is not None:
-            return {path: entry.size for path, entry in entries.items()}
-    log.warning("no cached file listing for %s; using the files present in %s", sha, snapshot)
-    return {
-        path.relative_to(snapshot).as_posix(): path.stat().st_size
-        for path in sorted(snapshot.rglob("*"))
-        if path.is_file()
-    }
 
 
 __all__ = ["HubSource", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "resolve", "upload"]

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import hub, reader, remote_headers
+from . import hub, hub_cache, reader, remote_headers
 from .errors import PrequantError, UsageError
 from .metadata import WEIGHT_SUFFIXES
 from .source import WEIGHT_LAYOUTS, Source, shard_names
@@ -49,7 +49,7 @@ def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> So
         from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
         missing = isinstance(e.__cause__, RepositoryNotFoundError) and not isinstance(e.__cause__, GatedRepoError)
-        if alias is None and (isinstance(e, UsageError) or missing or hub._offline()):
+        if alias is None and (isinstance(e, UsageError) or missing or hub_cache.offline()):
             raise type(e)(f"source {spec!r} is not a local directory, and {e.message}") from e
         raise
     label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"
