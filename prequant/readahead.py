@@ -68,12 +68,12 @@ def default_window() -> int:
     return max(_STEP, min(avail, room if room is not None else avail) // 4)
 
 
-def _cgroup_room() -> int | None:
+def _cgroup_room(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes this process' cgroup (v2) may still use before its memory limit, or None without a limit."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = proc.read_text().splitlines()
         rel = next(line[3:] for line in lines if line.startswith("0::"))
-        group = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        group = root / rel.lstrip("/")
         limit = (group / "memory.max").read_text().strip()
         if limit == "max":
             return None

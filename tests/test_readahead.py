@@ -170,3 +170,18 @@ def test_the_clis_early_readahead_is_shallow_and_deepens_once_convert_takes_it_o
         assert early.depth == readahead.PIPELINE_DEPTH > readahead.START_DEPTH
     finally:
         early.stop()
+
+
+def test_cgroup_room_is_what_the_memory_limit_leaves(tmp_path):
+    """A container's page cache counts against its limit: reading ahead past it evicts what was just read."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/jobs/convert\n")
+    group = tmp_path / "fs" / "jobs" / "convert"
+    group.mkdir(parents=True)
+    (group / "memory.current").write_text("268435456\n")
+    (group / "memory.max").write_text("1073741824\n")
+    assert readahead._cgroup_room(proc, tmp_path / "fs") == 1073741824 - 268435456
+    (group / "memory.max").write_text("max\n")
+    assert readahead._cgroup_room(proc, tmp_path / "fs") is None  # no limit
+    proc.write_text("1:memory:/jobs/convert\n")  # cgroup v1 only: not read
+    assert readahead._cgroup_room(proc, tmp_path / "fs") is None
