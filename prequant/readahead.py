@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 _STEP = 64 * 1024 * 1024
@@ -47,11 +48,11 @@ def advice_chunk(fd: int) -> int:
         return _MIN_ADVICE
 
 
-def willneed(fd: int, offset: int, length: int, chunk: int | None = None) -> None:
-    """Ask the kernel to read [offset, offset+length) into the page cache, asynchronously, in pieces it honours."""
-    chunk = chunk or advice_chunk(fd)
+def pieces(offset: int, length: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """(start, bytes) covering [offset, offset+length) in order, none larger than `chunk`: the pieces one
+    `posix_fadvise(WILLNEED)` call each, so that Linux reads all of them (see `advice_chunk`)."""
     for start in range(offset, offset + length, chunk):
-        os.posix_fadvise(fd, start, min(chunk, offset + length - start), os.POSIX_FADV_WILLNEED)
+        yield start, min(chunk, offset + length - start)
 
 
 def default_window() -> int:
@@ -130,11 +131,11 @@ class Readahead:
                             if self._stopped:
                                 return
                             behind = position + n <= self._consumed  # done already (e.g. before a --resume)
-                        for start in range(offset, offset + n, chunk) if not behind else ():
-                            piece = min(chunk, offset + n - start)
-                            _wait_read(fd, asked, self.depth - piece)  # depth read afresh: set_depth
-                            willneed(fd, start, piece, chunk)
-                            asked.append((start + piece, piece))
+                        if not behind:
+                            for start, piece in pieces(offset, n, chunk):
+                                _wait_read(fd, asked, self.depth - piece)  # depth read afresh: set_depth
+                                os.posix_fadvise(fd, start, piece, os.POSIX_FADV_WILLNEED)
+                                asked.append((start + piece, piece))
                         position += n
                     _wait_read(fd, asked, 0)  # before this file's descriptor closes
                 finally:

@@ -46,17 +46,11 @@ def test_advice_chunk_is_the_devices_readahead_or_the_default(tmp_path):
 
 @pytest.mark.parametrize("offset, length, chunk", [(0, 1, 4096), (100, 10_000, 4096), (0, 8 << 20, 1 << 20),
                                                    (5, (3 << 20) + 7, 1 << 20)])
-def test_willneed_covers_the_range_in_pieces_no_larger_than_the_chunk(tmp_path, advice, offset, length, chunk):
-    f = tmp_path / "x"
-    f.write_bytes(b"\1" * (offset + length))
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        readahead.willneed(fd, offset, length, chunk)
-    finally:
-        os.close(fd)
-    assert all(how == os.POSIX_FADV_WILLNEED and 0 < n <= chunk for _, n, how in advice)
-    assert advice[0][0] == offset and sum(n for _, n, _ in advice) == length
-    assert all(a[0] + a[1] == b[0] for a, b in zip(advice, advice[1:]))
+def test_pieces_cover_the_range_in_order_none_larger_than_the_chunk(offset, length, chunk):
+    got = list(readahead.pieces(offset, length, chunk))
+    assert all(0 < n <= chunk for _, n in got)
+    assert got[0][0] == offset and sum(n for _, n in got) == length
+    assert all(a[0] + a[1] == b[0] for a, b in zip(got, got[1:]))
 
 
 def _advised(advice: list[tuple[int, int, int]]) -> int:
