@@ -87,10 +87,12 @@ def remember(repo_id: str, revision: str | None, sha: str) -> None:
 
 def not_cached_offline(action: str) -> PrequantError:
     """The error for a file that offline mode cannot download (`action`: what failed, naming the file)."""
-    return PrequantError(
-        f"cannot {action}: HF_HUB_OFFLINE is set and the file is not in the Hugging Face cache at {cache_dir()}; "
-        "unset HF_HUB_OFFLINE to download it, or pass the model's local directory"
-    )
+    return PrequantError(f"cannot {action}: HF_HUB_OFFLINE is set and the file {_not_in_cache()}")
+
+
+def _not_in_cache() -> str:
+    return (f"is not in the Hugging Face cache at {cache_dir()}; unset HF_HUB_OFFLINE to download it, or pass "
+            "the model's local directory")
 
 
 def resolve_offline(repo_id: str, revision: str | None, label: str) -> tuple[str, dict[str, int]]:
@@ -100,10 +102,7 @@ def resolve_offline(repo_id: str, revision: str | None, label: str) -> tuple[str
     sha = ref if SHA_RE.fullmatch(ref) else read_ref(storage / "refs" / ref)
     snapshot = storage / "snapshots" / (sha or "-")
     if sha is None or not snapshot.is_dir():
-        raise PrequantError(
-            f"cannot resolve {label} offline: it is not in the Hugging Face cache at {cache_dir()}; unset "
-            "HF_HUB_OFFLINE to download it, or pass the model's local directory"
-        )
+        raise PrequantError(f"cannot resolve {label} offline: it {_not_in_cache()}")
     return sha, cached_files(storage, sha, snapshot)
 
 

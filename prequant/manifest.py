@@ -48,8 +48,7 @@ def sha256_file(path: Path | BinaryIO, on_bytes: Any = None, *, mapped: bool = F
     meanwhile, reading the map would kill this one (SIGBUS), so files from elsewhere are read."""
     digest = hashlib.sha256()
     with (open(path, "rb", buffering=0) if isinstance(path, (str, Path)) else path) as f:
-        size = os.fstat(f.fileno()).st_size
-        if mapped and size:
+        if mapped and (size := os.fstat(f.fileno()).st_size):
             with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
                 m.madvise(mmap.MADV_SEQUENTIAL)
                 with memoryview(m) as view:

@@ -10,8 +10,9 @@ shapes, random bf16), then in one run measures, each from cold page cache where 
                 its own timeline (PREQUANT_TRACE: start-up, planning, pipeline, hashing; busy time per stage)
   transformers  from_pretrained(SRC, quantization_config=BitsAndBytesConfig(...)) + save_pretrained
 
-and reports wall time, peak RssAnon / VmRSS (of the process and its children, sampled from /proc every 20 ms), peak GPU memory, output size
-and each time's ratio to the cold read and to the read_write floor, as a table (stderr) and JSON (stdout or --json FILE).
+and reports wall time, peak RssAnon / VmRSS (of the process and its children, sampled from /proc every 20 ms),
+peak GPU memory, output size and each time's ratio to the cold read and to the read_write floor, as a table
+(stderr) and JSON (stdout or --json FILE).
 
     python scripts/bench.py --size-gb 16 --shape llama --device cuda --transformers
     python scripts/bench.py --size-gb 1 --shape uniform --device cpu
@@ -311,8 +312,8 @@ def print_table(r: dict) -> None:
             continue
         m = r[key]
         gpu = m.get("peak_gpu_bytes")
-        print(f"{key:13} {m['seconds']:8.1f} {m['ratio_to_read']:7.2f} {m['ratio_to_floor']:8.2f} {m['peak_rss_anon'] / gib:12.2f} "
-              f"{m['peak_vm_rss'] / gib:10.2f} {gpu / gib if gpu else float('nan'):8.2f} "
+        print(f"{key:13} {m['seconds']:8.1f} {m['ratio_to_read']:7.2f} {m['ratio_to_floor']:8.2f} "
+              f"{m['peak_rss_anon'] / gib:12.2f} {m['peak_vm_rss'] / gib:10.2f} {gpu / gib if gpu else float('nan'):8.2f} "
               f"{m.get('output_bytes', 0) / 1e9:7.2f}", file=sys.stderr)
     trace = r.get("prequant", {}).get("trace")
     if trace:

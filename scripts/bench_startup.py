@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import drop_caches  # this directory: the same cold (or warm-library) start as the bench
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
@@ -52,18 +54,6 @@ if mode != "none":
     thread.join()
 print(json.dumps({"mode": mode, "imports_s": imports, **done}))
 """
-
-
-def drop_caches(warm_libraries: bool) -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    if warm_libraries:
-        subprocess.run([sys.executable, "-c", "import torch, transformers; from transformers import LlamaForCausalLM"],
-                       check=True)
-    return True
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ IFS=';' read -ra SPECS <<< "${PREQUANT_BENCH:-16 llama --transformers --warm-lib
 for spec in "${SPECS[@]}"; do
   set -- $spec
   # One checkpoint on disk at a time (the machine's disk is 64 GB); consecutive specs of one size share it.
-  ls -d "$WORK"/llama-* 2>/dev/null | grep -vx "$WORK/$2-$1gb" | xargs -r rm -rf
+  ls -d "$WORK"/*gb 2>/dev/null | grep -vx "$WORK/$2-$1gb" | xargs -r rm -rf   # bench.py names them SHAPE-SIZEgb
   timeout 240 python3 scripts/bench.py --size-gb "$1" --shape "$2" "${@:3}" --device cuda --dir "$WORK" \
     --json "$OUT/bench-$1gb$(echo "${@:3}" | sed 's/--//g; s/[ =]/_/g').json" > /dev/null
 done
-rm -rf "$WORK"/llama-*
+rm -rf "$WORK"/*gb
