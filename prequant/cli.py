@@ -7,11 +7,11 @@ import os
 import sys
 from typing import Annotated
 
-from . import trace  # first, so a trace's "start" is the process' own start (standard library only)
+from .util import trace  # first, so a trace's "start" is the process' own start (standard library only)
 
 import typer
 
-from . import layout_worker, readahead
+from .conversion import layout_worker, readahead
 from .errors import PrequantError
 
 app = typer.Typer(
@@ -80,33 +80,16 @@ def convert(
     ] = False,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
+    arguments = dict(locals())
     if layout_worker.worthwhile():
         layout_worker.start(source, skip or [], trust_remote_code)  # transformers imports there, torch here
     if not (dry_run or resume):
         readahead.start_for_source(source)  # the disk works while torch imports
-    from .converter import convert as run_convert
+    from .conversion.options import ConvertOptions
+    from .conversion.run import convert as run_convert
 
     trace.mark("imported")
-
-    result = run_convert(
-        source,
-        output_dir,
-        quant_type=quant_type,
-        double_quant=double_quant,
-        blocksize=blocksize,
-        compute_dtype=compute_dtype,
-        quant_storage=quant_storage,
-        skip=skip or [],
-        max_shard_size=max_shard_size,
-        device=device,
-        dry_run=dry_run,
-        overwrite=overwrite,
-        resume=resume,
-        trust_remote_code=trust_remote_code,
-        stats=stats,
-        push_to_hub=push_to_hub,
-        delete_source_shards=delete_source_shards,
-    )
+    result = run_convert(source, output_dir, ConvertOptions.pick(arguments))
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 
 
@@ -132,8 +115,8 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """Check OUTPUT_DIR: files against prequant.json (size, sha256), index against shards, quant states, config."""
-    from .verify import VerificationFailed
-    from .verify import verify as run_verify
+    from .verify.report import VerificationFailed
+    from .verify.run import verify as run_verify
 
     report = run_verify(output_dir, source, max_rel_error=max_rel_error)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
@@ -158,7 +141,7 @@ def upload(
     as_json: JsonOpt = False,
 ) -> None:
     """Verify OUTPUT_DIR, then upload it to a Hub model repo in one commit (refused if it does not verify)."""
-    from .publish import upload as run_upload
+    from .verify.publish import upload as run_upload
 
     result = run_upload(output_dir, repo_id, revision=revision, private=private, commit_message=commit_message)
     if as_json:
@@ -170,7 +153,7 @@ def upload(
 @app.command(
     "check-fsdp",
     epilog=(
-        "Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.fsdp_job` once per loader "
+        "Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.fsdp.job` once per loader "
         "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
         "Examples:\n\n"
         "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2\n\n"
@@ -201,12 +184,11 @@ def check_fsdp(
     as_json: JsonOpt = False,
 ) -> None:
     """Train a few FSDP+QLoRA steps from OUTPUT_DIR on N ranks: memory per rank, losses, packed bytes intact."""
-    from .check_fsdp import CheckFailed
-    from .check_fsdp import check_fsdp as run_check
+    from .fsdp.check import CheckFailed, CheckOptions
+    from .fsdp.check import check_fsdp as run_check
 
-    result = run_check(output_dir, nproc=nproc, loaders=tuple(loader or ("transformers", "prequant")), steps=steps,
-                       seed=seed, batch_size=batch_size, seq_len=seq_len, lora_r=lora_r, lora_alpha=2 * lora_r,
-                       buffer_dtype=buffer_dtype, packed_storage=packed_storage, timeout=timeout)
+    options = CheckOptions.pick({**locals(), "loaders": loader})
+    result = run_check(output_dir, options)
     text = json.dumps(result.to_dict(), indent=2)
     if report:
         with open(report, "w") as f:
@@ -219,7 +201,7 @@ def check_fsdp(
 @app.command()
 def version() -> None:
     """Print prequant's version."""
-    from . import __version__
+    from ._version import __version__
 
     print(__version__)
 

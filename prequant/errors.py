@@ -1,4 +1,9 @@
-"""prequant's one error type: what went wrong, why, and how to fix it, as one line."""
+"""prequant's error types: what went wrong, why, and how to fix it, as one line.
+
+An error may carry its parts as data: `where` (the file, tensor or repo it is about) and `detail` (the
+problem, without `where`), so that a caller can file it under its own heading (verify's report does) or say
+it within the context of what the user asked for (`within`, `noted`) without editing its text.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,40 @@ class PrequantError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+    def __init__(self, detail: str, *, where: object = None) -> None:
+        self.where = None if where is None else str(where)
+        self.detail = detail
+        self.context = ""  # what the user asked for, said before the message (see `within`)
+        self.note = ""  # said after it (see `noted`)
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        """The whole line: context, where, detail, note."""
+        core = f"{self.where}: {self.detail}" if self.where else self.detail
+        return f"{self.context}{core}{self.note}"
+
+    def __str__(self) -> str:
+        return self.message
+
+    def within(self, context: str) -> PrequantError:
+        """The same error (type, exit code, parts) said after `context`, e.g. "source 'x' is not a local directory, and "."""
+        return self._with(context=context + self.context)
+
+    def noted(self, note: str) -> PrequantError:
+        """The same error with `note` said after it, e.g. " (the conversion itself is complete ...)"."""
+        return self._with(note=self.note + note)
+
+    def _with(self, **parts: str) -> PrequantError:
+        # A copy that skips __init__ (subclasses take other arguments), keeping the cause and traceback.
+        err = type(self).__new__(type(self))
+        err.__dict__.update(self.__dict__, **parts)
+        err.args = (err.message,)
+        err.__cause__, err.__traceback__ = self.__cause__, self.__traceback__
+        return err
+
+    def __reduce__(self) -> tuple:
+        return _restore, (type(self), dict(self.__dict__))
 
 
 class UsageError(PrequantError):
@@ -32,3 +68,11 @@ class Interrupted(PrequantError):
             "to continue"
         )
         self.exit_code = exit_code
+
+
+def _restore(cls: type[PrequantError], state: dict) -> PrequantError:
+    """Unpickle an error (a child process' error crossing to its parent) without calling its __init__."""
+    err = cls.__new__(cls)
+    err.__dict__.update(state)
+    err.args = (err.message,)
+    return err

@@ -135,7 +135,7 @@ def drop_caches(warm_libraries: bool = False) -> bool:
 
 
 WARM_LIBRARIES = (
-    "import torch, bitsandbytes.functional, transformers, prequant.cli, prequant.converter\n"
+    "import torch, bitsandbytes.functional, transformers, prequant.cli, prequant.conversion.run\n"
     "from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausalLM\n"
     "if torch.cuda.is_available(): torch.zeros(1, device='cuda')"
 )

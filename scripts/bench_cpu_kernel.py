@@ -84,7 +84,7 @@ def _quantizer(impl: str):
 
     if impl == "prequant":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from prequant.kernels import cpu
+        from prequant.bnb.kernels import cpu
 
         def run(x: torch.Tensor):
             packed, absmax = cpu.quantize_4bit(x, quant_type="nf4", blocksize=64)

@@ -38,7 +38,7 @@ done = {}
 
 def read_ahead():
     from pathlib import Path
-    from prequant import readahead
+    from prequant.conversion import readahead
     depth = {"unbounded": 1 << 60, "32M": 32 << 20, "128M": 128 << 20}[mode]
     # The whole file as its window: nothing consumes it here, and a window smaller than the file would wait forever.
     readahead.Readahead([Path(path)], window=os.path.getsize(path), depth=depth)._thread.join()

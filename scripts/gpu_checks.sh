@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 # The GPU image keeps no bytecode between processes; a normal install has it. Cache it once, for both paths.
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 unset PYTHONDONTWRITEBYTECODE
-python3 -c "import prequant.converter, prequant.quantize, bitsandbytes.functional, transformers; from transformers import LlamaForCausalLM, AutoModelForCausalLM, BitsAndBytesConfig"
+python3 -c "import prequant.conversion.run, prequant.bnb.quantize, bitsandbytes.functional, transformers; from transformers import LlamaForCausalLM, AutoModelForCausalLM, BitsAndBytesConfig"
 OUT=${OUT:-/tmp/prequant-gpu-out}
 WORK=${PREQUANT_WORK:-/tmp/prequant-bench}
 mkdir -p "$OUT" "$WORK"

@@ -29,6 +29,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU = [pytest.mark.gpu, cuda]  # marks for whatever needs a CUDA GPU (skipped without one)
+
+
+def gpu_only(test):
+    """Mark a test as a GPU test (`-m gpu` selects them; without CUDA they skip)."""
+    for mark in GPU:
+        test = mark(test)
+    return test
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
 
@@ -64,6 +72,71 @@ def build_checkpoint(kind: str, path: Path, *, max_shard_size: str | None = None
     (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     (path / "LICENSE").write_text("test licence\n")
     return path
+
+
+GROK_CODE = Path(__file__).resolve().parent / "grok"  # the remote-code model
+SENTINEL_LINE = (
+    'import os as _os\nif _os.environ.get("GROK_SENTINEL"):\n'
+    '    open(_os.environ["GROK_SENTINEL"], "a").write("modeling_grok1 imported\\n")\n'
+)
+
+
+def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0) -> Path:
+    """A tiny Grok-1 checkpoint as `pytorch_model-*.bin` shards with its model code beside it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True)
+    shutil.copy(GROK_CODE / "configuration_grok1.py", path)
+    # The copy announces every import of itself, so a test can prove conversion never ran it.
+    (path / "modeling_grok1.py").write_text(SENTINEL_LINE + (GROK_CODE / "modeling_grok1.py").read_text())
+    config = {
+        "architectures": ["Grok1ModelForCausalLM"],
+        "model_type": "grok-1",
+        "auto_map": {
+            "AutoConfig": "configuration_grok1.Grok1Config",
+            "AutoModelForCausalLM": "modeling_grok1.Grok1ModelForCausalLM",
+        },
+        "naming": naming,
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    env_sentinel = os.environ.pop("GROK_SENTINEL", None)  # building runs the code; that's not conversion
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=True, dtype=torch.bfloat16)
+    finally:
+        if env_sentinel is not None:
+            os.environ["GROK_SENTINEL"] = env_sentinel
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = list(state)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {k: state[k] for k in names[i * per : (i + 1) * per]}
+        torch.save(part, path / fname)
+        weight_map.update(dict.fromkeys(part, fname))
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+class Evil:
+    """Unpickling this runs a shell command: exactly what weights_only must refuse."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def bnb_config(**overrides):
@@ -168,3 +241,37 @@ def run_main(*args: str) -> tuple[int, str, str]:
     finally:
         sys.argv = argv
     return code, out.getvalue(), err.getvalue()
+
+
+ORIGINAL_CARD = """---
+license: other
+license_name: tiny-licence
+license_link: LICENSE
+extra_gated_prompt: Accept the tiny licence first.
+language: en
+tags:
+- text-generation
+---
+# Tiny Llama
+
+Trained on nothing; for tests only.
+"""
+
+
+@pytest.fixture(scope="session")
+def carded_source(checkpoints, tmp_path_factory) -> Path:
+    """A tiny Llama whose folder also holds a model card with licence metadata."""
+    src = tmp_path_factory.mktemp("carded") / "tiny-llama"
+    shutil.copytree(checkpoints("llama"), src)
+    (src / "README.md").write_text(ORIGINAL_CARD)
+    return src
+
+
+@pytest.fixture(scope="session")
+def carded_converted(carded_source, tmp_path_factory) -> Path:
+    """carded_source converted (shared: copy it before changing anything)."""
+    import prequant
+
+    out = tmp_path_factory.mktemp("upload") / "tiny-llama-nf4"
+    prequant.convert(carded_source, out, device="cpu", progress=False)
+    return out

@@ -1,0 +1,279 @@
+"""Which tensors become 4-bit: the one place that knows architectures.
+
+Two ways to decide, in this order:
+
+1. transformers knows the architecture (and its code is not remote, or the user passed
+   --trust-remote-code): build the model on the meta device (no memory, no weights) and apply the
+   rules transformers applies on load: `nn.Linear` and GPT-2 `Conv1D` modules, minus tied weights, the
+   output embedding, the last parameter, `_keep_in_fp32_modules` and the skip list. Checkpoint keys
+   are mapped to model keys with transformers' own renaming tables, so keys that transformers fuses
+   (native MoE experts in transformers 5) are recognised and kept, as transformers keeps them.
+2. Otherwise, a registry of name rules per family (Grok-1 in both namings) and a generic fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint.tensors import TensorRef
+from ..errors import PrequantError
+
+log = logging.getLogger("prequant")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one source tensor, and why (shown in the plan)."""
+
+    quantize: bool
+    reason: str
+    transpose: bool = False  # GPT-2 Conv1D stores [in, out]; bitsandbytes wants [out, in]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The decisions for every tensor, and what config.json must say so a loader agrees."""
+
+    decisions: dict[str, Decision]
+    skip_modules: list[str] | None  # llm_int8_skip_modules to write (None keeps transformers' defaults)
+    method: str  # how the decisions were made, for the plan
+    notes: list[str] = field(default_factory=list)
+
+
+def should_convert(module: str, patterns: Iterable[str]) -> bool:
+    """transformers' skip-list matching: a pattern matches a module name from its start up to a module
+    boundary (also as a regex), or as a suffix."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    for pattern in patterns:
+        try:
+            if re.match(rf"(?:{pattern}){boundary}", module):
+                return False
+        except re.error:
+            pass  # not a regex: plain matching below still applies
+        if module.endswith(pattern):
+            return False
+    return True
+
+
+def analyze(
+    config: dict,
+    source_dir: Path,
+    tensors: list[TensorRef],
+    skip: list[str],
+    trust_remote_code: bool = False,
+) -> Layout:
+    """Decide, for each tensor, whether it is quantized; see the module docstring for how."""
+    remote = bool(config.get("auto_map"))
+    if not remote or trust_remote_code:
+        layout = _from_transformers(source_dir, tensors, skip, trust_remote_code)
+        if layout is not None:
+            return layout
+    return _from_rules(config, tensors, skip, remote)
+
+
+# --- 1. transformers on the meta device -------------------------------------------------------
+
+
+def _from_transformers(
+    source_dir: Path, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool
+) -> Layout | None:
+    try:
+        import torch
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = AutoConfig.from_pretrained(source_dir, trust_remote_code=trust_remote_code)
+            arch = (getattr(cfg, "architectures", None) or [None])[0]
+            cls = getattr(transformers, arch, None) if arch else None
+            with torch.device("meta"):
+                if cls is not None and hasattr(cls, "_from_config"):
+                    model = cls._from_config(cfg)
+                else:
+                    model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    except Exception as e:  # an architecture this transformers does not know: fall back to name rules
+        log.info("transformers cannot build this model on the meta device (%s); using name rules", e)
+        return None
+
+    defaults = _transformers_default_skips(model)
+    keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    # A family's routers are nn.Linear in its remote code, yet must stay unquantized: they go in the skip list.
+    family = detect_family(tensors)
+    required = list(family.skip_modules) if family else []
+    patterns = [*defaults, *required, *skip, *keep_fp32]
+    linear = _linear_modules(model)
+    to_model_key = _key_mapper(model)
+
+    decisions: dict[str, Decision] = {}
+    for t in tensors:
+        model_key, converted = to_model_key(t.name)
+        module, _, leaf = model_key.rpartition(".")
+        if converted:
+            decisions[t.name] = Decision(False, f"fused by transformers into {model_key}; bitsandbytes keeps it")
+        elif leaf != "weight" or module not in linear:
+            decisions[t.name] = Decision(False, "not a linear weight")
+        elif len(t.shape) != 2:
+            decisions[t.name] = Decision(False, f"{len(t.shape)}-D, not a 2-D linear weight")
+        elif not should_convert(module, patterns):
+            decisions[t.name] = Decision(False, "skipped (" + _which_skip(module, skip, required, keep_fp32) + ")")
+        else:
+            conv1d = linear[module]
+            decisions[t.name] = Decision(True, "Conv1D, transposed" if conv1d else "nn.Linear", transpose=conv1d)
+    # An explicit list replaces transformers' defaults on load, so it must carry them too.
+    skip_modules = sorted({*defaults, *required, *skip}) if skip or required else None
+    method = f"transformers meta model ({type(model).__name__})" + (f", {family.name} skips" if family else "")
+    return Layout(decisions, skip_modules, method)
+
+
+def _transformers_default_skips(model: object) -> list[str]:
+    """Modules transformers leaves unquantized by default (tied weights, output embedding, last parameter)."""
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        return sorted(get_keys_to_not_convert(model))
+    except Exception:
+        # Same rule, computed by hand, for transformers versions that moved the helper.
+        keys = {list(model.named_parameters())[-1][0].removesuffix(".weight")}  # type: ignore[attr-defined]
+        out = model.get_output_embeddings()  # type: ignore[attr-defined]
+        keys |= {n for n, m in model.named_modules() if out is not None and m is out}  # type: ignore[attr-defined]
+        return sorted(keys)
+
+
+def _linear_modules(model: object) -> dict[str, bool]:
+    """name -> is_conv1d, for exactly the module types transformers replaces with 4-bit layers."""
+    import torch.nn as nn
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        Conv1D = ()  # type: ignore[assignment]
+    found: dict[str, bool] = {}
+    for name, module in model.named_modules():  # type: ignore[attr-defined]
+        if Conv1D and isinstance(module, Conv1D):
+            found[name] = True
+        elif type(module) is nn.Linear:  # subclasses are not replaced by transformers
+            found[name] = False
+    return found
+
+
+def _key_mapper(model: object):
+    """checkpoint key -> (model key, converted?) using transformers' own loading-time renaming."""
+    params = dict.fromkeys(k for k, _ in model.named_parameters())  # type: ignore[attr-defined]
+    prefix = getattr(model, "base_model_prefix", None)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+
+        def mapped(key: str) -> tuple[str, bool]:
+            new, pattern = rename_source_key(key, renamings, converters, prefix, params)
+            return new, pattern is not None
+
+        return mapped
+    except Exception:
+        # Older transformers: no renaming tables; only the base-model prefix may differ.
+        def plain(key: str) -> tuple[str, bool]:
+            if key in params or not prefix:
+                return key, False
+            if f"{prefix}.{key}" in params:
+                return f"{prefix}.{key}", False
+            return key.removeprefix(f"{prefix}."), False
+
+        return plain
+
+
+def _which_skip(module: str, skip: list[str], required: list[str], keep_fp32: list[str]) -> str:
+    if not should_convert(module, skip):
+        return "--skip"
+    if not should_convert(module, required):
+        return "router/head kept for this family"
+    if not should_convert(module, keep_fp32):
+        return "_keep_in_fp32_modules"
+    return "output embedding / tied / last module"
+
+
+# --- 2. name rules ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """Name rules for a family transformers cannot build here (remote code, or no transformers)."""
+
+    name: str
+    detect: re.Pattern[str]  # matches some tensor name only this family has
+    quantize: re.Pattern[str]  # module names (without .weight) that are linear layers to quantize
+    skip_modules: tuple[str, ...]  # linear modules to keep, written to llm_int8_skip_modules
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "grok-1 (keyfan naming)",
+        re.compile(r"^transformer\.decoder_layer\.\d+\.moe\.\d+\.linear"),
+        re.compile(
+            r"^transformer\.decoder_layer\.\d+\."
+            r"(multi_head_attention\.(query|key|value|linear)|moe\.\d+\.(linear|linear_v|linear_1))$"
+        ),
+        ("lm_head", "router"),
+    ),
+    Family(
+        "grok-1 (hpcai-tech naming)",
+        re.compile(r"^model\.layers\.\d+\.moe_block\.experts\.\d+\.linear"),
+        re.compile(r"^model\.layers\.\d+\.(attn\.[qkvo]_proj|moe_block\.experts\.\d+\.(linear|linear_v|linear_1))$"),
+        ("lm_head", "moe_block.gate"),
+    ),
+)
+
+# Generic fallback: a 2-D `*.weight` is a linear layer unless its name says embedding, norm, head or router.
+_NOT_LINEAR = re.compile(
+    r"(^|\.)(lm_head|embed\w*|wte|wpe|in_out_embed|\w*norm\w*|ln_\w+|router|gate|score|classifier)$"
+)
+
+
+def detect_family(tensors: list[TensorRef]) -> Family | None:
+    """The registered family whose tell-tale tensor names the checkpoint has, if any."""
+    return next((f for f in FAMILIES if any(f.detect.match(t.name) for t in tensors)), None)
+
+
+def _from_rules(config: dict, tensors: list[TensorRef], skip: list[str], remote: bool) -> Layout:
+    family = detect_family(tensors)
+    decisions: dict[str, Decision] = {}
+    for t in tensors:
+        module, _, leaf = t.name.rpartition(".")
+        if leaf != "weight" or len(t.shape) != 2:
+            decisions[t.name] = Decision(False, "not a 2-D weight")
+        elif not should_convert(module, skip):
+            decisions[t.name] = Decision(False, "skipped (--skip)")
+        elif family is not None:
+            linear = bool(family.quantize.match(module))
+            decisions[t.name] = Decision(linear, f"{family.name} rule" if linear else f"kept by {family.name} rule")
+        elif _NOT_LINEAR.search(module):
+            decisions[t.name] = Decision(False, "embedding/norm/head/router by name")
+        else:
+            decisions[t.name] = Decision(True, "2-D weight (generic rule)")
+    required = family.skip_modules if family else ("lm_head",)
+    notes = []
+    if remote:
+        notes.append("remote code present and not trusted: decided by name rules, no checkpoint code was run")
+    if family is None:
+        notes.append("architecture unknown to transformers here: generic name rules used; check the plan")
+    method = f"name rules ({family.name})" if family else "name rules (generic)"
+    return Layout(decisions, sorted({*required, *skip}), method, notes)
+
+
+def require_known(layout: Layout) -> None:
+    """Refuse a plan that would quantize nothing: almost surely a wrong source or rules."""
+    if not any(d.quantize for d in layout.decisions.values()):
+        raise PrequantError(
+            "no tensor would be quantized (no linear weights found); check the source, or --skip patterns"
+        )

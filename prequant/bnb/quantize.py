@@ -1,0 +1,155 @@
+"""One tensor in, the checkpoint entries of its 4-bit form out; the backend is chosen once.
+
+On a CUDA device the work is bitsandbytes' own kernel, called as transformers calls it, so the bytes are
+the reference by construction. On the CPU it is prequant's kernel (`prequant.kernels.cpu`), which
+reproduces the CUDA bytes (bitsandbytes' CPU path does not). What the entries hold is `bnb.format`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
+from ..errors import PrequantError, UsageError
+from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
+
+# bitsandbytes' CUDA kernels index elements with int32: bigger tensors go through in block-aligned pieces.
+MAX_KERNEL_ELEMENTS = 2**31 - 2**20
+
+
+def pick_device(device: str) -> torch.device:
+    """'auto' -> the current CUDA device when there is one, else the CPU; 'cuda[:N]' must exist."""
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise UsageError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise UsageError(f"--device {device!r} is not supported; use auto, cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
+    return torch.device("cuda", index)
+
+
+@dataclass
+class Quantizer:
+    """Quantizes tensors with fixed settings on one device; `__call__` returns entries on that device."""
+
+    settings: Settings
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            try:
+                import bitsandbytes.functional as bnbf
+            except ImportError as e:
+                raise PrequantError(
+                    f"bitsandbytes is not importable ({e}); install it (pip install bitsandbytes) or use --device cpu"
+                ) from e
+            self._bnb = bnbf
+        else:
+            from .kernels import cpu
+
+            self._cpu = cpu
+
+    def __call__(self, x: torch.Tensor, name: str = "tensor") -> dict[str, torch.Tensor]:
+        """The entries that follow `name` in a checkpoint: weight, absmax, quant_map, ... quant_state."""
+        s = self.settings
+        shape, dtype = tuple(x.shape), x.dtype
+        if self.device.type == "cuda":
+            packed, absmax, code = self._cuda_4bit(x, name)
+        else:
+            try:
+                packed, absmax = self._cpu.quantize_4bit(x, quant_type=s.quant_type, blocksize=s.blocksize)
+            except self._cpu.NonFiniteError as e:
+                raise _non_finite(name) from e
+            code = self._cpu.code_table(s.quant_type)
+        out = {"weight": _as_storage(packed, NAMED[s.quant_storage], x.numel()), "absmax": absmax, "quant_map": code}
+        offset = None
+        if s.double_quant:
+            codes, nested_absmax, nested_map, offset = self._nested(absmax)
+            out.update(absmax=codes, nested_absmax=nested_absmax, nested_quant_map=nested_map)
+        state = quant_state(s.quant_type, s.blocksize, torch_name(dtype), list(shape), offset)
+        out[s.state_entry] = torch.tensor(list(encode_quant_state(state)), dtype=torch.uint8)
+        return out
+
+    def _cuda_4bit(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, F = self.settings, self._bnb
+        x = x.to(self.device, non_blocking=True).contiguous().view(-1)
+        # bitsandbytes' kernel ignores NaN in its absmax (fmaxf): check explicitly, it is one cheap GPU pass.
+        if not bool(torch.isfinite(x).all()):
+            raise _non_finite(name)
+        # Pieces are whole blocks and an even element count, so bytes and absmax simply concatenate.
+        step = MAX_KERNEL_ELEMENTS - MAX_KERNEL_ELEMENTS % (2 * s.blocksize)
+        packed, absmax, code = [], [], None
+        for start in range(0, max(x.numel(), 1), step):
+            p, st = F.quantize_4bit(
+                x[start : start + step],
+                blocksize=s.blocksize,
+                compress_statistics=False,
+                quant_type=s.quant_type,
+                quant_storage=torch.uint8,
+            )
+            packed.append(p.view(-1))
+            absmax.append(st.absmax)
+            code = st.code
+        if len(packed) == 1:
+            return packed[0], absmax[0], code
+        return torch.cat(packed), torch.cat(absmax), code
+
+    def _nested(self, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """Double quantization: 8-bit blockwise codes of absmax minus its mean, over the whole tensor."""
+        if self.device.type == "cuda":
+            offset = absmax.mean()
+            codes, st2 = self._bnb.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
+            return codes, st2.absmax, st2.code.clone(), offset.item()
+        codes, nested_absmax, offset = self._cpu.quantize_nested(absmax, blocksize=NESTED_BLOCKSIZE)
+        return codes, nested_absmax, self._cpu.dynamic_map(), offset
+
+
+def _as_storage(packed: torch.Tensor, storage: torch.dtype, n: int) -> torch.Tensor:
+    """Packed codes as bitsandbytes shapes them: [packed_length(n), 1] of the storage dtype.
+
+    Only a view of the bytes: packed codes must never pass through a float operation."""
+    count = packed_length(n, TORCH_TO_SAFETENSORS[storage])
+    return packed.view(-1)[: count * storage.itemsize].view(storage).view(count, 1)
+
+
+def _non_finite(name: str) -> PrequantError:
+    module = name.removesuffix(".weight")
+    return PrequantError(
+        f"tensor {name!r} contains NaN or Inf values, which would poison its 4-bit statistics; fix the source "
+        f"checkpoint, or keep that module unquantized with --skip {module}"
+    )
+
+
+def quantize_tensor(
+    tensor: torch.Tensor,
+    *,
+    quant_type: str = "nf4",
+    blocksize: int = 64,
+    double_quant: bool = True,
+    quant_storage: torch.dtype = torch.uint8,
+    device: str = "cpu",
+    name: str = "tensor",
+) -> dict[str, torch.Tensor]:
+    """Quantize one tensor to bitsandbytes 4-bit and return its checkpoint entries, on the CPU.
+
+    Keys: "weight" (packed codes viewed as `quant_storage`), "absmax", "quant_map", with double quant
+    "nested_absmax" and "nested_quant_map", and "quant_state.bitsandbytes__nf4" (or "__fp4"). `device`
+    "cuda[:N]" uses bitsandbytes' CUDA kernel; "cpu" prequant's CPU kernel (same bytes).
+    """
+    storage = {v: k for k, v in NAMED.items()}.get(quant_storage)
+    if storage is None:
+        raise UsageError(f"quant_storage {quant_storage} is not supported; use torch.uint8, bfloat16, float16 or float32")
+    settings = Settings(quant_type, double_quant, blocksize, "bfloat16", storage)
+    entries = Quantizer(settings, pick_device(device))(tensor, name)
+    return {k: v.cpu() for k, v in entries.items()}

@@ -1,0 +1,67 @@
+"""A tensor of a checkpoint, by reference: where its bytes are, with its dtype and shape; and how names and
+header values are quoted in one-line messages."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PrequantError
+
+# A `.bin` shard's tensors have no byte range we know of in the file: they are reached through the shard's
+# memory-mapped state dict.
+BIN_OFFSET = -1
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one source tensor lives: file, byte range, dtype and shape."""
+
+    name: str
+    dtype: str  # safetensors code, e.g. "BF16"
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute offset of the first byte in `file`; BIN_OFFSET for a .bin shard's tensor
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def merge(per_file: Iterable[list[TensorRef]], fix: str) -> list[TensorRef]:
+    """Concatenate the files' tensor lists in order; a name in two files is an error ending with `fix`."""
+    seen: dict[str, TensorRef] = {}
+    ordered: list[TensorRef] = []
+    for refs in per_file:
+        for ref in refs:
+            if ref.name in seen:
+                raise PrequantError(
+                    f"tensor {quote(ref.name)} is in both {seen[ref.name].file.name} and {ref.file.name}; {fix}"
+                )
+            seen[ref.name] = ref
+            ordered.append(ref)
+    return ordered
+
+
+def quote(name: str, limit: int = 200) -> str:
+    """A tensor name for a message: repr'd (so it stays on one line) and bounded."""
+    return repr(name if len(name) <= limit else name[: limit - 3] + "...")
+
+
+def short(value: object, limit: int = 80) -> str:
+    """A header value for a message: one line, bounded (a corrupt header may hold megabytes of junk)."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def reason(e: BaseException, limit: int = 120) -> str:
+    """An exception as a short one-line reason for a message."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,169 @@
+"""The output's model card (README.md), written with huggingface_hub's ModelCard / ModelCardData.
+
+It says what the checkpoint is (base model, 4-bit settings, what stayed unquantized), how to load it
+(plainly, and for FSDP+QLoRA), how it was verified, and carries the source's own card: its text under
+"Original model card" and its licence metadata in the new YAML header. Nothing of the original card is
+dropped: a header that does not parse is kept verbatim in a code block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .._version import __version__
+from ..bnb.stats import expected_rel_error
+from ..checkpoint.hf_files import CARD
+from .plan import Plan
+
+# Metadata of the source card carried into the new one: licence terms (and the gate that makes users
+# accept them), and facts about the model that quantization does not change.
+_CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets")
+_CARRIED_PREFIXES = ("license", "extra_gated")
+
+
+def write_card(
+    staging: Path,
+    *,
+    source_dir: Path,
+    base_model: str,
+    base_model_is_repo: bool,
+    plan: Plan,
+    stats_summary: dict | None,
+    repo_id: str | None = None,
+) -> None:
+    """Write README.md into `staging`.
+
+    The loading examples name `repo_id` when the destination is known (--push-to-hub), else a name
+    derived from the base model: never the local output path, so that converting the same source with
+    the same options gives the same bytes wherever the output goes."""
+    original = _original_card(source_dir / CARD)
+    s = plan.settings
+    tags = ["bitsandbytes", "4-bit", s.quant_type, "prequant"]
+    extra = dict(original["metadata"]) if original else {}
+    tags += [t for t in extra.pop("tags", None) or [] if isinstance(t, str) and t not in tags]
+    data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        tags=tags,
+        base_model_relation="quantized",
+        **{k: v for k, v in extra.items() if k not in ("base_model", "library_name", "base_model_relation")},
+    )
+    name = repo_id or f"{base_model.split('/')[-1]}-bnb-4bit-{s.quant_type}"
+    body = _body(name, repo_id is not None, base_model, base_model_is_repo, plan, stats_summary, original)
+    (staging / CARD).write_text(str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")))
+
+
+def _original_card(path: Path) -> dict | None:
+    """The source card split into carried metadata and text; None when the source has no README.md."""
+    if not path.is_file():
+        return None
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        card = ModelCard(raw, ignore_metadata_errors=True)
+    except Exception:  # noqa: BLE001 - any YAML error: keep everything as text instead
+        return {"metadata": {}, "text": raw, "unparsed_header": True}
+    meta = card.data.to_dict()
+    carried = {k: v for k, v in meta.items() if k in _CARRIED or k.startswith(_CARRIED_PREFIXES) or k == "tags"}
+    return {"metadata": carried, "text": card.text, "unparsed_header": False}
+
+
+def _body(
+    name: str, known: bool, base: str, base_is_repo: bool, plan: Plan, summary: dict | None, original: dict | None
+) -> str:
+    s = plan.settings
+    base_ref = f"[`{base}`](https://huggingface.co/{base})" if base_is_repo else f"`{base}`"
+    dq = "with double quantization" if s.double_quant else "without double quantization"
+    lines = [
+        f"# {name}",
+        "",
+        (f"{base_ref} pre-quantized to bitsandbytes 4-bit **{s.quant_type.upper()}** ({dq}, block size "
+        f"{s.blocksize}) with prequant {__version__}. It holds exactly what "
+        "transformers saves after quantizing on load with the same `BitsAndBytesConfig`, so it loads with no "
+        "quantization arguments."),
+        "",
+        "## Quantization",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        f"| `bnb_4bit_quant_type` | `{s.quant_type}` |",
+        f"| `bnb_4bit_use_double_quant` | `{s.double_quant}` |",
+        f"| block size | {s.blocksize} |",
+        f"| `bnb_4bit_compute_dtype` | `{s.compute_dtype}` |",
+        f"| `bnb_4bit_quant_storage` | `{s.quant_storage}` |",
+        f"| `llm_int8_skip_modules` | {_skip_text(plan.skip_modules)} |",
+        (f"| tensors quantized / kept | {sum(st.quantize for st in plan.steps)} / "
+        f"{sum(not st.quantize for st in plan.steps)} |"),
+        "",
+        "Left unquantized (original dtype):",
+        "",
+        *[f"- {n:,} parameters: {why}" for why, n in plan.unquantized().items()],
+        "",
+        "## How to load",
+        "",
+        *([] if known else [f"`{name}` stands for this checkpoint's Hub repo id or local folder.", ""]),
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}", device_map="auto")',
+        "```",
+        "",
+        *_fsdp_section(name, s.quant_storage),
+        "## Verification",
+        "",
+        ("`prequant.json` lists the size and sha256 of every file, the source, the versions and options used, "
+        "and per-tensor statistics. `prequant verify DIR` checks the files against it, the index against the "
+        "shards, every quantized tensor's companions and quant state, and `config.json`; with "
+        "`--source ORIGINAL` it also measures each tensor's error against the original weights."),
+        "",
+        *_stats_lines(summary, expected_rel_error(s.quant_type, s.blocksize), s.quant_type.upper()),
+    ]
+    if original is not None:
+        lines += ["## Original model card", ""]
+        if original["unparsed_header"]:
+            lines += ["(The original card's metadata header did not parse; the card follows verbatim.)", ""]
+            lines += ["````markdown", original["text"].rstrip(), "````"]
+        else:
+            lines.append(original["text"].strip())
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _skip_text(skip: list[str] | None) -> str:
+    if skip is None:
+        return "transformers' defaults"
+    return ", ".join(f"`{m}`" for m in skip) or "none"
+
+
+def _fsdp_section(name: str, storage: str) -> list[str]:
+    if storage == "uint8":
+        return [
+            ("FSDP+QLoRA: the packed weights are stored as `uint8`, which FSDP cannot shard; convert again with "
+            "`--quant-storage bfloat16` (your training dtype) for FSDP."),
+            "",
+        ]
+    return [
+        (f"For FSDP+QLoRA, load with `torch_dtype` equal to the quant storage (`{storage}`, already set as "
+        "`bnb_4bit_quant_storage` in `config.json`), so that FSDP shards the packed 4-bit weights together "
+        "with the other parameters:"),
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}", torch_dtype=torch.{storage})',
+        "```",
+        "",
+    ]
+
+
+def _stats_lines(summary: dict | None, expected: float, quant_type: str) -> list[str]:
+    if not summary or not summary.get("tensors"):
+        return ["Per-tensor error statistics were not recorded for this conversion.", ""]
+    return [
+        (f"Measured during conversion, dequantized against the original weights ({summary['tensors']} quantized "
+        f"tensors): relative L2 error median {summary['median_rel_error']}, max {summary['max_rel_error']} "
+        f"(`{summary['max_rel_error_tensor']}`); {quant_type} at this block size gives about {expected} on "
+        "Gaussian-like weights."),
+        "",
+    ]

@@ -1,0 +1,97 @@
+"""The resume journal: what an interrupted conversion had finished, and for which job.
+
+Lives in the staging folder next to the partial shards. `job.json` fingerprints the job (source files,
+the whole plan, prequant's version); `journal.jsonl` gets one line per finished tensor (with its
+quant-state JSON, the only bytes the shard header still needs) and one per finished shard. A tensor
+is journaled only after its bytes are in the shard file, so after a kill, SIGKILL included, every
+journaled tensor is on disk (in the page cache at least; shards are fsynced when finished).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import PrequantError
+from .plan import Plan
+
+JOB = "job.json"
+JOURNAL = "journal.jsonl"
+
+
+def fingerprint(plan: Plan, source_files: tuple[Path, ...], version: str) -> dict:
+    """What must not change between an interrupted run and its resume."""
+    files = []
+    for p in source_files:
+        st = p.stat()
+        files.append({"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    plan_hash = hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()
+    return {"prequant": version, "source_files": files, "plan_sha256": plan_hash}
+
+
+@dataclass
+class Finished:
+    """What the journal says is finished."""
+
+    steps: dict[str, dict[str, bytes]] = field(default_factory=dict)  # source name -> variable-size blobs
+    shards: set[str] = field(default_factory=set)
+
+
+class Journal:
+    """Append-only record of finished work; thread-safe enough for the single writer thread that uses it."""
+
+    def __init__(self, staging: Path, job: dict, *, resume: bool) -> None:
+        self.staging = staging
+        self.done = Finished()
+        job_path = staging / JOB
+        if resume and job_path.exists():
+            previous = json.loads(job_path.read_text())
+            if previous != job:
+                changed = "the source files" if previous.get("source_files") != job["source_files"] else "the options"
+                raise PrequantError(
+                    f"cannot resume in {staging.parent}: {changed} changed since the interrupted run; rerun without "
+                    "--resume to start over"
+                )
+            self.done = _read(staging / JOURNAL)
+        else:
+            job_path.write_text(json.dumps(job, indent=1))
+            (staging / JOURNAL).unlink(missing_ok=True)
+        self._file = open(staging / JOURNAL, "a")  # noqa: SIM115 - closed in close()
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.done.steps)
+
+    def step_done(self, name: str, blobs: dict[str, bytes]) -> None:
+        record = {"step": name, "blobs": {k: base64.b64encode(v).decode() for k, v in blobs.items()}}
+        self._append(record)
+
+    def shard_done(self, shard: str) -> None:
+        self._append({"shard": shard})
+
+    def _append(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # into the kernel: survives SIGKILL of this process
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _read(path: Path) -> Finished:
+    done = Finished()
+    if not path.exists():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break  # a line cut short by the kill: everything after it is unknown
+        if "step" in record:
+            done.steps[record["step"]] = {k: base64.b64decode(v) for k, v in record["blobs"].items()}
+        elif "shard" in record:
+            done.shards.add(record["shard"])
+    return done
+

@@ -1,0 +1,56 @@
+"""The options of a conversion, in one object built by keyword once: by the CLI from its options (same names) or
+by a library caller through `convert(..., **options)`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..bnb.format import Settings
+from .plan import parse_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    """Every option of `prequant convert`, by the CLI's names (`prequant convert --help` says what each does).
+
+    Checked on creation (a UsageError names the option), so a conversion never starts with a bad one."""
+
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    blocksize: int = 64
+    compute_dtype: str = "bfloat16"
+    quant_storage: str = "bfloat16"
+    skip: tuple[str, ...] = ()  # more modules to keep unquantized (transformers' llm_int8_skip_modules matching)
+    max_shard_size: str | int = "5GB"
+    device: str = "auto"
+    dry_run: bool = False
+    overwrite: bool = False
+    resume: bool = False
+    trust_remote_code: bool = False
+    progress: bool = True  # progress on stderr (the library's callers may turn it off; the CLI always shows it)
+    stats: bool = True
+    push_to_hub: str | None = None
+    delete_source_shards: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "skip", tuple(self.skip or ()))
+        self.settings  # noqa: B018 - checks the quantization settings
+        self.shard_limit  # noqa: B018 - checks the size
+
+    @property
+    def settings(self) -> Settings:
+        """The quantization settings (BitsAndBytesConfig's)."""
+        return Settings(quant_type=self.quant_type, double_quant=self.double_quant, blocksize=self.blocksize,
+                        compute_dtype=self.compute_dtype, quant_storage=self.quant_storage)
+
+    @property
+    def shard_limit(self) -> int:
+        """--max-shard-size in bytes."""
+        return parse_size(self.max_shard_size)
+
+    @classmethod
+    def pick(cls, values: Mapping[str, Any]) -> ConvertOptions:
+        """The options named in `values` (e.g. a CLI command's arguments), ignoring other names."""
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})

@@ -1,0 +1,275 @@
+"""The streaming engine: read tensor i+1, quantize tensor i, write tensor i-1, all at once.
+
+Three stages joined by small bounded queues, so at most a few tensors are in flight whatever the
+model size:
+
+    reader thread  ->  main thread (quantize)  ->  writer thread
+    page-in / H2D       CPU kernel or CUDA,        pwrite into the shard,
+                        async device-to-host       finalize shard when complete
+
+On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
+CUDA stream, and results come back into pinned buffers that torch's caching host allocator reuses, so host
+memory stays at those buffers and the few tensors in flight. On the CPU the reader hands over zero-copy
+memory-mapped views; `readahead` keeps the kernel reading the files ahead. Tensors kept as they are never
+enter this process: the writer has the kernel copy them file to file (copy_file_range).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from ..bnb.format import entry_key
+from ..bnb.quantize import Quantizer
+from ..checkpoint.dtypes import SAFETENSORS_DTYPES
+from ..checkpoint.reader import TensorReader
+from ..checkpoint.tensors import BIN_OFFSET, TensorRef
+from ..util import trace
+from .journal import Journal
+from .plan import Plan, Step
+from .shardset import FileSlice, ShardSet
+
+CHUNK_BYTES = 64 * 1024 * 1024  # pinned staging buffer size for host-to-device copies
+# Threads filling one staging buffer: a single thread copies from the page cache at ~3 GB/s, below what a
+# read-ahead source delivers; the copies (preadv) run without the GIL.
+READ_THREADS = 4
+IN_FLIGHT = 2  # tensors queued between stages
+
+
+class _Stop(Exception):
+    """Another stage failed; this one stops quietly and the first error is raised."""
+
+
+class _Stage:
+    """A bounded queue that gives up as soon as any stage has failed."""
+
+    def __init__(self, failed: threading.Event, name: str, size: int = IN_FLIGHT) -> None:
+        self._put_label, self._get_label = f"{name}-put-wait", f"{name}-get-wait"
+        self._q: queue.Queue = queue.Queue(maxsize=size)
+        self._failed = failed
+
+    def put(self, item: object) -> None:
+        with trace.busy(self._put_label):
+            self._put(item)
+
+    def get(self) -> object:
+        with trace.busy(self._get_label):
+            return self._get()
+
+    def _put(self, item: object) -> None:
+        while True:
+            if self._failed.is_set():
+                raise _Stop
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _get(self) -> object:
+        while True:
+            if self._failed.is_set():
+                raise _Stop
+            try:
+                return self._q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+
+
+_END = object()
+
+# inspect(step, source tensor, entries by short name ("weight", "absmax", ...)), on the quantizing device.
+Inspect = Callable[[Step, torch.Tensor, dict[str, torch.Tensor]], None]
+
+
+def run(
+    plan: Plan,
+    source: TensorReader,
+    quantizer: Quantizer,
+    staging: Path,
+    journal: Journal | None = None,
+    on_step: Callable[[Step], None] = lambda step: None,
+    inspect: Inspect | None = None,
+    on_shard: Callable[[str, BinaryIO], None] = lambda name, file: file.close(),
+) -> dict[str, int]:
+    """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
+
+    With a journal, finished work is recorded as it lands and work a previous run finished is skipped.
+    `on_step` is called (from the writer thread) after each step's outputs are written, or at start for
+    each step already done; `inspect(step, source, entries)` is called on the quantizing thread with both
+    on the quantizing device (statistics are cheap there); `on_shard(name, file)` (writer thread) when a
+    shard's bytes are all written, with the shard open for reading (the callee closes it), before its flush.
+    """
+    failed = threading.Event()
+    errors: list[BaseException] = []
+    loaded, quantized = _Stage(failed, "loaded"), _Stage(failed, "quantized")
+    shards = ShardSet(plan, staging, journal, on_shard)
+    todo = [s for s in plan.steps if not shards.is_done(s)]
+    for step in plan.steps:
+        if shards.is_done(step):
+            on_step(step)
+    device = quantizer.device
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def body() -> None:
+            try:
+                fn()
+            except _Stop:
+                pass
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                errors.append(e)
+                failed.set()
+
+        return body
+
+    def read_all() -> None:
+        loader = _GpuLoader(source, device) if device.type == "cuda" else None
+        try:
+            read_steps(loader)
+        finally:
+            if loader is not None:
+                loader.close()
+        loaded.put(_END)
+
+    def read_steps(loader: _GpuLoader | None) -> None:
+        # No per-tensor advice: local files are read ahead by readahead.py, Hub shards were just written.
+        for step in todo:
+            source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
+            if step.quantize:
+                data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
+            elif step.source.offset != BIN_OFFSET:
+                data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)
+            else:  # a .bin shard's tensor: no known byte range, written from its memory-mapped view
+                data = (source.view(step.source), None)
+            loaded.put((step, data))
+
+    def write_all() -> None:
+        try:
+            shards.finish_resumed()
+            while (item := quantized.get()) is not _END:
+                step, entries, copied = item  # type: ignore[misc]
+                if copied is not None:
+                    with trace.busy("device-to-host-wait"):
+                        copied.synchronize()
+                with trace.busy("write"):
+                    shards.write(step, entries)
+                del entries, item
+                on_step(step)
+        finally:
+            shards.abort()
+
+    threads = [threading.Thread(target=guarded(f), name=f"prequant-{f.__name__}") for f in (read_all, write_all)]
+    for t in threads:
+        t.start()
+    try:
+        guarded(lambda: _quantize_all(loaded, quantized, quantizer, inspect))()  # a failure sets `failed`
+        for t in threads:
+            t.join()
+    except BaseException:
+        # Interrupted while joining (Ctrl-C, SIGTERM): stop the other stages before the caller closes the
+        # files they use; a writer left running could copy from a closed, reused descriptor.
+        failed.set()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
+    return shards.sizes
+
+
+def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspect: Inspect | None) -> None:
+    cuda = quantizer.device.type == "cuda"
+    while (item := loaded.get()) is not _END:
+        step, (tensor, ready) = item  # type: ignore[misc]
+        if not step.quantize:
+            quantized.put((step, {step.source.name: tensor}, None))
+            continue
+        if ready is not None:
+            torch.cuda.current_stream(quantizer.device).wait_event(ready)
+        x = tensor.t() if step.decision.transpose else tensor
+        with trace.busy("quantize"):
+            entries = quantizer(x, step.source.name)
+        if inspect is not None:
+            with trace.busy("stats"):
+                inspect(step, x, entries)
+        copied = None
+        if cuda:
+            # Into pinned memory, asynchronously: this thread goes on to the next tensor while the copy runs,
+            # and the writer waits for `copied`. Torch's caching host allocator reuses these buffers (it
+            # holds each until the copy that used it has finished); the queue bounds how many are in use.
+            with trace.busy("device-to-host"):
+                host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in entries.items()}
+                for k, v in entries.items():
+                    host[k].copy_(v, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(torch.cuda.current_stream(quantizer.device))
+                entries = host
+        name = step.source.name
+        quantized.put((step, {entry_key(name, k): v for k, v in entries.items()}, copied))
+        del tensor, x, entries, item
+    quantized.put(_END)
+
+
+class _GpuLoader:
+    """Copies a tensor from its file to the GPU through two pinned buffers, on a side stream."""
+
+    def __init__(self, source: TensorReader, device: torch.device) -> None:
+        self.source, self.device = source, device
+        self.stream = torch.cuda.Stream(device)
+        self.buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)]
+        for ev in self.events:
+            ev.record(self.stream)
+        self.pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="prequant-read")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def _fill(self, ref: TensorRef, start: int, buf: memoryview) -> None:
+        """Bytes [start, start+len(buf)) of the tensor into buf, in READ_THREADS parts read at once."""
+        part = -(-len(buf) // READ_THREADS // 4096) * 4096
+        spans = [(a, min(len(buf), a + part)) for a in range(0, len(buf), part)]
+        for f in [self.pool.submit(self.source.read_into, ref, start + a, buf[a:b]) for a, b in spans]:
+            f.result()
+
+    def load(self, ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event]:
+        if ref.offset == BIN_OFFSET:
+            return self._load_bin(ref)
+        out = torch.empty(ref.nbytes, dtype=torch.uint8, device=self.device)
+        # `out` may reuse memory the default stream was still reading: order the copies after that work.
+        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for i, start in enumerate(_chunks(ref.nbytes)):
+                buf, ev = self.buffers[i % 2], self.events[i % 2]
+                with trace.busy("host-to-device-wait"):
+                    ev.synchronize()  # the previous copy out of this buffer has finished
+                n = min(CHUNK_BYTES, ref.nbytes - start)
+                with trace.busy("read"):
+                    self._fill(ref, start, memoryview(buf.numpy())[:n])
+                out[start : start + n].copy_(buf[:n], non_blocking=True)
+                ev.record(self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out.view(SAFETENSORS_DTYPES[ref.dtype]).view(ref.shape), done
+
+    def _load_bin(self, ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A .bin shard's tensor has no byte range in its file: copy torch's memory-mapped tensor as it is."""
+        src = self.source.view(ref)
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            with trace.busy("read"):
+                out.copy_(src)  # pageable: synchronous, straight from the mapped pages
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out, done
+
+
+def _chunks(nbytes: int) -> Iterator[int]:
+    return iter(range(0, nbytes, CHUNK_BYTES))

@@ -1,0 +1,212 @@
+"""The plan: a pure function from tensor names, shapes, dtypes and decisions to what will be written.
+
+Nothing here touches data. Every output key, dtype, shape and byte size follows from the source shapes,
+so the writer knows each shard's layout before the first tensor is read; the one exception is the
+quant-state JSON, whose length depends on the double-quant offset's decimal form (the writer reserves
+room for it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from ..bnb.format import QUANTIZABLE, Settings, settings_entries
+from ..bnb.layout import Decision, Layout
+from ..checkpoint.dtypes import itemsize
+from ..checkpoint.hf_files import shard_name
+from ..checkpoint.tensors import TensorRef
+from ..errors import PrequantError, UsageError
+
+QUANT_STATE_ESTIMATE = 170  # bytes of quant-state JSON, typical; the exact length is known only after quantizing
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of the output checkpoint. `shape` is None for the quant-state JSON (length known later)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...] | None
+
+    @property
+    def nbytes(self) -> int:
+        if self.shape is None:
+            return QUANT_STATE_ESTIMATE
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One source tensor: what happens to it and where its outputs go."""
+
+    source: TensorRef
+    decision: Decision
+    outputs: tuple[OutTensor, ...]
+    shard: str
+
+    @property
+    def quantize(self) -> bool:
+        return self.decision.quantize
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything convert will do, printable before doing it."""
+
+    settings: Settings
+    steps: tuple[Step, ...]
+    shards: tuple[str, ...]
+    skip_modules: list[str] | None
+    method: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(s.source.nbytes for s in self.steps)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.out_bytes for s in self.steps)
+
+    def shard_bytes(self) -> dict[str, int]:
+        sizes = dict.fromkeys(self.shards, 0)
+        for s in self.steps:
+            sizes[s.shard] += s.out_bytes
+        return sizes
+
+    def unquantized(self) -> dict[str, int]:
+        """Parameters left unquantized, counted by reason."""
+        counts: dict[str, int] = {}
+        for s in self.steps:
+            if not s.quantize:
+                reason = re.sub(r" into .*;", ";", s.decision.reason)  # group fused experts under one reason
+                counts[reason] = counts.get(reason, 0) + s.source.numel
+        return counts
+
+    def to_dict(self) -> dict:
+        return {
+            "settings": vars(self.settings),
+            "method": self.method,
+            "notes": self.notes,
+            "llm_int8_skip_modules": self.skip_modules,
+            "tensors": [
+                {
+                    "name": s.source.name,
+                    "action": "quantize" if s.quantize else "keep",
+                    "reason": s.decision.reason,
+                    "dtype": s.source.dtype,
+                    "shape": list(s.source.shape),
+                    "input_bytes": s.source.nbytes,
+                    "output_bytes": s.out_bytes,
+                    "shard": s.shard,
+                }
+                for s in self.steps
+            ],
+            "shards": self.shard_bytes(),
+            "quantized_tensors": sum(s.quantize for s in self.steps),
+            "kept_tensors": sum(not s.quantize for s in self.steps),
+            "quantized_parameters": sum(s.source.numel for s in self.steps if s.quantize),
+            "unquantized_parameters": self.unquantized(),
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+        }
+
+    def to_text(self) -> str:
+        s = self.settings
+        lines = [
+            f"plan: {s.quant_type}, blocksize {s.blocksize}, double quant {'on' if s.double_quant else 'off'}, "
+            f"storage {s.quant_storage}, compute {s.compute_dtype}; decided by {self.method}",
+            *(f"note: {n}" for n in self.notes),
+        ]
+        width = max((len(st.source.name) for st in self.steps), default=10)
+        for st in self.steps:
+            shape = "x".join(map(str, st.source.shape)) or "scalar"
+            action = "quantize" if st.quantize else "keep"
+            lines.append(
+                f"  {action:8} {st.source.name:{width}}  {st.source.dtype:>4} {shape:>14}  "
+                f"{_human(st.source.nbytes):>9} -> {_human(st.out_bytes):>9}  {st.shard}  ({st.decision.reason})"
+            )
+        for name, size in self.shard_bytes().items():
+            lines.append(f"shard {name}: {_human(size)}")
+        for reason, n in self.unquantized().items():
+            lines.append(f"unquantized: {n:,} parameters ({reason})")
+        q = sum(st.quantize for st in self.steps)
+        lines.append(
+            f"total: {q} tensors quantized, {len(self.steps) - q} kept, "
+            f"{_human(self.input_bytes)} -> {_human(self.output_bytes)} in {len(self.shards)} shard(s)"
+        )
+        return "\n".join(lines)
+
+
+def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int) -> Plan:
+    """Decide every output tensor and its shard. Pure: same inputs, same plan."""
+    if not tensors:
+        raise PrequantError("the source holds no tensors; check that the weight files are not empty")
+    groups: list[tuple[TensorRef, Decision, tuple[OutTensor, ...]]] = []
+    for t in tensors:
+        decision = layout.decisions[t.name]
+        if decision.quantize and t.dtype not in QUANTIZABLE:
+            raise PrequantError(
+                f"tensor {t.name!r} has dtype {t.dtype}; only F32, F16 and BF16 weights can be quantized to 4 bit "
+                "(convert the checkpoint first, or --skip that module)"
+            )
+        outputs = quantized_outputs(t, settings) if decision.quantize else (OutTensor(t.name, t.dtype, t.shape),)
+        groups.append((t, decision, outputs))
+    shard_of = _assign_shards([sum(o.nbytes for o in outs) for _, _, outs in groups], max_shard_size)
+    count = max(shard_of) + 1
+    names = tuple(shard_name(i, count) for i in range(count))
+    steps = tuple(Step(t, d, outs, names[shard_of[i]]) for i, (t, d, outs) in enumerate(groups))
+    return Plan(settings, steps, names, layout.skip_modules, layout.method, list(layout.notes))
+
+
+def quantized_outputs(t: TensorRef, s: Settings) -> tuple[OutTensor, ...]:
+    """The keys transformers writes for a 4-bit weight, with their dtypes and shapes (`bnb.format`'s layout)."""
+    return tuple(OutTensor(e.key, e.dtype, e.shape) for e in settings_entries(t.name, t.numel, s))
+
+
+def _assign_shards(sizes: list[int], max_shard_size: int) -> list[int]:
+    """Greedy, in processing order: a new shard when the next group would not fit (a group bigger than
+    the limit gets a shard of its own), as transformers shards a state dict."""
+    shard, used, out = 0, 0, []
+    for size in sizes:
+        if used and used + size > max_shard_size:
+            shard, used = shard + 1, 0
+        out.append(shard)
+        used += size
+    return out
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, as transformers reads max_shard_size."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
+    unit = (m.group(2) or "").lower()
+    if "i" in unit:
+        factor = 1024 ** ("kmgt".index(unit[0]) + 1)
+    else:
+        factor = _UNITS[unit if unit.endswith("b") or unit == "" else unit + "b"]
+    size = int(float(m.group(1)) * factor)
+    if size <= 0:
+        raise UsageError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"

@@ -1,0 +1,170 @@
+"""What a conversion records while it runs, and writes at its end: prequant.json (`checkpoint.manifest`'s format)
+and the model card.
+
+Shards are hashed on background threads the moment the writer finishes them (their pages are still in the page
+cache, and hashing overlaps the rest of the conversion); the small files are hashed at the end. The manifest is
+written into the staging folder and published with the rest, before config.json.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..bnb.format import entry_name
+from ..bnb.stats import Collector, summarize
+from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES
+from ..checkpoint.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, versions
+from ..checkpoint.reader import TensorReader
+from ..checkpoint.safetensors import read_header
+from ..checkpoint.tensors import TensorRef
+from ..source.spec import Source
+from ..util import trace
+from ..util.fsio import write_json
+from .card import write_card
+from .plan import Plan
+
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+class Recorder:
+    """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `inspect`
+    hooks), then writes the model card and prequant.json into the staging folder."""
+
+    def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None) -> None:
+        self.source, self.plan = source, plan
+        self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
+                        "stats": stats}
+        self.stats = Collector() if stats else None
+        self._hashes: dict[str, Future[str]] = {}
+        self._queue: queue.Queue[tuple[BinaryIO, Future[str]] | None] = queue.Queue()
+        # Shards are hashed side by side: one thread hashes ~1 GB/s, which a fast disk outruns (5 GB shards
+        # finishing every 2 s from a 7 GB/s source). Daemon threads: a failed conversion never waits for them.
+        self._threads = [threading.Thread(target=self._hash_loop, name=f"prequant-hash-{i}", daemon=True)
+                         for i in range(HASH_THREADS)]
+        for t in self._threads:
+            t.start()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        """End the hashing threads once what is queued is hashed: waited for after a success (instant, since
+        `finish` has read every hash), not after a failure (nobody will read them)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if exc_type is None:
+            for t in self._threads:
+                t.join()
+
+    @property
+    def inspect(self) -> Callable[..., None] | None:
+        """The pipeline's inspect hook (None when statistics are off, so the pipeline skips the call)."""
+        return self.stats.inspect if self.stats is not None else None
+
+    def on_shard(self, name: str, file: BinaryIO) -> None:
+        """Pipeline hook: shard `name` is complete (`file` reads it); hash it now, in the background."""
+        future: Future[str] = Future()
+        self._hashes[name] = future
+        self._queue.put((file, future))
+
+    def _hash_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            file, future = item
+            try:
+                with trace.busy("sha256"):
+                    future.set_result(sha256_file(file, mapped=True))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
+                future.set_exception(e)
+
+    def finish(self, staging: Path, side_files: list[Path], *, device: str, repo_id: str | None = None) -> dict:
+        """Write README.md (the model card) and prequant.json into `staging`; return the manifest."""
+        source = source_identity(self.source)
+        if self.stats is not None:
+            self._backfill_stats(staging)
+        summary = summarize(self.stats.tensors) if self.stats is not None else None
+        write_card(
+            staging,
+            source_dir=self.source.path,
+            base_model=base_model(source),
+            base_model_is_repo="repo_id" in source,
+            plan=self.plan,
+            stats_summary=summary,
+            repo_id=repo_id,
+        )
+        names = [*self.plan.shards, *(p.as_posix() for p in side_files), CONFIG, CARD]
+        names += [n for n in INDEX_NAMES if (staging / n).is_file()]
+        return self._write(staging, names, source, device)
+
+    def _backfill_stats(self, staging: Path) -> None:
+        """Statistics of tensors a resumed run did not quantize itself, from the staged shards: the same
+        numbers an uninterrupted run records (so both write the same manifest)."""
+        missing = [s for s in self.plan.steps if s.quantize and s.source.name not in self.stats.tensors
+                   and s.source.file.exists()]  # a Hub shard deleted after converting: its figures stay missing
+        headers: dict[str, dict[str, TensorRef]] = {}
+        with TensorReader() as src_data, TensorReader() as out_data:
+            for step in missing:
+                if step.shard not in headers:
+                    headers[step.shard] = {t.name: t for t in read_header(staging / step.shard)[0]}
+                refs, name = headers[step.shard], step.source.name
+                entries = {entry_name(name, o.key): out_data.view(refs[o.key]) for o in step.outputs}
+                x = src_data.view(step.source)
+                self.stats.inspect(step, x.t() if step.decision.transpose else x, entries)
+
+    def _write(self, staging: Path, files: list[str], source: dict, device: str) -> dict:
+        entries = {}
+        for name in sorted(set(files)):
+            path = staging / name
+            pending = self._hashes.get(name)
+            digest = pending.result() if pending is not None else sha256_file(path)
+            entries[name] = {"size": path.stat().st_size, "sha256": digest}
+        tensors = self.stats.tensors if self.stats is not None else {}
+        quantized = [s.source.name for s in self.plan.steps if s.quantize]
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "versions": versions(),
+            "device": device,
+            "source": source,
+            "options": self.options,
+            # Source names of the tensors quantized as their transpose (the planner's Decision.transpose).
+            "transposed": [s.source.name for s in self.plan.steps if s.quantize and s.decision.transpose],
+            "files": entries,
+            "stats": {
+                "enabled": self.stats is not None,
+                # A resumed conversion has no statistics for the tensors done before the interruption.
+                "complete": self.stats is not None and all(name in tensors for name in quantized),
+                "summary": summarize(tensors) if self.stats is not None else None,
+            },
+            "tensors": {name: tensors[name].to_dict() for name in quantized if name in tensors},
+        }
+        write_json(staging / MANIFEST, manifest, sort_keys=False)
+        return manifest
+
+
+
+
+def source_identity(src: Source) -> dict:
+    """Where the weights came from: the Hub repo and commit when known, else the local path as given.
+
+    Cheap hashes only: the source's config.json and index (a second read of hundreds of GB of weights
+    is not cheap; a Hub commit sha pins them instead). Weight files are listed with their sizes.
+    """
+    ident: dict[str, Any] = {"spec": src.spec, "path": str(src.path), "format": src.format}
+    if src.repo_id:
+        ident.update(repo_id=src.repo_id, revision=src.revision, commit=src.sha)
+    ident["weight_files"] = dict(src.weight_sizes)  # a Hub source's shards may be deleted by now
+    for name in ("config.json", src.index_file.name if src.index_file is not None else None):
+        if name and (src.path / name).is_file():
+            ident.setdefault("sha256", {})[name] = sha256_file(src.path / name)
+    return ident
+
+
+def base_model(source: dict) -> str:
+    """The base model's name for the card: the Hub repo id when known, else the source directory's name."""
+    return source.get("repo_id") or Path(source["path"]).resolve().name

@@ -1,0 +1,181 @@
+"""`convert()`: the whole pipeline, one named step per line.
+
+    resolve SOURCE -> scan its tensors -> decide the layout -> plan -> stream shards (read, quantize, write)
+    -> config, index, side files -> manifest and card -> publish -> (verify and upload)
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..bnb.layout import analyze, require_known
+from ..bnb.quantize import Quantizer, pick_device
+from ..checkpoint import manifest
+from ..checkpoint.hf_files import check_index, read_config
+from ..checkpoint.tensors import TensorRef
+from ..errors import Interrupted
+from ..source.resolve import check_delete, reader, resolve, scan
+from ..source.spec import Source
+from ..util import trace
+from ..util.progress import Progress
+from ..verify.publish import push_converted
+from . import layout_worker, output, pipeline, readahead
+from .journal import Journal, fingerprint
+from .options import ConvertOptions
+from .plan import Plan, Step, make_plan
+from .record import Recorder
+from .sidecar import copy_side_files, side_files, write_config, write_index
+from .summary import Summary
+
+
+def convert(
+    source: str | Path, output_dir: str | Path, options: ConvertOptions | None = None, **changes: Any
+) -> Summary | Plan:
+    """Convert a checkpoint to bitsandbytes 4-bit, streaming one tensor at a time.
+
+    Options come as a `ConvertOptions`, or as its fields by keyword (`quant_type="fp4", device="cpu"`, ...), which
+    override `options`. Returns the Plan when `dry_run`, else the Summary. Raises PrequantError with a one-line
+    message on any bad input; OUTPUT_DIR then holds no checkpoint-looking files. After an interruption (SIGINT,
+    SIGTERM, SIGKILL, a full disk), the same call with `resume=True` continues where it stopped and gives the
+    same bytes as an uninterrupted run.
+
+    A Hub source (`org/name[@revision]` or an alias) is planned from its shards' headers and its shards are
+    downloaded one by one as the conversion reaches them; `delete_source_shards` evicts each one from the
+    Hugging Face cache once converted (about two source shards on disk at a time).
+    """
+    started = time.monotonic()
+    opts = replace(options or ConvertOptions(), **changes)
+    src = resolve(str(source), stream=True)
+    check_delete(src, opts.delete_source_shards)
+    out = Path(output_dir)
+    if not opts.dry_run:
+        output.check_not_source(out, src.path)
+        output.check(out, opts.overwrite or opts.resume)
+    tensors = scan(src)
+    if src.index_file is not None:
+        check_index(src.index_file, tensors)
+    config = read_config(src.path)
+    # The GPU and bitsandbytes start up while a child process started by the CLI decides the layout.
+    quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device))
+    trace.mark("quantizer-ready")
+    plan = _plan(src, tensors, config, opts)
+    trace.mark("planned")
+    if opts.dry_run:
+        return plan
+    record = Recorder(src, plan, stats=opts.stats,
+                      options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit})
+    staging = output.staging_dir(out, keep=opts.resume)
+    side = side_files(src.path)
+    written: dict | None = None  # the manifest; None when an earlier, interrupted run had written everything
+    with _interruptible(), record:
+        if not (opts.resume and output.publishing(staging)):
+            shard_sizes = _write_shards(src, plan, quantizer, staging, record, opts)
+            copy_side_files(src.path, staging, side)
+            write_index(staging, plan, shard_sizes)
+            write_config(staging, config, plan)
+            written = record.finish(staging, side, device=str(quantizer.device), repo_id=opts.push_to_hub)
+            trace.mark("manifest-written")
+        output.publish(out, staging)
+        trace.mark("published")
+    hub_url = push_converted(out, opts.push_to_hub, progress=opts.progress) if opts.push_to_hub else None
+    return _summary(out, src, plan, quantizer, started, side, written or manifest.load(out), hub_url)
+
+
+def _plan(src: Source, tensors: list[TensorRef], config: dict, opts: ConvertOptions) -> Plan:
+    """Decide which tensors become 4-bit (the CLI's child process may have already), then plan every output."""
+    skip = list(opts.skip)
+    layout = (layout_worker.take(src.path, tensors, skip, opts.trust_remote_code)
+              or analyze(config, src.path, tensors, skip, opts.trust_remote_code))
+    require_known(layout)
+    return make_plan(tensors, layout, opts.settings, opts.shard_limit)
+
+
+def _write_shards(
+    src: Source, plan: Plan, quantizer: Quantizer, staging: Path, record: Recorder, opts: ConvertOptions
+) -> dict[str, int]:
+    """Stream every tensor through the pipeline into the staging folder, journaled for --resume; return each
+    shard's data bytes. The disk is kept reading ahead of the pipeline (local files) and a Hub source's shards
+    are downloaded as it reaches them."""
+    job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
+    journal = Journal(staging, job, resume=opts.resume)
+    if journal.resumed and opts.progress:
+        print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
+              file=sys.stderr)
+    ahead = readahead.start(list(src.weight_files)) if src.hub is None else None
+    data = reader(src, [s.source for s in plan.steps], delete=opts.delete_source_shards)
+    try:
+        with data, Progress(plan.input_bytes, enabled=opts.progress) as bar:
+            hooks: list[Callable[[TensorRef], Any]] = [lambda ref: bar.advance(ref.nbytes)]
+            if ahead is not None:
+                hooks.append(lambda ref: ahead.consumed(ref.nbytes))
+            hooks.append(data.tensor_done)  # a Hub shard: evicted after its last tensor with --delete-source-shards
+            trace.mark("pipeline-start")
+            sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=_each(hooks),
+                                 inspect=record.inspect, on_shard=record.on_shard)
+            trace.mark("pipeline-end")
+            return sizes
+    finally:
+        if ahead is not None:
+            ahead.stop()
+        journal.close()
+
+
+def _each(hooks: list[Callable[[TensorRef], Any]]) -> Callable[[Step], None]:
+    """One on_step hook calling each of `hooks` with the step's source tensor."""
+    def on_step(step: Step) -> None:
+        for hook in hooks:
+            hook(step.source)
+
+    return on_step
+
+
+def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer, started: float, side: list[Path],
+             written: dict, hub_url: str | None) -> Summary:
+    return Summary(
+        output_dir=str(out),
+        source=src.describe(),
+        device=str(quantizer.device),
+        input_bytes=plan.input_bytes,
+        output_bytes=sum((out / name).stat().st_size for name in plan.shards),
+        tensors_quantized=sum(s.quantize for s in plan.steps),
+        tensors_kept=sum(not s.quantize for s in plan.steps),
+        shards=len(plan.shards),
+        seconds=time.monotonic() - started,
+        peak_gpu_bytes=_peak_gpu_bytes(quantizer.device),
+        unquantized_parameters=plan.unquantized(),
+        copied_files=[p.as_posix() for p in side],
+        stats=written["stats"]["summary"],
+        hub_commit_url=hub_url,
+    )
+
+
+@contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGINT and SIGTERM stop the conversion cleanly (threads joined, journal flushed) as Interrupted."""
+    def on_term(signum: int, frame: object) -> None:
+        raise Interrupted("SIGTERM", 128 + signal.SIGTERM)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted("SIGINT", 128 + signal.SIGINT) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _peak_gpu_bytes(device) -> int | None:
+    import torch
+
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None

@@ -1,0 +1,48 @@
+"""What a conversion did, printed on stdout as text or JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Summary:
+    """What a conversion did; printed on stdout (text or JSON)."""
+
+    output_dir: str
+    source: str
+    device: str
+    input_bytes: int
+    output_bytes: int
+    tensors_quantized: int
+    tensors_kept: int
+    shards: int
+    seconds: float
+    peak_gpu_bytes: int | None = None
+    unquantized_parameters: dict[str, int] = field(default_factory=dict)
+    copied_files: list[str] = field(default_factory=list)
+    stats: dict | None = None  # relative error of the dequantized tensors (median, worst), when measured
+    hub_commit_url: str | None = None  # with push_to_hub
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.input_bytes / 1e9 / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "gb_per_s": round(self.gb_per_s, 3)}
+
+    def to_text(self) -> str:
+        lines = [
+            f"wrote {self.output_dir}: {self.tensors_quantized} tensors quantized, {self.tensors_kept} kept, "
+            f"{self.shards} shard(s)",
+            f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
+            f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
+            f"time: {self.seconds:.1f} s on {self.device}, {self.gb_per_s:.2f} GB/s of input",
+        ]
+        lines += [f"unquantized: {n:,} parameters ({why})" for why, n in self.unquantized_parameters.items()]
+        if self.stats and self.stats.get("tensors"):
+            lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
+                         f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")
+        if self.hub_commit_url:
+            lines.append(f"uploaded: {self.hub_commit_url}")
+        return "\n".join(lines)

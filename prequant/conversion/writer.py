@@ -1,0 +1,241 @@
+"""Streaming safetensors writer: the layout is fixed from the plan, tensors land in place as they come.
+
+A shard's header is computed before any data: every tensor's size follows from its shape. The only
+entries whose size is unknown up front are the quant-state JSON blobs (their text holds a float), so
+they go at the end of the data section and the header is given reserved room, padded with spaces as
+the safetensors format allows. Data is ordered by element size, then name, as safetensors' own writer
+orders it, which keeps every tensor aligned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from ..checkpoint.dtypes import itemsize
+from ..errors import PrequantError
+from ..util import failpoints, trace
+from ..util.fsio import FULL, disk_full, write_error
+from .plan import OutTensor
+
+_PLACEHOLDER_LEN = 9_999_999  # longer than any quant-state JSON: makes the reserved header big enough
+
+
+class ShardWriter:
+    """Writes one output shard; `write` may be called from any thread, in any order."""
+
+    def __init__(
+        self, path: Path, entries: list[OutTensor], metadata: dict[str, str] | None = None, *, resume: bool = False
+    ) -> None:
+        self.path = path
+        self.partial = path.with_name(path.name + ".partial")
+        self.metadata = metadata or {"format": "pt"}
+        self._fixed = sorted((e for e in entries if e.shape is not None), key=lambda e: (-itemsize(e.dtype), e.key))
+        self._variable = sorted((e for e in entries if e.shape is None), key=lambda e: e.key)
+        self._offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for e in self._fixed:
+            self._offsets[e.key] = (pos, pos + e.nbytes)
+            pos += e.nbytes
+        self._fixed_end = pos
+        self._blobs: dict[str, bytes] = {}
+        self._pending = {e.key for e in entries}
+        self._lock = threading.Lock()
+        longest = self._header({e.key: _PLACEHOLDER_LEN for e in self._variable})
+        self._reserved = _round8(len(longest))
+        self._data_start = 8 + self._reserved
+        # Resuming keeps the bytes already written; the layout is the same, since the plan is.
+        self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
+        try:
+            _preallocate(self._fd, self._data_start + self._fixed_end, self.partial)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _header(self, variable_sizes: dict[str, int]) -> bytes:
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        for e in self._fixed:
+            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape or ()), "data_offsets": list(self._offsets[e.key])}
+        pos = self._fixed_end
+        for e in self._variable:
+            size = variable_sizes[e.key]
+            header[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
+            pos += size
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def copy_range(self, key: str, src_fd: int, src_offset: int, nbytes: int) -> None:
+        """Store a tensor straight from another file (a tensor kept as it is): the kernel copies the bytes,
+        so they never pass through this process' memory."""
+        begin, end = self._offsets[key]
+        if nbytes != end - begin:
+            raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
+        _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial)
+        _start_writeback(self._fd, self._data_start + begin, nbytes)
+        with self._lock:
+            self._pending.discard(key)
+
+    def restore(self, key: str, blob: bytes | None = None) -> None:
+        """Mark a tensor written by an interrupted run (its bytes are already in the .partial file)."""
+        if blob is not None:
+            self._blobs[key] = blob
+        with self._lock:
+            self._pending.discard(key)
+
+    def blob(self, key: str) -> bytes | None:
+        """The bytes of a variable-size tensor (quant-state JSON), which the resume journal keeps."""
+        return self._blobs.get(key)
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    def write(self, key: str, data: torch.Tensor) -> None:
+        """Store one tensor's bytes (a CPU tensor; a memory-mapped view is written without a copy)."""
+        raw = data.detach().contiguous().view(-1).view(torch.uint8)
+        if key in self._offsets:
+            begin, end = self._offsets[key]
+            if raw.numel() != end - begin:
+                raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
+            _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
+            _start_writeback(self._fd, self._data_start + begin, end - begin)
+        else:
+            self._blobs[key] = raw.numpy().tobytes()
+        with self._lock:
+            self._pending.discard(key)
+
+    def finalize(self, on_sealed: Callable[[BinaryIO], None] | None = None) -> Path:
+        """Write the quant-state blobs and the header, flush, and rename into place.
+
+        `on_sealed` receives the finished file, open for reading (the callee closes it), as soon as its last
+        byte is written and before the flush: hashing it need not wait for the disk."""
+        if self._pending:
+            raise PrequantError(f"internal: {self.path.name} finalized with {len(self._pending)} tensors missing")
+        pos = self._data_start + self._fixed_end
+        for e in self._variable:
+            _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
+            pos += len(self._blobs[e.key])
+        failpoints.hit("shard-finalize")
+        header = self._header({k: len(v) for k, v in self._blobs.items()})
+        padded = header + b" " * (self._reserved - len(header))
+        _pwrite_all(self._fd, memoryview(len(padded).to_bytes(8, "little") + padded), 0, self.partial)
+        self.data_bytes = pos - self._data_start
+        try:
+            os.ftruncate(self._fd, pos)
+            if on_sealed is not None:
+                on_sealed(open(self.partial, "rb", buffering=0))  # noqa: SIM115 - the callee closes it
+            with trace.busy("fsync"):
+                os.fsync(self._fd)  # a full disk or quota can surface only here (delayed allocation, NFS)
+            fd, self._fd = self._fd, -1  # closed even if close() reports an error: abort() must not close it again
+            os.close(fd)
+            os.replace(self.partial, self.path)
+        except OSError as e:
+            raise write_error(self.partial, e) from e
+        trace.mark(f"shard-written:{self.path.name}")
+        return self.path
+
+    def abort(self) -> None:
+        """Close without publishing (the .partial file stays for inspection or is cleaned by the caller)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _load_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux/glibc: the final fsync does all the work
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing these bytes to disk now, without waiting. Otherwise the kernel holds them dirty (up to
+    a tenth of RAM) and the shard's fsync then writes gigabytes at once while the pipeline stands still.
+    Advisory: errors are left to that fsync, which still runs and is what makes the shard durable.
+    (Issuing it from a thread of its own was tried on the GPU machine: the writer's own writes then blocked
+    instead, and the 16 GB pipeline was no faster; with durable output it is bound by the disk's write rate.)"""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        with trace.busy("writeback-start"):
+            _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _open_for_write(path: Path, truncate: bool = True) -> int:
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), 0o644)
+    except PermissionError as e:
+        raise PrequantError(f"{path.parent}: permission denied; choose a writable OUTPUT_DIR") from e
+
+
+def _preallocate(fd: int, size: int, path: Path) -> None:
+    """Reserve the shard's space now, so a full disk fails at the start of the shard, not hours later."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in FULL:
+            raise disk_full(path, size) from e
+        try:
+            os.ftruncate(fd, size)  # filesystems without fallocate: a sparse file, space taken as written
+        except OSError as e2:
+            if e2.errno in FULL:
+                raise disk_full(path, size) from e2
+            raise PrequantError(f"{path}: cannot size the file ({e2.strerror}); choose another OUTPUT_DIR") from e2
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    try:
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+    except OSError as e:
+        if e.errno in FULL:
+            raise disk_full(path, len(data) - done) from e
+        raise PrequantError(f"{path}: write failed ({e.strerror})") from e
+
+
+def _copy_all(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int, path: Path) -> None:
+    done = 0
+    try:
+        while done < nbytes:
+            try:
+                n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                n = _copy_chunk(src, src_offset + done, dst, dst_offset + done, nbytes - done, path)
+            if n == 0:
+                raise PrequantError(f"{path}: the source ended early while copying; was it truncated meanwhile?")
+            done += n
+    except OSError as e:
+        if e.errno in FULL:
+            raise disk_full(path, nbytes - done) from e
+        raise PrequantError(f"{path}: write failed ({e.strerror})") from e
+
+
+def _copy_chunk(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int, path: Path) -> int:
+    """Fallback where copy_file_range cannot work (e.g. across some filesystems): 8 MiB through memory."""
+    data = os.pread(src, min(nbytes, 8 * 1024 * 1024), src_offset)
+    if data:
+        _pwrite_all(dst, memoryview(data), dst_offset, path)
+    return len(data)
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+

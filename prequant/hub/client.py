@@ -1,0 +1,269 @@
+"""Hub access through huggingface_hub: resolve a repo to a commit, download or evict one file, upload a folder.
+
+Settings are read from the environment at call time (HF_ENDPOINT, HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE,
+HF_TOKEN), not only when huggingface_hub was imported, so a library caller can change them between calls.
+Every failure becomes one `PrequantError` line that names the repo (and the file) and says what to do
+(worded by `failures`); tokens never appear in messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    HFValidationError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
+
+from ..errors import PrequantError, UsageError
+from . import cache
+from .failures import IncompleteDownload, RemoteEntryNotFound, explain, first_line, is_incomplete, short
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Waits before the 2nd and 3rd download attempts. huggingface_hub already resumes a body cut mid-way
+# (5 times) and retries failing HEAD calls; these cover what it does not retry: a 5xx on GET, an
+# incomplete file.
+_RETRY_DELAYS_S = (1.0, 3.0)
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_API_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class HubCommit:
+    """A Hub repo pinned to one commit, with every file of that commit and its size."""
+
+    repo_id: str
+    revision: str | None  # as requested (branch, tag or sha); None means the default branch
+    sha: str  # resolved commit sha
+    files: dict[str, int]  # path -> size in bytes
+
+
+def parse_repo_spec(spec: str) -> tuple[str, str | None]:
+    """Split ``org/name[@revision]`` into ``(repo_id, revision)``; raises `UsageError` if malformed."""
+    repo_id, at, revision = spec.strip().partition("@")
+    example = "expected org/name or org/name@revision, e.g. keyfan/grok-1-hf@main"
+    if repo_id.count("/") != 1:
+        raise UsageError(f"invalid Hub repo '{spec}': {example}")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise UsageError(f"invalid Hub repo '{spec}': {first_line(str(error)).rstrip('.')}; {example}") from None
+    if at and (not revision or re.search(r"\s", revision)):
+        raise UsageError(f"invalid revision in '{spec}': {example}")
+    return repo_id, revision or None
+
+
+def resolve(
+    repo_id: str, revision: str | None = None, *, token: str | None = None, alias: str | None = None
+) -> HubCommit:
+    """Resolve ``repo_id`` at ``revision`` to a commit sha and its file list, in one Hub call.
+
+    With HF_HUB_OFFLINE set, resolves from the local cache instead. ``alias`` is the name the user typed
+    (e.g. ``grok-1``), used only in messages.
+    """
+    label = _label(repo_id, revision, alias)
+    if cache.offline():
+        sha, files = cache.resolve_offline(repo_id, revision, label)
+        return HubCommit(repo_id=repo_id, revision=revision, sha=sha, files=files)
+    try:
+        info = _api(token).model_info(repo_id, revision=revision, files_metadata=True, timeout=_API_TIMEOUT_S)
+    except Exception as error:
+        message = explain(error, f"resolve {label}", repo_id, revision, token, endpoint=cache.endpoint())
+        raise PrequantError(message) from error
+    files = {sibling.rfilename: sibling.size for sibling in info.siblings or []}
+    if info.sha is None or info.siblings is None or any(size is None for size in files.values()):
+        raise PrequantError(
+            f"the Hub at {cache.endpoint()} returned no commit sha or file list for {label}; check that HF_ENDPOINT "
+            "points to a Hugging Face Hub"
+        )
+    cache.keep_listing(repo_id, info.sha, info.siblings or [])
+    return HubCommit(repo_id=repo_id, revision=revision, sha=info.sha, files=files)  # type: ignore[arg-type]
+
+
+def download(source: HubCommit, filename: str, *, token: str | None = None) -> Path:
+    """Download ``filename`` at ``source.sha`` into the Hugging Face cache and return its local path.
+
+    Transient failures are retried a few times; a failed or incomplete download raises `PrequantError`
+    naming the file (a shard is never silently skipped).
+    """
+    label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
+    if filename not in source.files:
+        raise PrequantError(
+            f"{source.repo_id} has no file {filename} at commit {source.sha}; the repo lists {len(source.files)} files"
+        )
+    def attempt() -> Path:
+        try:
+            return _fetch(source, filename, token)
+        except Exception as error:
+            if cache.offline():
+                raise cache.not_cached_offline(f"download {label}") from error
+            raise
+
+    path = _retrying(attempt, f"download {label}", source, token)
+    cache.remember(source.repo_id, source.revision, source.sha)
+    return path
+
+
+def cache_path(source: HubCommit, filename: str) -> Path:
+    """Where `download` puts ``filename`` (its snapshot path in the cache), whether it is there yet or not."""
+    return cache.storage_folder(source.repo_id) / "snapshots" / source.sha / filename
+
+
+def read_range(source: HubCommit, filename: str, start: int, end: int, *, token: str | None = None) -> bytes:
+    """Bytes ``[start, end)`` of ``filename`` at ``source.sha``, by an HTTP range request (retried like `download`)."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
+    if cache.offline():
+        raise cache.not_cached_offline(f"read {label}")
+    url = hf_hub_url(source.repo_id, filename, revision=source.sha, endpoint=cache.endpoint())
+    headers = {**build_hf_headers(token=token, library_name="prequant"), "Range": f"bytes={start}-{end - 1}"}
+
+    def attempt() -> bytes:
+        with get_session().stream("GET", url, headers=headers, timeout=_API_TIMEOUT_S) as response:
+            if response.status_code >= 400:
+                response.read()  # the error's message is in the body
+            hf_raise_for_status(response)
+            partial = response.status_code == 206
+            want, body = (end - start if partial else end), bytearray()
+            for chunk in response.iter_bytes():  # a server ignoring Range sends it all: stop at `end`
+                body += chunk
+                if len(body) >= want:
+                    break
+        data = bytes(body[:want] if partial else body[start:end])
+        if len(data) != end - start:
+            raise IncompleteDownload(f"got {len(data)} bytes of the {end - start} asked for")
+        return data
+
+    return _retrying(attempt, f"read {label}", source, token)
+
+
+def _retrying(attempt: Callable[[], T], action: str, source: HubCommit, token: str | None) -> T:
+    """`attempt()`, tried again after each of `_RETRY_DELAYS_S` while it fails transiently; a PrequantError
+    as it is, any other failure explained as one that names `action`."""
+    for delay in (*_RETRY_DELAYS_S, None):
+        try:
+            return attempt()
+        except PrequantError:
+            raise
+        except Exception as error:
+            if delay is None or not _is_transient(error):
+                message = explain(error, action, source.repo_id, source.sha, token, endpoint=cache.endpoint())
+                raise PrequantError(message) from error
+            log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def evict(source: HubCommit, filename: str) -> None:
+    """Delete a downloaded file (its snapshot pointer and blob) from the cache; does nothing if absent."""
+    storage = cache.storage_folder(source.repo_id)
+    pointer = storage / "snapshots" / source.sha / filename
+    if pointer.is_symlink():
+        blob = Path(os.path.normpath(pointer.parent / os.readlink(pointer)))
+        pointer.unlink()
+        if blob.parent == storage / "blobs":  # never follow a link out of this repo's cache
+            blob.unlink(missing_ok=True)
+    elif pointer.is_file():  # no-symlink caches keep the file itself in the snapshot
+        pointer.unlink()
+
+
+def upload(
+    folder: Path,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    commit_message: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Create ``repo_id`` if needed and upload ``folder`` to it in one commit; returns the commit URL.
+
+    ``repo_id`` may carry the branch as ``org/name@branch`` instead of ``revision``; a new branch is
+    created from main.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"cannot upload {folder}: not a directory")
+    repo_id, spec_revision = parse_repo_spec(repo_id)
+    if spec_revision is not None and revision not in (None, spec_revision):
+        raise UsageError(f"two revisions given for the upload to {repo_id}: {spec_revision} and {revision}")
+    revision = revision or spec_revision
+    if revision is not None and cache.SHA_RE.fullmatch(revision):
+        raise UsageError(f"cannot upload to commit {revision} of {repo_id}: pass a branch name")
+    action = f"upload {folder} to {repo_id}" + (f"@{revision}" if revision else "")
+    if cache.offline():
+        raise PrequantError(f"cannot {action}: HF_HUB_OFFLINE is set; unset it to upload")
+    api = _api(token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision not in (None, constants.DEFAULT_REVISION):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)  # type: ignore[arg-type]
+        info = api.upload_folder(
+            folder_path=folder,
+            repo_id=repo_id,
+            revision=revision,
+            commit_message=commit_message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
+        )
+    except Exception as error:
+        message = explain(error, action, repo_id, revision, token, endpoint=cache.endpoint(), writing=True)
+        raise PrequantError(message) from error
+    return info.commit_url
+
+
+def _api(token: str | None) -> HfApi:
+    return HfApi(endpoint=cache.endpoint(), token=token, library_name="prequant")
+
+
+def _label(repo_id: str, revision: str | None, alias: str | None) -> str:
+    spec = repo_id + (f"@{revision}" if revision else "")
+    return f"{alias} ({spec})" if alias else spec
+
+
+# --------------------------------------------------------------------------------------- downloading
+
+
+def _fetch(source: HubCommit, filename: str, token: str | None) -> Path:
+    # Pinned to the sha: a cached file is returned without any network call.
+    path = Path(
+        hf_hub_download(
+            source.repo_id,
+            filename,
+            revision=source.sha,
+            cache_dir=cache.cache_dir(),
+            endpoint=cache.endpoint(),
+            token=token,
+            local_files_only=cache.offline(),
+            library_name="prequant",
+        )
+    )
+    size, expected = path.stat().st_size, source.files[filename]
+    if size != expected:
+        evict(source, filename)  # never leave a wrong-sized file for the next run to trust
+        raise IncompleteDownload(f"got {size} bytes, the Hub lists {expected}")
+    return path
+
+
+def _is_transient(error: BaseException) -> bool:
+    if isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFound)):
+        return False
+    if isinstance(error, HfHubHTTPError):
+        return error.response is not None and error.response.status_code in _RETRY_STATUSES
+    return is_incomplete(error)
+
+
+__all__ = ["HubCommit", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "resolve", "upload"]

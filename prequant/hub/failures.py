@@ -1,0 +1,159 @@
+"""Hub failures as one message line each: what failed, why, and what to do; tokens never appear in it.
+
+Knows huggingface_hub's errors and the transport errors of whichever HTTP client it has loaded. It also
+names the failures `client`'s retry policy sorts (a missing file, an incomplete download); it imports nothing
+of `client`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from huggingface_hub import constants
+from huggingface_hub import errors as hf_errors
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+_NETWORK_FIX = "check the network or HF_ENDPOINT, or download the repo and pass its local directory"
+_LOGIN_FIX = "set HF_TOKEN or run `hf auth login`"
+
+
+# A missing file on the Hub (huggingface_hub < 1.0 had no Remote- prefix and no Local/Remote split).
+RemoteEntryNotFound = getattr(hf_errors, "RemoteEntryNotFoundError", None) or hf_errors.EntryNotFoundError
+
+
+class IncompleteDownload(Exception):
+    """The file on disk does not have the size the Hub lists."""
+
+
+def is_incomplete(error: BaseException) -> bool:
+    """Ours, or huggingface_hub's own size check after a body that ended early."""
+    return isinstance(error, IncompleteDownload) or (
+        isinstance(error, OSError) and "Consistency check failed" in str(error)
+    )
+
+
+def explain(
+    error: BaseException,
+    action: str,
+    repo_id: str,
+    revision: str | None,
+    token: str | None,
+    *,
+    endpoint: str,
+    writing: bool = False,
+) -> str:
+    """One line: what failed, why, and what to do (`endpoint`: the Hub the request went to)."""
+    # huggingface_hub wraps some HTTP errors (e.g. a failed HEAD becomes LocalEntryNotFoundError): use the HTTP one.
+    error = next((e for e in _chain(error) if isinstance(e, HfHubHTTPError)), error)
+    secrets = _known_tokens(token)
+    reason = short(error, token)
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(error, GatedRepoError):
+        return (
+            f"cannot {action}: {repo_id} is a gated repo; accept its conditions at {endpoint}/{repo_id}, "
+            f"then {_LOGIN_FIX} with that account"
+        )
+    if isinstance(error, RepositoryNotFoundError):
+        if secrets:
+            return (
+                f"cannot {action}: repository {repo_id} was not found on {endpoint}, or your token has no "
+                "access to it; check the name and the token (HF_TOKEN or `hf auth login`)"
+            )
+        return (
+            f"cannot {action}: repository {repo_id} was not found on {endpoint}; check the name, or if it is "
+            f"private {_LOGIN_FIX}"
+        )
+    if isinstance(error, RevisionNotFoundError):
+        return (
+            f"cannot {action}: revision '{revision}' does not exist in {repo_id}; pass an existing branch, "
+            "tag or full commit sha as org/name@revision"
+        )
+    if isinstance(error, RemoteEntryNotFound) and not isinstance(error, LocalEntryNotFoundError):
+        return f"cannot {action}: the file does not exist at that commit ({reason})"
+    if isinstance(error, OfflineModeIsEnabled):
+        return f"cannot {action}: offline mode is enabled (HF_HUB_OFFLINE); unset it, or pass a local directory"
+    if status == 401:
+        fix = "set a valid HF_TOKEN or run `hf auth login`" if secrets else _LOGIN_FIX
+        return f"cannot {action}: the Hub at {endpoint} refused the credentials (401: {reason}); {fix}"
+    if status == 403:
+        need = "write access to" if writing else "access to"
+        return f"cannot {action}: the token lacks {need} {repo_id} (403); use a token with that permission"
+    if isinstance(error, HfHubHTTPError):
+        return f"cannot {action}: the Hub at {endpoint} answered {status or 'an error'} ({reason}); try again later"
+    if is_incomplete(error):
+        return f"cannot {action}: the file is incomplete ({reason}); run again, or check the disk and the network"
+    if any(isinstance(e, json.JSONDecodeError) for e in _chain(error)):
+        return f"cannot {action}: {endpoint} did not answer like a Hugging Face Hub ({reason}); check HF_ENDPOINT"
+    if _is_network_error(error):
+        fix = "check the network or HF_ENDPOINT" if writing else _NETWORK_FIX
+        return f"cannot reach the Hugging Face Hub at {endpoint} to {action}: {short(_root(error), token)}; {fix}"
+    return f"cannot {action}: {type(error).__name__}: {reason}"
+
+
+def _network_error_types() -> tuple[type[BaseException], ...]:
+    """Transport failures of whichever HTTP client huggingface_hub has loaded (httpx2, httpx or requests)."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, name in (
+        ("httpx2", "TransportError"),
+        ("httpx", "TransportError"),
+        ("requests", "ConnectionError"),
+        ("requests", "Timeout"),
+    ):
+        loaded = sys.modules.get(module)  # never import a client just to name its errors
+        if loaded is not None and isinstance(getattr(loaded, name, None), type):
+            types.append(getattr(loaded, name))
+    return tuple(types)
+
+
+def _is_network_error(error: BaseException) -> bool:
+    return any(isinstance(e, _network_error_types()) for e in _chain(error))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _root(error: BaseException) -> BaseException:
+    """The innermost network error behind a wrapped one (the useful "why")."""
+    network = [e for e in _chain(error) if isinstance(e, _network_error_types())]
+    return network[-1] if network else error
+
+
+def short(error: BaseException, token: str | None) -> str:
+    """The error's reason as a short line, without any token."""
+    text = first_line(getattr(error, "server_message", None) or str(error)) or type(error).__name__
+    for secret in _known_tokens(token):
+        text = text.replace(secret, "***")
+    return text[:300]
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def _known_tokens(token: str | None) -> list[str]:
+    """Tokens this process may send, so that messages can be scrubbed of them."""
+    candidates = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    try:
+        candidates.append(Path(constants.HF_TOKEN_PATH).read_text().strip())
+    except OSError:
+        pass
+    return [t for t in candidates if t and len(t) >= 8]
+
+
+__all__ = ["explain", "first_line", "short"]

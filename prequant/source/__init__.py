@@ -1,0 +1,5 @@
+"""Where the weights come from: resolve SOURCE (a local directory, `org/name[@revision]` on the Hub, or an alias)
+into a `Source`, list its tensors, and stream their data (`resolve`, the entry point, dispatching to `local` and
+`hub_stream`; `remote_headers` plans a Hub source from its shards' headers before they are downloaded).
+
+This face and `spec`, `local` are standard library only: the CLI lists a local source before torch loads."""

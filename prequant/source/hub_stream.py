@@ -1,0 +1,266 @@
+"""A Hub repo as a conversion source: resolved to a commit, planned from remote headers, its shards streamed.
+
+`resolve` downloads the repo's small files (config, index, tokenizer, code, card) and names each weight
+shard by the path it will have in the Hugging Face cache; `remote_headers` plans from the shards' headers,
+read by HTTP range requests, without downloading them.
+
+During conversion `HubShardReader` downloads the shards one by one in the order the plan reads them, the
+next one while the current one converts. Reading a shard waits until it is complete and its header
+has been checked against the plan. With `delete`, a shard prequant downloaded is evicted from the cache
+once all its tensors are written, and at most `SLOTS` downloaded shards take disk space at any moment
+(counting one that was deleted but is still memory-mapped): one being converted, the next downloading.
+Shards that were in the cache before the run are never deleted.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..checkpoint.hf_files import CONFIG, WEIGHT_LAYOUTS, WEIGHT_SUFFIXES, shard_names
+from ..checkpoint.reader import TensorReader, scan_files
+from ..checkpoint.tensors import TensorRef
+from ..errors import PrequantError, UsageError
+from ..hub import cache, client
+from . import remote_headers
+from .spec import Source
+
+log = logging.getLogger(__name__)
+
+SLOTS = 2  # downloaded source shards on disk at once with delete
+_LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
+
+
+# -------------------------------------------------------------------------------------------- resolve
+
+
+def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> Source:
+    """Resolve a Hub repo to a commit, download its small files, and describe its weights (see module doc)."""
+    try:
+        repo_id, revision = client.parse_repo_spec(repo_spec)
+        listing = client.resolve(repo_id, revision, alias=alias)
+    except PrequantError as e:
+        # "org/name" may also have been meant as a local path: when no such repo is found, say so.
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+        missing = isinstance(e.__cause__, RepositoryNotFoundError) and not isinstance(e.__cause__, GatedRepoError)
+        if alias is None and (isinstance(e, UsageError) or missing or cache.offline()):
+            raise e.within(f"source {spec!r} is not a local directory, and ") from e
+        raise
+    label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"
+    files = listing.files
+    layout = next(
+        ((index, single, fmt) for index, single, fmt in WEIGHT_LAYOUTS if index in files or single in files), None
+    )
+    if layout is None:
+        found = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
+        hint = f" (found {', '.join(found[:5])})" if found else ""
+        raise PrequantError(
+            f"{label}: no model weights found: expected model.safetensors or model.safetensors.index.json{hint}; "
+            "pass the repo of a Hugging Face checkpoint"
+        )
+    if CONFIG not in files:
+        raise PrequantError(
+            f"{label}: config.json is missing from the repo; a Hugging Face checkpoint needs one next to its weights, "
+            "pick a revision that has it"
+        )
+    index_name, single, fmt = layout
+    index_name = index_name if index_name in files else None
+    # Everything but weights: what a conversion copies (tokenizer, code, licence) or reads (config, index, card).
+    small = [n for n in files if not n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".") and "/." not in n]
+    for name in sorted(small, key=lambda n: (n != CONFIG, n != index_name, n)):
+        client.download(listing, name)
+    root = client.cache_path(listing, CONFIG).parent
+    index = root / index_name if index_name else None
+    names = shard_names(f"{repo_id}@{listing.sha[:12]}", index) if index else [single]
+    for name in names:
+        if name not in files:
+            raise PrequantError(
+                f"{index_name}: shard {name!r} is listed but missing from {label}; the repo is incomplete at this "
+                "revision, pick another revision"
+            )
+    if not stream:  # the whole checkpoint on disk, as a local directory would be
+        for name in names:
+            client.download(listing, name)
+    return Source(
+        spec, root, tuple(root / n for n in names), index, fmt,
+        repo_id=repo_id, revision=revision, sha=listing.sha, hub=listing,
+    )
+
+
+# ---------------------------------------------------------------------------------------- streaming
+
+
+class _Stopped(Exception):
+    """The pipeline failed elsewhere while this thread waited for a download."""
+
+
+class HubShardReader(TensorReader):
+    """The TensorReader of a streamed Hub source (see the module docstring).
+
+    Every read of a shard (`view`, `read_into`, `fd`) first waits for its download; the pipeline's reader
+    calls `prepare(path, stop)` before the first read of each tensor so that the wait ends if the pipeline
+    fails. `tensor_done(ref)` is called as each tensor's outputs are written.
+    """
+
+    def __init__(self, src: Source, tensors: Sequence[TensorRef], *, delete: bool = False) -> None:
+        super().__init__()
+        assert src.hub is not None
+        self.src, self.delete = src, delete
+        self._planned: dict[Path, dict[str, TensorRef]] = {}
+        for ref in tensors:
+            self._planned.setdefault(ref.file, {})[ref.name] = ref
+        self._left = {path: len(refs) for path, refs in self._planned.items()}
+        self._cond = threading.Condition()
+        self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
+        self._owned: dict[Path, Path] = {}  # downloaded by this run, still in the cache: path -> blob
+        self._deleted: dict[Path, Path] = {}  # evicted by this run; may still be mapped until its last view goes
+        self._downloading = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.downloaded: list[str] = []  # file names, in the order this run downloaded them
+        self.evicted: list[str] = []
+
+    # -- the pipeline's side
+
+    def prepare(self, path: Path, stop: threading.Event | None = None) -> None:
+        """Wait until shard `path` is downloaded and checked; raise its download's error, if any."""
+        if self._ready.get(path, False) is None or path not in self._planned:
+            return
+        with self._cond:
+            if self._thread is None:  # started by the first read: a resumed run's finished shards are known by now
+                self._thread = threading.Thread(target=self._download_all, name="prequant-download", daemon=True)
+                self._thread.start()
+            while path not in self._ready:
+                if self._closed or (stop is not None and stop.is_set()):
+                    raise _Stopped(path.name)
+                self._cond.wait(0.1)
+            error = self._ready[path]
+        if error is not None:
+            raise error
+
+    def fd(self, path: Path) -> int:
+        self.prepare(path)
+        return super().fd(path)
+
+    def view(self, ref: TensorRef):  # type: ignore[override]
+        self.prepare(ref.file)
+        return super().view(ref)
+
+    def read_into(self, ref: TensorRef, start: int, out: memoryview) -> None:
+        self.prepare(ref.file)
+        super().read_into(ref, start, out)
+
+    def tensor_done(self, ref: TensorRef) -> None:
+        """A tensor's outputs are written (or were, before a resume); with delete, evict its shard after its last."""
+        path = ref.file
+        with self._cond:
+            if path not in self._left:
+                return
+            self._left[path] -= 1
+            if self._left[path] > 0 or not self.delete:
+                return
+            blob = self._owned.pop(path, None)
+        self.release(path)
+        if blob is not None:
+            client.evict(self.src.hub, self._name(path))  # type: ignore[arg-type]
+            with self._cond:
+                self._deleted[path] = blob
+                self.evicted.append(self._name(path))
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        super().close()
+
+    # -- internals
+
+    def _name(self, path: Path) -> str:
+        return path.relative_to(self.src.path).as_posix()
+
+    def _on_disk(self) -> int:
+        """Shards of this run taking disk space: downloading, downloaded, or deleted but still mapped."""
+        if self._deleted:
+            try:
+                maps = Path("/proc/self/maps").read_text()
+            except OSError:
+                maps = ""
+            for path, blob in list(self._deleted.items()):
+                if f"{blob} (deleted)" not in maps:
+                    del self._deleted[path]
+        return self._downloading + len(self._owned) + len(self._deleted)
+
+    def _wait_for_room(self) -> bool:
+        """With delete, wait until fewer than SLOTS shards are on disk; False once closed."""
+        polls = 0  # of 0.1 s, while only deleted-but-mapped shards are in the way
+        while not self._closed and self.delete and self._on_disk() >= SLOTS:
+            self._cond.wait(0.1)
+            if self._deleted and self._downloading + len(self._owned) < SLOTS:
+                polls += 1
+                if polls % 20 == 0:
+                    gc.collect()  # a reference cycle may hold the last view
+                if polls > _LEAK_WAIT_S * 10:
+                    log.warning("deleted shards %s are still memory-mapped; downloading on", sorted(map(str, self._deleted)))
+                    self._deleted.clear()
+        return not self._closed
+
+    def _download_all(self) -> None:
+        order = list(self._planned)
+        for i, path in enumerate(order):
+            with self._cond:
+                if self._left[path] == 0:  # every tensor done before a resume: not needed
+                    continue
+                if not self._wait_for_room():
+                    return
+                self._downloading = True
+            try:
+                blob = self._download(path)
+            except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
+                with self._cond:
+                    self._downloading = False
+                    for later in order[i:]:
+                        self._ready.setdefault(later, e)
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._downloading = False
+                if blob is not None:
+                    self._owned[path] = blob
+                self._ready[path] = None
+                self._cond.notify_all()
+
+    def _download(self, path: Path) -> Path | None:
+        """Download one shard and check its header against the plan; its blob if this run put it in the cache."""
+        assert self.src.hub is not None
+        name = self._name(path)
+        cached = remote_headers.complete(self.src, path)
+        blobs = path.parents[2] / "blobs"  # <repo>/snapshots/<sha>/<name> -> <repo>/blobs
+        before = set(os.listdir(blobs)) if blobs.is_dir() else set()
+        started = time.monotonic()
+        local = client.download(self.src.hub, name)
+        log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
+        blob = local.resolve()
+        owned = not cached and blob.name not in before
+        if owned:
+            self.downloaded.append(name)
+        try:
+            if {t.name: t for t in scan_files([path])} != self._planned[path]:
+                raise PrequantError(
+                    f"{name} of {self.src.repo_id}@{self.src.hub.sha[:12]}: the downloaded file's tensors differ "
+                    "from the header read before the download; the cached file is corrupt, run again"
+                )
+        except PrequantError:
+            if owned:
+                client.evict(self.src.hub, name)  # never leave a bad file for the next run to trust
+            raise
+        return blob if owned else None
+
+
+__all__ = ["HubShardReader", "resolve"]

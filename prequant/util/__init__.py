@@ -1,0 +1,2 @@
+"""Small services every layer may use: progress on stderr, the trace timeline, crash points for tests, and
+atomic file writes with one wording for write failures. Standard library only."""

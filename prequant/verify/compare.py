@@ -1,0 +1,154 @@
+"""verify --source: each quantized tensor dequantized and compared with the original (relative L2 error and
+max error, with limits), each kept tensor byte for byte. Which tensors were quantized transposed (GPT-2
+Conv1D) is read from prequant.json; for a manifest without that record it is decided from the source's
+architecture, as convert decides it (never guessed from shapes: square weights are ambiguous)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..bnb import stats
+from ..bnb.layout import analyze
+from ..checkpoint.dtypes import torch_name
+from ..checkpoint.hf_files import read_config
+from ..checkpoint.manifest import MANIFEST
+from ..checkpoint.reader import TensorReader, scan_files
+from ..checkpoint.tensors import TensorRef
+from ..errors import PrequantError
+from ..source.resolve import resolve
+from ..source.spec import Source
+from ..util.progress import Progress
+from .report import Report
+from .tensors import Group, expected_keys
+
+FAIL_FACTOR = 4.0  # heavy-tailed weights reach ~3x the Gaussian figure; a wrong tensor is >= 1.0
+OUTLIER_FACTOR = 1.5  # above this multiple of the Gaussian figure a tensor is flagged (warning)
+MAX_ERROR_RATIO = 1.0  # an element off by more than the largest block scale is not rounding
+
+
+def compare_source(
+    spec: str,
+    refs: dict[str, TensorRef],
+    groups: dict[str, Group],
+    report: Report,
+    max_rel_error: float | None,
+    progress: bool,
+    transposed: list[str] | None,
+) -> None:
+    """`transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
+    src = resolve(spec)
+    src_refs = scan_files(src.weight_files)
+    if transposed is None:
+        transposed = _transposed_by_architecture(src, src_refs, report)
+        if transposed is None:
+            return
+    transposed_set = set(transposed)
+    per_tensor: dict[str, stats.TensorStats] = {}
+    limits: set[float] = set()
+    kept = 0
+    accounted: set[str] = set()
+    with TensorReader() as sdata, TensorReader() as odata, Progress(
+        sum(t.nbytes for t in src_refs), enabled=progress, label="comparing"
+    ) as bar:
+        for t in src_refs:
+            bar.advance(t.nbytes)
+            group = groups.get(t.name)
+            if group is not None:
+                accounted.update(expected_keys(group))
+                if not group.complete:
+                    continue  # already reported; its bytes cannot be interpreted
+                st = _compare_quantized(t, group, t.name in transposed_set, sdata, odata, refs, report)
+                if st is None:
+                    continue
+                per_tensor[t.name] = st
+                expected = stats.expected_rel_error(group.quant_type, group.state["blocksize"])
+                limit = max_rel_error if max_rel_error is not None else round(FAIL_FACTOR * expected, 3)
+                limits.add(limit)
+                _judge(t.name, st, expected, limit, report)
+            elif t.name in refs:
+                accounted.add(t.name)
+                kept += 1
+                out = refs[t.name]
+                if (out.dtype, out.shape) != (t.dtype, t.shape):
+                    report.fail(t.name, f"is {out.dtype}{list(out.shape)} but the source has {t.dtype}{list(t.shape)}")
+                elif not torch.equal(_bytes(odata, out), _bytes(sdata, t)):
+                    report.fail(t.name, "kept unquantized, but its bytes differ from the source")
+            else:
+                report.fail(t.name, "in the source but not in the output")
+    src_names = {t.name for t in src_refs}
+    for key in sorted(set(refs) - accounted - src_names):
+        report.fail(key, "in the output but not in the source (was it converted from another checkpoint?)")
+    report.source = {
+        "spec": spec,
+        "quantized": len(per_tensor),
+        "kept": kept,
+        "limit": max(limits) if limits else max_rel_error,
+        "summary": stats.summarize(per_tensor),
+        "tensors": {name: st.to_dict() | {"error_ratio": round(st.error_ratio, 6)} for name, st in per_tensor.items()},
+    }
+
+
+def _transposed_by_architecture(
+    src: Source, src_refs: list[TensorRef], report: Report
+) -> list[str] | None:
+    """For a manifest that predates the record (or none): the tensors convert quantizes transposed, from the
+    same architecture analysis (remote code is never run); None, with the problem reported, if it cannot tell.
+    The skip list only removes tensors from quantization, never changes how one is laid out: none is needed."""
+    try:
+        layout = analyze(read_config(src.path), src.path, src_refs, [])
+    except PrequantError as e:
+        report.fail(MANIFEST, f"does not record which tensors were quantized transposed, and the source's "
+                    f"architecture cannot tell ({e.message}); the source cannot be compared")
+        return None
+    return [name for name, decision in layout.decisions.items() if decision.transpose]
+
+
+def _compare_quantized(
+    t: TensorRef,
+    g: Group,
+    transpose: bool,
+    sdata: TensorReader,
+    odata: TensorReader,
+    refs: dict[str, TensorRef],
+    report: Report,
+) -> stats.TensorStats | None:
+    shape = tuple(g.state["shape"])
+    x = sdata.view(t)
+    if transpose:  # GPT-2 Conv1D weights are stored [in, out] and quantized transposed
+        if x.dim() != 2:
+            report.fail(t.name, f"recorded as quantized transposed, but the source's is {x.dim()}-D {list(t.shape)}")
+            return None
+        x = x.t()
+    if tuple(x.shape) != shape:
+        layout = " (transposed, as it was quantized)" if transpose else ""
+        report.fail(t.name, f"quant state shape {list(shape)} does not match the source's {list(x.shape)}{layout}")
+        return None
+    if torch_name(x.dtype) != g.state["dtype"]:
+        report.fail(t.name, f"quant state dtype {g.state['dtype']} but the source is {torch_name(x.dtype)}")
+        return None
+    w = g.weight
+    absmax = stats.dequantize_absmax(
+        odata.view(refs[f"{w}.absmax"]),
+        odata.view(refs[f"{w}.nested_absmax"]) if g.nested else None,
+        odata.view(refs[f"{w}.nested_quant_map"]) if g.nested else None,
+        g.state.get("nested_offset", 0.0),
+    )
+    return stats.compare(x, odata.view(refs[w]), absmax, odata.view(refs[f"{w}.quant_map"]), g.state["blocksize"])
+
+
+def _judge(name: str, st: stats.TensorStats, expected: float, limit: float, report: Report) -> None:
+    if not st.finite:
+        report.fail(name, "dequantizes to NaN or Inf; the 4-bit data or its scales are damaged, reconvert")
+    elif st.rel_error > limit:
+        report.fail(name, f"relative error {st.rel_error:.4f} exceeds the limit {limit} (expected about "
+                    f"{expected}); the 4-bit data does not match the source")
+    elif st.error_ratio > MAX_ERROR_RATIO:
+        report.fail(name, f"an element is off by {st.max_abs_error:.4g}, more than the largest block scale "
+                    f"{st.absmax_max:.4g}: not 4-bit rounding, the data is damaged")
+    elif st.rel_error > OUTLIER_FACTOR * expected:
+        report.warn(name, f"relative error {st.rel_error:.4f} is an outlier (about {expected} expected for "
+                    "Gaussian-like weights): heavy-tailed weights; consider --skip for this module")
+
+
+def _bytes(data: TensorReader, ref: TensorRef) -> torch.Tensor:
+    return data.view(ref).reshape(-1).view(torch.uint8)

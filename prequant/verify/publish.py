@@ -1,0 +1,61 @@
+"""`prequant upload` and convert --push-to-hub: publish an output to the Hub, gated on verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint.manifest import MANIFEST
+from ..errors import PrequantError
+from ..hub import client
+from .report import VerificationFailed
+from .run import verify
+
+
+def upload(
+    output_dir: str | Path,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    commit_message: str | None = None,
+    token: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Verify OUTPUT_DIR, then upload it to the Hub (create_repo + upload_folder); return what was sent.
+
+    Refuses (VerificationFailed, nothing sent) when verification finds a problem, and when OUTPUT_DIR
+    holds files that are not part of the conversion (they would be published too)."""
+    out = Path(output_dir)
+    report = verify(out, progress=progress)
+    if not report.ok:
+        raise VerificationFailed(report, f"refusing to upload {out}, it does not verify")
+    if report.extra_files:
+        extra = report.extra_files
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise PrequantError(
+            f"refusing to upload {out}: {extra[0]}{more} is not part of the conversion (not in prequant.json) and "
+            "would be published too; move it out of OUTPUT_DIR"
+        )
+    files = report.listed_files + [MANIFEST]  # as verify just read them
+    url = client.upload(out, repo_id, revision=revision, private=private, commit_message=commit_message, token=token)
+    return {
+        "repo_id": repo_id,
+        "revision": revision,
+        "private": private,
+        "commit_url": url,
+        "files": sorted(files),
+        "bytes": sum((out / f).stat().st_size for f in files),
+        "verified": True,
+    }
+
+
+def push_converted(output_dir: Path, repo_id: str, *, progress: bool = True) -> str:
+    """convert --push-to-hub: verify and upload a fresh output; return the commit URL. A failure says the
+    conversion itself is complete, so only the upload needs redoing."""
+    try:
+        return upload(output_dir, repo_id, progress=progress)["commit_url"]
+    except PrequantError as e:
+        raise e.noted(
+            f" (the conversion itself is complete in {output_dir}; once fixed, run `prequant upload {output_dir} "
+            f"{repo_id}`)"
+        ) from e

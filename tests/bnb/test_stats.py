@@ -1,0 +1,50 @@
+"""bnb.stats: dequantization and error statistics, against bitsandbytes' own CUDA outputs (the golden file)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import DATA
+
+import prequant
+from prequant.bnb import stats
+
+
+@pytest.mark.parametrize("case", ["nf4_dq64", "nf4_64", "fp4_dq64", "nf4_dq256"])
+def test_dequantization_matches_bitsandbytes_cuda(case):
+    """Golden CUDA outputs: our torch dequantization gives bitsandbytes' dequantize_4bit bit for bit."""
+    from safetensors import safe_open
+
+    with safe_open(DATA / "golden.safetensors", "pt") as f:
+        cases = json.loads(f.metadata()["cases"])
+        keys = set(f.keys())
+        checked = 0
+        for cv, state in cases.items():
+            if not cv.endswith("/" + case) or f"{cv}/dequant" not in keys:
+                continue
+            def get(k: str, cv: str = cv) -> torch.Tensor | None:
+                return f.get_tensor(f"{cv}/{k}") if f"{cv}/{k}" in keys else None
+
+            source = f.get_tensor(cv.split("/")[0] + "/input")
+            absmax = stats.dequantize_absmax(get("absmax"), get("nested_absmax"), get("nested_quant_map"),
+                                             state.get("nested_offset", 0.0))
+            ours = stats.dequantize(get("weight"), absmax, get("quant_map"), state["blocksize"], source.numel())
+            assert torch.equal(ours.to(source.dtype), get("dequant").view(-1)), cv
+            checked += 1
+    assert checked
+
+
+def test_entry_stats_of_a_gaussian_tensor_is_the_nf4_figure():
+    """A Gaussian tensor's relative error is the table's figure; its block scales bound every element's error."""
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    st = stats.entry_stats(x, prequant.quantize_tensor(x))
+    assert st.numel == x.numel() and st.finite
+    assert abs(st.rel_error - stats.expected_rel_error("nf4", 64)) < 0.005
+    assert st.error_ratio < 0.2 and 0 < st.absmax_min <= st.absmax_max
+
+
+def test_non_finite_statistics_are_none_in_json():
+    st = stats.TensorStats(4, 0.0, float("inf"), float("nan"), 1.0)
+    assert not st.finite and st.to_dict()["absmax_max"] is None and st.to_dict()["rel_error"] is None

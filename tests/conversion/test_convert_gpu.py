@@ -1,0 +1,81 @@
+"""GPU tests of the conversion: bytes equal to transformers + bitsandbytes on CUDA; run them on a CUDA machine.
+
+    python -m pytest -q -m gpu tests/conversion/test_convert_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import pytest
+from conftest import build_checkpoint, gpu_only, read_checkpoint, transformers_reference
+
+import prequant
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    src = build_checkpoint("llama", tmp_path_factory.mktemp("gpu-src"))
+    ref = transformers_reference(src, tmp_path_factory.mktemp("gpu-ref"), device="cuda")
+    return src, ref
+
+
+def _assert_identical_checkpoints(a: Path, b: Path) -> None:
+    ta, tb = read_checkpoint(a), read_checkpoint(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert _same_bytes(ta[k], tb[k]), k
+    ca, cb = (json.loads((d / "config.json").read_text()) for d in (a, b))
+    assert ca["quantization_config"] == cb["quantization_config"]
+
+
+@gpu_only
+def test_cuda_convert_is_byte_identical_to_transformers(tiny, tmp_path):
+    src, ref = tiny
+    prequant.convert(src, tmp_path / "out", device="cuda", progress=False)
+    _assert_identical_checkpoints(tmp_path / "out", ref)
+
+
+@gpu_only
+def test_cpu_convert_is_byte_identical_to_transformers_on_cuda(tiny, tmp_path):
+    src, ref = tiny
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
+    _assert_identical_checkpoints(tmp_path / "out", ref)
+
+
+@gpu_only
+def test_cuda_logits_identical_to_on_the_fly_quantization(tiny, tmp_path):
+    from conftest import bnb_config
+    from transformers import AutoModelForCausalLM
+
+    src, _ = tiny
+    prequant.convert(src, tmp_path / "out", device="cuda", progress=False)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", device_map="cuda")
+    fly = AutoModelForCausalLM.from_pretrained(src, quantization_config=bnb_config(), device_map="cuda")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, fly(ids).logits)
+
+
+@gpu_only
+def test_real_size_layer_is_byte_identical_to_transformers(tmp_path):
+    """One Llama-3-8B-sized decoder layer (4096 x 14336 MLP), converted on the GPU and on the CPU."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=512,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "src")
+    ref = transformers_reference(tmp_path / "src", tmp_path / "ref", device="cuda")
+    prequant.convert(tmp_path / "src", tmp_path / "cuda", device="cuda", progress=False)
+    _assert_identical_checkpoints(tmp_path / "cuda", ref)
+    prequant.convert(tmp_path / "src", tmp_path / "cpu", device="cpu", progress=False)
+    _assert_identical_checkpoints(tmp_path / "cpu", ref)

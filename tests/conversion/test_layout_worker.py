@@ -1,0 +1,61 @@
+"""The layout decided in a child process (started by the CLI) is the in-process layout, or is not used."""
+
+import json
+
+import pytest
+
+import prequant
+from prequant.bnb import layout as architectures
+from prequant.checkpoint import hf_files
+from prequant.conversion import layout_worker
+from prequant.source import resolve as sources
+
+from conftest import run_main
+
+
+def _in_process(src_dir, skip=(), trust=False):
+    src = sources.resolve(str(src_dir))
+    tensors = sources.scan(src)
+    layout = architectures.analyze(hf_files.read_config(src.path), src.path, tensors, list(skip), trust)
+    return src, tensors, layout
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
+def test_child_decides_exactly_what_this_process_decides(checkpoints, kind):
+    src, tensors, expected = _in_process(checkpoints(kind))
+    layout_worker.start(str(src.path), [], False)
+    got = layout_worker.take(src.path, tensors, [], False)
+    assert got is not None, "the child's answer was not used"
+    assert got == expected
+
+
+def test_child_answer_to_another_question_is_not_used(checkpoints):
+    src, tensors, _ = _in_process(checkpoints("llama"))
+    layout_worker.start(str(src.path), ["mlp"], False)
+    assert layout_worker.take(src.path, tensors, [], False) is None  # other skip list
+    layout_worker.start(str(src.path), [], False)
+    assert layout_worker.take(src.path, tensors[:-1], [], False) is None  # other tensors (files changed meanwhile)
+    layout_worker.start(str(src.path), [], False)
+    assert layout_worker.take(src.path, tensors, [], False) is not None
+    assert layout_worker.take(src.path, tensors, [], False) is None  # an answer is taken once
+
+
+def test_no_child_for_what_is_not_a_local_checkpoint(tmp_path):
+    layout_worker.start("org/some-model", [], False)
+    layout_worker.start(str(tmp_path / "missing"), [], False)
+    assert layout_worker._child is None
+
+
+def test_cli_plan_equals_library_plan(checkpoints, tmp_path, monkeypatch):
+    """The CLI (layout from the child, here even on a small machine) and the library (in-process) print the
+    same plan, reasons included."""
+    src = checkpoints("gpt2")
+    taken = []
+    take = layout_worker.take
+    monkeypatch.setattr(layout_worker, "worthwhile", lambda: True)
+    monkeypatch.setattr(layout_worker, "take", lambda *args: taken.append(take(*args)) or taken[-1])
+    code, out, err = run_main("convert", str(src), str(tmp_path / "out"), "--dry-run", "--json", "--skip", "h.0.mlp")
+    assert code == 0, err
+    assert len(taken) == 1 and taken[0] is not None, "the CLI did not use the child's layout"
+    library = prequant.convert(src, tmp_path / "out", dry_run=True, skip=["h.0.mlp"])
+    assert json.loads(out) == json.loads(json.dumps(library.to_dict()))

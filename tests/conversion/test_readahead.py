@@ -1,0 +1,181 @@
+"""Read-ahead advice: in pieces Linux honours, covering exactly the bytes asked for, never past the window."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prequant.conversion import readahead
+
+
+@pytest.fixture
+def advice(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every posix_fadvise call as (offset, length, advice), the real call still made."""
+    calls: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, how: int) -> None:
+        calls.append((offset, length, how))
+        real(fd, offset, length, how)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    return calls
+
+
+def test_advice_chunk_is_the_devices_readahead_or_the_default(tmp_path):
+    f = tmp_path / "x"
+    f.write_bytes(b"\0" * 10)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        chunk = readahead.advice_chunk(fd)
+    finally:
+        os.close(fd)
+    dev = os.stat(f).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    queue = block / "queue" if (block / "queue").is_dir() else block.resolve().parent / "queue"  # a partition's disk
+    if (queue / "read_ahead_kb").exists():
+        kb = max(int((queue / "read_ahead_kb").read_text()), int((queue / "max_sectors_kb").read_text()))
+        assert chunk == min(64 << 20, max(128 << 10, kb << 10))
+    else:  # no block device behind the file (overlay, tmpfs): the kernel's default readahead
+        assert chunk == 128 << 10
+
+
+@pytest.mark.parametrize("offset, length, chunk", [(0, 1, 4096), (100, 10_000, 4096), (0, 8 << 20, 1 << 20),
+                                                   (5, (3 << 20) + 7, 1 << 20)])
+def test_pieces_cover_the_range_in_order_none_larger_than_the_chunk(offset, length, chunk):
+    got = list(readahead.pieces(offset, length, chunk))
+    assert all(0 < n <= chunk for _, n in got)
+    assert got[0][0] == offset and sum(n for _, n in got) == length
+    assert all(a[0] + a[1] == b[0] for a, b in zip(got, got[1:]))
+
+
+def _advised(advice: list[tuple[int, int, int]]) -> int:
+    return sum(n for _, n, how in advice if how == os.POSIX_FADV_WILLNEED)
+
+
+def _wait_until_blocked(r: readahead.Readahead) -> None:
+    """Until the read-ahead thread waits for the pipeline (or has finished): no deadline, a real state."""
+    while r._thread.is_alive():
+        frame = sys._current_frames().get(r._thread.ident)
+        if frame is not None and frame.f_code.co_name == "wait" and "threading" in frame.f_code.co_filename:
+            return
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def two_files(tmp_path) -> list[Path]:
+    files = [tmp_path / "s0", tmp_path / "s1"]
+    for f in files:
+        f.write_bytes(b"\1" * (3 * readahead._STEP // 2))  # 96 MiB each: two steps per file
+    return files
+
+
+def test_background_readahead_stays_within_its_window(two_files, advice):
+    window = readahead._STEP
+    r = readahead.Readahead(two_files, window=window)
+    _wait_until_blocked(r)
+    assert _advised(advice) == window  # one window's worth, then it waits for the pipeline
+    consumed = 0
+    while r._thread.is_alive():  # the pipeline consumes what was read ahead, the read-ahead goes on
+        advised = _advised(advice)
+        r.consumed(advised - consumed)
+        consumed = advised
+        _wait_until_blocked(r)
+        # Each step is advised only while it starts less than a window ahead of the pipeline.
+        assert _advised(advice) - consumed < window + readahead._STEP
+    assert _advised(advice) == 3 * readahead._STEP  # both files, each byte once
+
+
+def test_background_readahead_skips_what_the_pipeline_already_consumed(two_files, advice):
+    r = readahead.Readahead(two_files, window=readahead._STEP)
+    _wait_until_blocked(r)
+    first = len(advice)
+    # A resume reports finished tensors at once: the rest of s0 and the first step of s1 are done already.
+    r.consumed(readahead._STEP + readahead._STEP // 2 + readahead._STEP)
+    r._thread.join()
+    later = [(offset, n) for offset, n, how in advice[first:] if how == os.POSIX_FADV_WILLNEED]
+    assert sum(n for _, n in later) == readahead._STEP // 2  # only s1's last 32 MiB
+    assert all(offset >= readahead._STEP for offset, _ in later)
+
+
+def test_start_after_stop_gives_a_running_readahead(two_files, advice):
+    a = readahead.start(two_files)
+    assert a is readahead.start(two_files)  # the CLI's early start is the one convert() continues
+    a.stop()
+    a._thread.join()
+    before = _advised(advice)
+    b = readahead.start(two_files)  # e.g. a second convert() of the same source in one process
+    b._thread.join()
+    assert b is not a and not b._stopped
+    assert _advised(advice) - before == 3 * readahead._STEP  # it read the files ahead again, in full
+    b.stop()
+
+
+def test_background_readahead_keeps_at_most_depth_bytes_asked_and_not_yet_read(two_files, monkeypatch):
+    """A deep queue of advice makes every other read (a library page the imports fault in) wait behind it."""
+    events: list[tuple[str, int, int]] = []
+    real_fadvise, real_pread = os.posix_fadvise, os.pread
+
+    def fadvise(fd: int, offset: int, length: int, how: int) -> None:
+        if how == os.POSIX_FADV_WILLNEED:
+            events.append(("ask", offset, length))
+        real_fadvise(fd, offset, length, how)
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        events.append(("wait", offset, n))
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(os, "pread", pread)
+    fd = os.open(two_files[0], os.O_RDONLY)
+    chunk = readahead.advice_chunk(fd)
+    os.close(fd)
+    depth = 3 * chunk
+    readahead.Readahead(two_files, window=10 * readahead._STEP, depth=depth)._thread.join()
+    asked: list[tuple[int, int]] = []  # (end, bytes) of the current file's pieces not yet waited for
+    worst, total, previous = 0, 0, -1
+    for kind, offset, n in events:
+        if kind == "ask":
+            if offset < previous:  # the next file: the previous one was drained before it closed
+                assert not asked
+            previous = offset
+            asked.append((offset + n, n))
+            total += n
+            worst = max(worst, sum(b for _, b in asked))
+        else:
+            asked = [(end, b) for end, b in asked if end > offset + 1]
+    assert not asked  # every piece was waited for
+    assert total == 3 * readahead._STEP and worst <= depth
+    assert any(kind == "wait" for kind, _, _ in events)
+
+
+def test_the_clis_early_readahead_is_shallow_and_deepens_once_convert_takes_it_over(tmp_path):
+    """Shallow while the imports fault in library pages (they would wait behind it), deep once the pipeline runs."""
+    (tmp_path / "model.safetensors").write_bytes(b"\1" * (3 * readahead._STEP // 2))
+    readahead.start_for_source(str(tmp_path))
+    early = readahead._current
+    try:
+        assert early is not None and early.depth == readahead.START_DEPTH
+        assert readahead.start([tmp_path / "model.safetensors"]) is early  # what convert() does after planning
+        assert early.depth == readahead.PIPELINE_DEPTH > readahead.START_DEPTH
+    finally:
+        early.stop()
+
+
+def test_cgroup_room_is_what_the_memory_limit_leaves(tmp_path):
+    """A container's page cache counts against its limit: reading ahead past it evicts what was just read."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/jobs/convert\n")
+    group = tmp_path / "fs" / "jobs" / "convert"
+    group.mkdir(parents=True)
+    (group / "memory.current").write_text("268435456\n")
+    (group / "memory.max").write_text("1073741824\n")
+    assert readahead._cgroup_room(proc, tmp_path / "fs") == 1073741824 - 268435456
+    (group / "memory.max").write_text("max\n")
+    assert readahead._cgroup_room(proc, tmp_path / "fs") is None  # no limit
+    proc.write_text("1:memory:/jobs/convert\n")  # cgroup v1 only: not read
+    assert readahead._cgroup_room(proc, tmp_path / "fs") is None

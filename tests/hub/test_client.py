@@ -1,0 +1,356 @@
+"""prequant.hub.client against a real local Hub server (tests/hub_server.py): no patching of prequant."""
+# ruff: noqa: F811 - test parameters named after the imported `hub_server` fixture
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture, until conftest imports it
+
+from prequant.hub import client as hub
+from prequant.errors import PrequantError, UsageError
+
+REPO = "org/tiny"
+CONFIG = b'{"model_type": "llama", "hidden_size": 8}'
+SHARD_1 = os.urandom(300_000)
+SHARD_2 = os.urandom(200_000)
+FILES = {
+    "config.json": CONFIG,
+    "model-00001-of-00002.safetensors": SHARD_1,
+    "model-00002-of-00002.safetensors": SHARD_2,
+    "tokenizer/tokenizer.json": b'{"version": "1.0"}',
+}
+
+
+def cached(repo_id: str) -> Path:
+    """This test's cache folder for ``repo_id`` (the fixture points HF_HOME at a tmp dir)."""
+    return Path(os.environ["HF_HOME"]) / "hub" / f"models--{repo_id.replace('/', '--')}"
+
+
+def one_line(error: pytest.ExceptionInfo[PrequantError]) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture
+def tiny(hub_server: HubServer) -> str:
+    """A public repo with two shards; returns the commit sha of main."""
+    return hub_server.add_repo(REPO, FILES)
+
+
+# ------------------------------------------------------------------------------------------- specs
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("org/name", ("org/name", None)),
+        ("keyfan/grok-1-hf@main", ("keyfan/grok-1-hf", "main")),
+        ("org/name@refs/pr/1", ("org/name", "refs/pr/1")),
+        ("org/name@" + "a" * 40, ("org/name", "a" * 40)),
+    ],
+)
+def test_parse_repo_spec(spec: str, expected: tuple[str, str | None]) -> None:
+    assert hub.parse_repo_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["name", "a/b/c", "org/na me", "org/name@", "org/-bad-", "org/name@with space"])
+def test_parse_repo_spec_rejects(spec: str) -> None:
+    with pytest.raises(UsageError, match="org/name@revision"):
+        hub.parse_repo_spec(spec)
+
+
+# ----------------------------------------------------------------------------------------- resolve
+
+
+def test_resolve_returns_sha_and_all_files_in_one_call(hub_server: HubServer, tiny: str) -> None:
+    source = hub.resolve(REPO)
+    assert source == hub.HubCommit(REPO, None, tiny, {path: len(data) for path, data in FILES.items()})
+    assert hub_server.requests == [("GET", f"/api/models/{REPO}")]
+
+
+def test_resolve_pins_a_branch(hub_server: HubServer, tiny: str) -> None:
+    branch_sha = hub_server.add_repo(REPO, {"config.json": b"{}"}, revision="v2")
+    source = hub.resolve(*hub.parse_repo_spec(f"{REPO}@v2"))
+    assert (source.revision, source.sha, source.files) == ("v2", branch_sha, {"config.json": 2})
+    assert hub.resolve(REPO).sha == tiny  # main untouched
+
+
+def test_resolve_pins_an_old_commit(hub_server: HubServer, tiny: str) -> None:
+    hub_server.add_repo(REPO, {"config.json": b"{}"})  # main moves on
+    source = hub.resolve(*hub.parse_repo_spec(f"{REPO}@{tiny}"))
+    assert source.sha == tiny
+    assert set(source.files) == set(FILES)
+
+
+def test_resolve_unknown_repo(hub_server: HubServer) -> None:
+    with pytest.raises(PrequantError) as error:
+        hub.resolve("org/missing")
+    message = one_line(error)
+    assert "org/missing was not found" in message and "HF_TOKEN" in message
+
+
+def test_resolve_unknown_revision(tiny: str) -> None:
+    with pytest.raises(PrequantError) as error:
+        hub.resolve(REPO, "no-such-branch")
+    assert "revision 'no-such-branch' does not exist in org/tiny" in one_line(error)
+
+
+def test_unreachable_hub_names_endpoint_and_the_local_fix(
+    hub_server: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as probe:  # a port nobody listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    with pytest.raises(PrequantError) as error:
+        hub.resolve("keyfan/grok-1-hf", alias="grok-1")
+    message = one_line(error)
+    assert message.startswith(f"cannot reach the Hugging Face Hub at {endpoint} to resolve grok-1 (keyfan/grok-1-hf)")
+    assert "HF_ENDPOINT" in message and "local directory" in message
+
+
+# ------------------------------------------------------------------------------------------- auth
+
+
+def test_private_repo_needs_a_token(hub_server: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub_server.add_repo(REPO, FILES, private=True)
+    with pytest.raises(PrequantError) as error:
+        hub.resolve(REPO)
+    message = one_line(error)
+    assert "HF_TOKEN" in message and "hf auth login" in message
+
+    hub_server.clear_log()
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    source = hub.resolve(REPO)
+    path = hub.download(source, "model-00001-of-00002.safetensors")
+    assert path.read_bytes() == SHARD_1
+    # The token goes to the Hub, never to the CDN the LFS file is redirected to.
+    cdn = [r for r in hub_server.request_log if r.path.startswith("/cdn-lfs/")]
+    assert cdn and not any(r.authorized for r in cdn)
+    assert all(r.authorized for r in hub_server.request_log if not r.path.startswith("/cdn-lfs/"))
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_rejected_token_is_never_printed(
+    hub_server: HubServer, tiny: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    bad = "hf_ThisIsNotTheRightTokenAtAll42"
+    if how == "env":
+        monkeypatch.setenv("HF_TOKEN", bad)
+    with pytest.raises(PrequantError) as error:
+        hub.resolve(REPO, token=bad if how == "argument" else None)
+    message = one_line(error)
+    assert bad not in message and "401" in message and "HF_TOKEN" in message
+
+
+def test_gated_repo_says_how_to_get_access(hub_server: HubServer) -> None:
+    hub_server.add_repo(REPO, FILES, gated=True)
+    source = hub.resolve(REPO)  # metadata of gated repos is public, files are not
+    with pytest.raises(PrequantError) as error:
+        hub.download(source, "config.json")
+    message = one_line(error)
+    assert "gated" in message and f"{hub_server.url}/{REPO}" in message and "HF_TOKEN" in message
+
+
+# --------------------------------------------------------------------------------------- download
+
+
+def test_download_fetches_only_that_file(hub_server: HubServer, tiny: str, tmp_path: Path) -> None:
+    source = hub.resolve(REPO)
+    path = hub.download(source, "model-00002-of-00002.safetensors")
+    assert path.read_bytes() == SHARD_2
+    assert tmp_path / "hf-home" in path.parents  # the test's HF_HOME, not the user's cache
+    assert hub_server.served_files() == ["model-00002-of-00002.safetensors"]
+
+    hub_server.clear_log()
+    assert hub.download(source, "model-00002-of-00002.safetensors") == path
+    assert hub_server.requests == []  # pinned to the sha: a cached file costs no request
+
+
+def test_download_of_a_regular_file_in_a_subfolder(hub_server: HubServer, tiny: str) -> None:
+    path = hub.download(hub.resolve(REPO), "tokenizer/tokenizer.json")
+    assert path.read_bytes() == FILES["tokenizer/tokenizer.json"]
+    assert ("GET", f"/{REPO}/resolve/{tiny}/tokenizer/tokenizer.json") in hub_server.requests
+
+
+def test_download_of_a_file_not_in_the_repo(tiny: str) -> None:
+    with pytest.raises(PrequantError) as error:
+        hub.download(hub.resolve(REPO), "model-00003-of-00002.safetensors")
+    assert "org/tiny has no file model-00003-of-00002.safetensors" in one_line(error)
+
+
+def test_evict_removes_the_file_from_disk(tiny: str) -> None:
+    source = hub.resolve(REPO)
+    path = hub.download(source, "model-00001-of-00002.safetensors")
+    blob = path.resolve()
+    hub.evict(source, "model-00001-of-00002.safetensors")
+    assert not path.exists() and not path.is_symlink() and not blob.exists()
+    hub.evict(source, "model-00001-of-00002.safetensors")  # already gone
+    hub.evict(source, "config.json")  # never downloaded
+    assert hub.download(source, "model-00001-of-00002.safetensors").read_bytes() == SHARD_1  # comes back
+
+
+def test_connection_cut_mid_file_names_the_file(hub_server: HubServer, tiny: str) -> None:
+    name = "model-00001-of-00002.safetensors"
+    hub_server.fail(REPO, name, "drop", after_bytes=100_000)  # every attempt, resumes included
+    source = hub.resolve(REPO)
+    with pytest.raises(PrequantError) as error:
+        hub.download(source, name)
+    assert name in one_line(error)
+    cache = cached(REPO)
+    assert not list(cache.rglob("*.incomplete")) and not (cache / "snapshots" / tiny / name).exists()
+
+
+def test_connection_cut_once_is_resumed(hub_server: HubServer, tiny: str) -> None:
+    name = "model-00001-of-00002.safetensors"
+    hub_server.fail(REPO, name, "drop", after_bytes=100_000, times=1)
+    path = hub.download(hub.resolve(REPO), name)
+    assert path.read_bytes() == SHARD_1
+    assert hub_server.served_files() == [name, name]
+
+
+def test_server_error_is_retried(hub_server: HubServer, tiny: str) -> None:
+    hub_server.fail(REPO, "config.json", "status", status=503, times=1)
+    assert hub.download(hub.resolve(REPO), "config.json").read_bytes() == CONFIG
+
+
+def test_persistent_server_error_names_the_file(hub_server: HubServer, tiny: str) -> None:
+    hub_server.fail(REPO, "config.json", "status", status=500)
+    with pytest.raises(PrequantError) as error:
+        hub.download(hub.resolve(REPO), "config.json")
+    message = one_line(error)
+    assert "config.json of org/tiny" in message and "500" in message
+
+
+def test_file_of_the_wrong_size_is_never_kept(hub_server: HubServer, tiny: str) -> None:
+    listed = hub.resolve(REPO)
+    wrong = hub.HubCommit(REPO, None, tiny, {**listed.files, "config.json": len(CONFIG) + 1})
+    with pytest.raises(PrequantError) as error:
+        hub.download(wrong, "config.json")
+    message = one_line(error)
+    assert "config.json of org/tiny" in message and "incomplete" in message
+    assert not (cached(REPO) / "snapshots" / tiny / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------- offline
+
+
+def test_offline_resolves_and_downloads_from_the_cache(
+    hub_server: HubServer, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    online = hub.resolve(REPO)
+    hub.download(online, "config.json")
+    hub_server.stop()  # nothing may reach the network now
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    offline = hub.resolve(REPO)
+    assert offline == online  # full listing, although only config.json was downloaded
+    assert hub.download(offline, "config.json").read_bytes() == CONFIG
+    with pytest.raises(PrequantError) as error:
+        hub.download(offline, "model-00001-of-00002.safetensors")
+    assert "model-00001-of-00002.safetensors" in one_line(error)
+
+
+def test_offline_without_a_cached_snapshot(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PrequantError) as error:
+        hub.resolve(REPO)
+    message = one_line(error)
+    assert "org/tiny" in message and "HF_HUB_OFFLINE" in message and "local directory" in message
+
+
+# ----------------------------------------------------------------------------------------- upload
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"quantization_config": {"quant_method": "bitsandbytes"}}')
+    (folder / "README.md").write_text("---\nlibrary_name: transformers\n---\n# tiny, 4-bit\n")
+    (folder / "model.safetensors").write_bytes(os.urandom(11 * 1024 * 1024))  # over the Hub's 10 MB LFS limit
+    return folder
+
+
+@pytest.mark.parametrize("client", ["lfs", "xet-inline"])
+def test_upload_arrives_byte_for_byte(
+    hub_server: HubServer, checkpoint: Path, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    if client == "xet-inline":  # huggingface_hub's default streamed pipeline; the server keeps it off Xet storage
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+        hub_server.upload_mode = "regular"
+
+    url = hub.upload(checkpoint, "me/tiny-bnb-4bit", commit_message="first")
+    first = hub_server.head("me/tiny-bnb-4bit")
+    assert url == f"{hub_server.url}/me/tiny-bnb-4bit/commit/{first}"
+    uploaded = hub_server.files("me/tiny-bnb-4bit")
+    assert {path: uploaded[path] for path in uploaded if path != ".gitattributes"} == {
+        p.name: p.read_bytes() for p in checkpoint.iterdir()
+    }
+    used_lfs = any(path.startswith("/lfs-upload/") for _, path in hub_server.requests)
+    assert used_lfs == (client == "lfs")
+
+    (checkpoint / "config.json").write_text('{"changed": true}')
+    second_url = hub.upload(checkpoint, "me/tiny-bnb-4bit", commit_message="second")
+    assert second_url != url
+    assert [c.message for c in hub_server.commits("me/tiny-bnb-4bit")][:2] == ["second", "first"]
+    assert hub_server.files("me/tiny-bnb-4bit")["config.json"] == b'{"changed": true}'
+
+
+@pytest.mark.parametrize("how", ["argument", "spec"])
+def test_upload_to_a_new_branch(
+    hub_server: HubServer, checkpoint: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    (checkpoint / "model.safetensors").unlink()  # keep it small
+    if how == "argument":
+        hub.upload(checkpoint, "me/tiny", revision="nf4", private=True)
+    else:
+        hub.upload(checkpoint, "me/tiny@nf4", private=True)
+    assert "config.json" in hub_server.files("me/tiny", "nf4")
+    assert set(hub_server.files("me/tiny")) == {".gitattributes"}  # main untouched
+
+
+def test_upload_without_a_token(hub_server: HubServer, checkpoint: Path) -> None:
+    with pytest.raises(PrequantError) as error:
+        hub.upload(checkpoint, "me/tiny")
+    message = one_line(error)
+    assert "me/tiny" in message and "HF_TOKEN" in message
+    assert not hub_server.has_repo("me/tiny")
+
+
+def test_upload_offline(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PrequantError, match="HF_HUB_OFFLINE"):
+        hub.upload(checkpoint, "me/tiny")
+
+
+# ------------------------------------------------------------------------------------- subprocess
+
+
+def test_a_subprocess_sees_the_server(hub_server: HubServer, tiny: str) -> None:
+    """CLI tests run `python -m prequant` in a subprocess: the fixture's environment must reach it."""
+    code = "from prequant.hub import client as hub; s = hub.resolve('org/tiny'); print(s.sha, hub.download(s, 'config.json'))"
+    root = ROOT
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    sha, path = result.stdout.split()
+    assert sha == tiny and Path(path).read_bytes() == CONFIG

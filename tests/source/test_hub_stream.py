@@ -1,0 +1,514 @@
+"""Hub repos as SOURCE, against the real local Hub server (tests/hub_server.py): planned from ranged header
+reads, shards streamed one by one, deleted after use on request; aliases, revisions, tokens, offline."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli, run_main
+from hub_server import TOKEN, HubServer
+
+import prequant
+from prequant.hub import client as hub
+from prequant.source import hub_stream, remote_headers
+from prequant.source import resolve as sources
+from prequant.errors import PrequantError
+
+REPO = "org/tiny"
+SHARDED = "60KB"  # the tiny llama in 4 safetensors shards
+
+
+def cache_repo(repo_id: str) -> Path:
+    return Path(os.environ["HF_HOME"]) / "hub" / f"models--{repo_id.replace('/', '--')}"
+
+
+def publish(server: HubServer, repo_id: str, folder: Path, revision: str = "main", **kwargs) -> str:
+    return server.add_repo(repo_id, {p.name: p for p in folder.iterdir() if p.is_file()}, revision, **kwargs)
+
+
+def outputs(folder: Path) -> dict[str, bytes]:
+    """Every output file but the two that name the source (manifest, card)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in ("prequant.json", "README.md")}
+
+
+def _serves(record, name: str) -> bool:
+    """Whether `record` is a GET that answers with file `name`'s bytes (or an error in their place): the CDN
+    request of an LFS file, or its resolve request when it is not a redirect to the CDN."""
+    if record.method != "GET" or record.status == 302:
+        return False
+    if record.path.startswith("/cdn-lfs/"):
+        return record.query.get("file") == [name]
+    return "/resolve/" in record.path and record.path.split("/resolve/", 1)[1].split("/", 1)[1] == name
+
+
+def shard_requests(server: HubServer) -> list[tuple[str, bool]]:
+    """(file name, ranged) of every GET that sent a weight file's bytes, in order (resolve or CDN)."""
+    found = []
+    for record in server.request_log:
+        if record.method != "GET" or record.status not in (200, 206):
+            continue
+        if record.path.startswith("/cdn-lfs/"):
+            name = record.query["file"][0]
+        elif "/resolve/" in record.path:
+            name = record.path.split("/resolve/", 1)[1].split("/", 1)[1]
+        else:
+            continue
+        if name.endswith((".safetensors", ".bin")):
+            found.append((name, "range" in record.headers))
+    return found
+
+
+@pytest.fixture
+def tiny(hub_server: HubServer, checkpoints) -> Path:
+    """The sharded tiny llama, also served as org/tiny; returns its local directory."""
+    folder = checkpoints("llama", SHARDED)
+    publish(hub_server, REPO, folder)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------ converting
+
+
+def test_hub_conversion_is_byte_identical_to_the_local_one(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    sha = hub_server.head(REPO)
+    summary = prequant.convert(REPO, tmp_path / "hub", device="cpu", progress=False)
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
+    assert summary.source == f"{REPO}@{sha}"
+
+    source = json.loads((tmp_path / "hub" / "prequant.json").read_text())["source"]
+    assert (source["repo_id"], source["revision"], source["commit"]) == (REPO, None, sha)
+    assert source["weight_files"] == {p.name: p.stat().st_size for p in tiny.glob("*.safetensors")}
+    assert f"base_model: {REPO}" in (tmp_path / "hub" / "README.md").read_text()
+    # Without --delete-source-shards the downloads stay in the cache.
+    snapshot = cache_repo(REPO) / "snapshots" / sha
+    assert sorted(p.name for p in snapshot.glob("*.safetensors")) == sorted(p.name for p in tiny.glob("*.safetensors"))
+
+
+def test_plan_reads_headers_by_range_then_downloads_each_shard_once(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    planned = shard_requests(hub_server)
+    assert planned and all(ranged for _, ranged in planned)  # planning downloads no shard
+    assert not (cache_repo(REPO) / "blobs").exists() or not any(
+        p.stat().st_size > 10_000 for p in (cache_repo(REPO) / "blobs").iterdir()
+    )
+    assert not (tmp_path / "unused").exists()  # a dry run writes nothing
+
+    hub_server.clear_log()
+    prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
+    fetched = shard_requests(hub_server)
+    ranged = [i for i, (_, r) in enumerate(fetched) if r]
+    whole = [name for name, r in fetched if not r]
+    assert ranged and max(ranged) < min(i for i, (_, r) in enumerate(fetched) if not r)  # headers first
+    order = list(dict.fromkeys(step.source.file.name for step in plan.steps))
+    assert whole == order  # each shard once, in the order the plan reads them
+
+
+def _disk_sampler(repo_id: str, shard_sizes: dict[str, int]):
+    """Measure this repo's weight shards taking disk space in the cache, for real: blobs present (partial
+    downloads too) plus deleted blobs this process still holds open or mapped. Returns (sample, peaks)."""
+    blobs = cache_repo(repo_id) / "blobs"
+    peaks = {"shards": 0, "bytes": 0, "downloading": 0}
+
+    def sample() -> None:
+        present: set[str] = set()
+        downloading = 0
+        try:
+            names = os.listdir(blobs)
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            blob = name.removesuffix(".incomplete")
+            if blob in shard_sizes:
+                present.add(blob)
+                downloading += name.endswith(".incomplete")
+        held = [line.rsplit(" ", 2)[-2] for line in Path("/proc/self/maps").read_text().splitlines()
+                if line.endswith(" (deleted)")]
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.append(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
+            except OSError:
+                continue
+        present |= {Path(p).name for p in held if p.startswith(str(blobs)) and Path(p).name in shard_sizes
+                    and not (blobs / Path(p).name).exists()}
+        peaks["shards"] = max(peaks["shards"], len(present))
+        peaks["bytes"] = max(peaks["bytes"], sum(shard_sizes[b] for b in present))
+        peaks["downloading"] = max(peaks["downloading"], downloading)
+
+    return sample, peaks
+
+
+def test_delete_source_shards_keeps_at_most_two_on_disk(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = {hashlib.sha256(p.read_bytes()).hexdigest(): p.stat().st_size for p in tiny.glob("*.safetensors")}
+    assert len(shards) == 4
+    sample, peaks = _disk_sampler(REPO, shards)
+    # Sample at the moments that matter (a download just finished; a tensor just written) and continuously.
+    real_download, real_tensor_done = hub.download, hub_stream.HubShardReader.tensor_done
+
+    def download(*args, **kwargs):
+        path = real_download(*args, **kwargs)
+        sample()
+        return path
+
+    def tensor_done(self, ref):
+        sample()
+        real_tensor_done(self, ref)
+        sample()
+
+    monkeypatch.setattr(hub, "download", download)
+    monkeypatch.setattr(hub_stream.HubShardReader, "tensor_done", tensor_done)
+    stop = threading.Event()
+
+    def keep_sampling() -> None:
+        while not stop.is_set():
+            sample()
+
+    sampler = threading.Thread(target=keep_sampling, daemon=True)
+    sampler.start()
+    try:
+        prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
+    finally:
+        stop.set()
+        sampler.join()
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
+    two_largest = sum(sorted(shards.values())[-2:])
+    assert 1 <= peaks["shards"] <= 2 and peaks["bytes"] <= two_largest
+    assert peaks["downloading"] <= 1  # one download at a time
+    assert not [p for p in (cache_repo(REPO) / "blobs").iterdir() if p.name in shards]  # all deleted at the end
+    snapshot = cache_repo(REPO) / "snapshots" / hub_server.head(REPO)
+    assert (snapshot / "config.json").is_file() and not list(snapshot.glob("*.safetensors"))
+
+
+def _wait_for(condition) -> None:
+    """Poll until `condition()` holds, with no deadline (no guessed time limit): each condition is a state that
+    must come, or one that can no longer change (e.g. the awaited thread died), which the caller then checks."""
+    while not condition():
+        time.sleep(0.01)
+
+
+def _blocked_in(thread: threading.Thread, function: str) -> bool:
+    """Whether `thread` is, right now, inside a call of `function` (a name in its current stack)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    src = sources.resolve(REPO, stream=True)
+    files = list(dict.fromkeys(step.source.file for step in plan.steps))
+    assert len(files) == 4
+    data = sources.reader(src, [step.source for step in plan.steps], delete=True)
+    try:
+        data.prepare(files[0])
+        assert files[0].is_file()
+        downloader = data._thread  # started by that first prepare
+        assert downloader is not None
+        _wait_for(lambda: len(data.downloaded) == 2 or not downloader.is_alive())
+        assert data.downloaded == [f.name for f in files[:2]]  # the next one, with nobody asking for it yet
+        data.prepare(files[1])  # downloaded; now also checked against the plan
+        # The download thread's next move is to wait for room for the third: once it is inside that wait, with
+        # two shards on disk, only a deletion (or close) can let it go on. No time is guessed.
+        _wait_for(lambda: _blocked_in(downloader, "_wait_for_room") or not downloader.is_alive())
+        assert downloader.is_alive(), "the download thread finished instead of waiting for room"
+        assert data.downloaded == [f.name for f in files[:2]]  # two on disk: the third waits
+        assert not files[2].exists()
+        whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
+        assert whole == [f.name for f in files[:2]]  # the server never got a request for the third's bytes
+        for step in plan.steps:
+            if step.source.file == files[0]:
+                data.tensor_done(step.source)
+        assert not files[0].exists() and data.evicted == [files[0].name]
+        # The deletion made room: the third comes unasked (a thread that died instead fails here, no hang).
+        _wait_for(lambda: len(data.downloaded) == 3 or not downloader.is_alive())
+        assert data.downloaded == [f.name for f in files[:3]]
+        data.prepare(files[2])
+        assert files[2].is_file()
+    finally:
+        data.close()
+
+
+def test_killed_hub_conversion_resumes_without_downloading_finished_shards(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    order = list(dict.fromkeys(step.source.file.name for step in plan.steps))
+    first = sum(step.source.file.name == order[0] for step in plan.steps)
+    out = tmp_path / "out"
+    killed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
+                     env={"PREQUANT_FAILPOINT": f"step-journaled:{first + 1}"})  # SIGKILL after shard 1 is done
+    assert killed.returncode == -9, killed.stderr
+    hub_server.clear_log()
+    prequant.convert(REPO, out, device="cpu", progress=False, resume=True, delete_source_shards=True)
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(out) == outputs(tmp_path / "local")
+    downloaded = [name for name, ranged in shard_requests(hub_server) if not ranged]
+    assert order[0] not in downloaded and downloaded  # finished before the kill: only its header is read again
+
+
+def test_only_shards_this_run_downloaded_are_deleted(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    listing = hub.resolve(REPO)
+    kept = next(name for name in listing.files if name.endswith(".safetensors"))
+    hub.download(listing, kept)  # in the cache before the run: the user's, not prequant's
+    prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
+    snapshot = cache_repo(REPO) / "snapshots" / listing.sha
+    assert [p.name for p in snapshot.glob("*.safetensors")] == [kept]
+
+
+def test_delete_source_shards_refused_for_a_local_directory(tiny: Path, tmp_path: Path) -> None:
+    before = sorted(p.name for p in tiny.iterdir())
+    code, _, err = run_main("convert", str(tiny), str(tmp_path / "out"), "--device", "cpu", "--delete-source-shards")
+    assert code == 2 and "only applies to a Hub source" in err and "never deletes" in err
+    assert sorted(p.name for p in tiny.iterdir()) == before
+
+
+def test_header_read_is_retried_after_a_server_error(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    first = sorted(p.name for p in tiny.glob("*.safetensors"))[0]
+    hub_server.fail(REPO, first, status=503, times=1, ranged=True)
+    hub_server.clear_log()
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    requests = [r for r in hub_server.request_log if _serves(r, first)]
+    assert [(r.status, "range" in r.headers) for r in requests] == [(503, True), (206, True)]  # refused, retried
+    assert plan.input_bytes == sum(p.stat().st_size for p in tiny.glob("*.safetensors")) - sum(
+        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tiny.glob("*.safetensors"))
+
+
+def test_header_read_that_keeps_failing_names_the_file(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    first = sorted(p.name for p in tiny.glob("*.safetensors"))[0]
+    hub_server.fail(REPO, first, status=500, ranged=True)
+    with pytest.raises(PrequantError) as error:
+        prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    message = str(error.value)
+    assert f"read {first} of {REPO}" in message and "500" in message and "\n" not in message
+
+
+def test_failed_download_stops_the_conversion_with_the_file_named(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    third = list(dict.fromkeys(step.source.file.name for step in plan.steps))[2]
+    # The headers read fine (ranged requests); then the third shard's download (a whole-file GET) fails.
+    hub_server.fail(REPO, third, status=404, ranged=False)
+    hub_server.clear_log()
+    with pytest.raises(PrequantError) as error:
+        prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
+    assert third in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "out" / "config.json").exists()
+    # The fault hit what it was meant to, and nothing else: the third's header was read, its download refused.
+    requests = [r for r in hub_server.request_log if _serves(r, third)]
+    assert any("range" in r.headers and r.status == 206 for r in requests)
+    assert [r.status for r in requests if "range" not in r.headers] == [404]
+
+
+def test_a_failure_elsewhere_never_leaves_the_reader_waiting(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    """A NaN in the last shard fails the quantizer while the reader may be waiting for room to download."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan"
+    shutil.copytree(tiny, folder)
+    plan = prequant.convert(folder, tmp_path / "unused", dry_run=True)
+    step = next(s for s in reversed(plan.steps) if s.quantize)
+    shard = folder / step.source.file.name
+    tensors = load_file(shard)
+    tensors[step.source.name][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    publish(hub_server, REPO, folder)
+    result: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
+        except BaseException as e:  # noqa: BLE001
+            result.append(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join()  # no deadline: a reader left waiting would hang the test here
+    assert len(result) == 1
+    assert isinstance(result[0], PrequantError) and step.source.name in str(result[0])
+    assert "\n" not in str(result[0])
+    # Every pipeline stage was joined before the error came back: nothing is left waiting for a download.
+    stages = {"prequant-read_all", "prequant-write_all"}
+    assert not [t.name for t in threading.enumerate() if t.name in stages and t.is_alive()]
+
+
+# --------------------------------------------------------------------------------- specs and revisions
+
+
+def test_revision_is_pinned_to_its_commit(hub_server: HubServer, tiny: Path, checkpoints, tmp_path: Path) -> None:
+    single = checkpoints("llama")  # same weights, one file: a different commit on branch v2
+    v2 = publish(hub_server, REPO, single, revision="v2")
+    hub_server.clear_log()
+    prequant.convert(f"{REPO}@v2", tmp_path / "out", device="cpu", progress=False)
+    source = json.loads((tmp_path / "out" / "prequant.json").read_text())["source"]
+    assert (source["repo_id"], source["revision"], source["commit"]) == (REPO, "v2", v2)
+    assert list(source["weight_files"]) == ["model.safetensors"]
+    files = [path for method, path in hub_server.requests if "/resolve/" in path]
+    assert files and all(f"/resolve/{v2}/" in path for path in files)
+    prequant.convert(single, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
+
+
+def test_unknown_revision_is_one_line(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    code, _, err = run_main("convert", f"{REPO}@nope", str(tmp_path / "out"), "--dry-run")
+    assert code == 1 and err.count("\n") == 1 and "revision 'nope' does not exist in org/tiny" in err
+
+
+@pytest.mark.parametrize(
+    ("drop", "expected"),
+    [
+        ("config.json", "config.json is missing from the repo"),
+        ("weights", "no model weights found: expected model.safetensors"),
+    ],
+)
+def test_missing_config_or_weights_is_one_line(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, drop: str, expected: str
+) -> None:
+    files = {p.name: p for p in tiny.iterdir()}
+    files = {n: p for n, p in files.items() if (n != drop if drop != "weights" else "safetensors" not in n)}
+    hub_server.add_repo("org/broken", files)
+    code, _, err = run_main("convert", "org/broken", str(tmp_path / "out"), "--dry-run")
+    assert code == 1 and err.count("\n") == 1 and expected in err and "org/broken" in err
+
+
+def test_a_missing_path_that_looks_like_a_repo_says_both(hub_server: HubServer, tmp_path: Path) -> None:
+    code, _, err = run_main("convert", "models/llama", str(tmp_path / "out"), "--dry-run")
+    assert code == 1 and err.count("\n") == 1
+    assert "'models/llama' is not a local directory" in err and "was not found" in err
+
+
+# ------------------------------------------------------------------------------------ grok-1 and .bin
+
+
+@pytest.fixture(scope="module")
+def grok_bin(tmp_path_factory) -> Path:
+    from conftest import build_grok
+
+    return build_grok(tmp_path_factory.mktemp("grok") / "grok-1-hf", "keyfan", shards=3)
+
+
+def test_alias_grok_1_plans_bin_shards_from_their_pickles(
+    hub_server: HubServer, grok_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote_headers, "BLOCK", 4096)  # tiny shards: smaller reads, to see that data is skipped
+    sha = publish(hub_server, "keyfan/grok-1-hf", grok_bin)
+    code, out, err = run_main("convert", "grok-1", str(tmp_path / "out"), "--dry-run", "--json")
+    assert code == 0, err
+    local = prequant.convert(grok_bin, tmp_path / "unused", dry_run=True)
+    assert json.loads(out) == local.to_dict()
+    fetched = shard_requests(hub_server)
+    assert fetched and all(ranged for _, ranged in fetched)  # zip directory and pickle only
+    sizes = {p.name: p.stat().st_size for p in grok_bin.glob("*.bin")}
+    ranged_bytes = sum(
+        int(r.headers["range"].split("-")[1]) - int(r.headers["range"].split("=")[1].split("-")[0]) + 1
+        for r in hub_server.request_log if r.method == "GET" and "range" in r.headers
+        and not r.path.startswith("/cdn-lfs/")
+    )
+    assert ranged_bytes < sum(sizes.values()) / 2
+    assert sha in {p.name for p in (cache_repo("keyfan/grok-1-hf") / "snapshots").iterdir()}
+
+
+def test_grok_bin_shards_stream_and_match_the_local_conversion(
+    hub_server: HubServer, grok_bin: Path, tmp_path: Path
+) -> None:
+    publish(hub_server, "keyfan/grok-1-hf", grok_bin)
+    prequant.convert("grok-1", tmp_path / "hub", device="cpu", progress=False, delete_source_shards=True)
+    prequant.convert(grok_bin, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
+    assert not list(cache_repo("keyfan/grok-1-hf").rglob("*.bin"))  # every shard deleted once converted
+    source = json.loads((tmp_path / "hub" / "prequant.json").read_text())["source"]
+    assert source["repo_id"] == "keyfan/grok-1-hf" and source["spec"] == "grok-1"
+
+
+def test_malicious_pickle_on_the_hub_is_refused_while_planning(
+    hub_server: HubServer, grok_bin: Path, tmp_path: Path
+) -> None:
+    from conftest import Evil
+
+    folder = tmp_path / "evil"
+    shutil.copytree(grok_bin, folder)
+    shard = min(folder.glob("*.bin"))
+    marker = tmp_path / "pwned"
+    torch.save({**torch.load(shard, weights_only=True), "evil": Evil(marker)}, shard)
+    publish(hub_server, "org/evil", folder)
+    with pytest.raises(PrequantError, match="refused to unpickle") as error:
+        prequant.convert("org/evil", tmp_path / "out", dry_run=True)
+    assert shard.name in str(error.value) and "org/evil" in str(error.value)
+    assert not marker.exists()
+    assert not list(cache_repo("org/evil").rglob("*.bin"))  # refused from its pickle, never downloaded
+
+
+def test_grok_1_without_network_says_the_hub_cannot_be_reached(tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a port nobody listens on once closed: no network to reach
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    proc = run_cli("convert", "grok-1", str(tmp_path / "out"), "--dry-run",
+                   env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"Error: cannot reach the Hugging Face Hub at {endpoint} to resolve grok-1 "
+                                  "(keyfan/grok-1-hf)")
+    assert "pass its local directory" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_grok_1_offline_and_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    code, _, err = run_main("convert", "grok-1", str(tmp_path / "out"), "--dry-run")
+    assert code == 1 and err.count("\n") == 1
+    assert "grok-1 (keyfan/grok-1-hf)" in err and "HF_HUB_OFFLINE" in err and "local directory" in err
+
+
+def test_offline_conversion_from_a_complete_cache(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prequant.convert(REPO, tmp_path / "first", device="cpu", progress=False)  # fills the cache
+    hub_server.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prequant.convert(REPO, tmp_path / "second", device="cpu", progress=False)
+    assert outputs(tmp_path / "second") == outputs(tmp_path / "first")
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+
+
+def test_hf_token_is_used_and_never_printed(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    publish(hub_server, REPO, tiny, private=True)
+    code, _, err = run_main("convert", REPO, str(tmp_path / "out"), "--dry-run")
+    assert code == 1 and err.count("\n") == 1 and "HF_TOKEN" in err
+
+    hub_server.clear_log()
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    code, out, err = run_main("convert", REPO, str(tmp_path / "out"), "--device", "cpu", "--json")
+    assert code == 0, err
+    assert TOKEN not in out + err
+    assert all(TOKEN not in p.read_text(errors="replace") for p in (tmp_path / "out").iterdir())
+    # Every request to the Hub carried it (header reads too); the CDN that LFS files redirect to never gets it.
+    hub_requests = [r for r in hub_server.request_log if not r.path.startswith("/cdn-lfs/")]
+    assert any("range" in r.headers for r in hub_requests) and all(r.authorized for r in hub_requests)
+    assert not any(r.authorized for r in hub_server.request_log if r.path.startswith("/cdn-lfs/"))

@@ -1,0 +1,112 @@
+"""Publishing: upload to a (local) Hub gated on verify, convert --push-to-hub, the CI workflow."""
+# ruff: noqa: F811 - test parameters named after the imported `hub_server` fixture
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, run_cli, run_main
+from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture
+from huggingface_hub import ModelCard
+
+WORKFLOW = ROOT / ".github" / "workflows" / "publish-quantized.yml"
+
+
+@pytest.fixture
+def out(carded_converted, tmp_path) -> Path:
+    return Path(shutil.copytree(carded_converted, tmp_path / "tiny-llama-nf4"))
+
+
+@pytest.fixture
+def logged_in(hub_server: HubServer, monkeypatch) -> HubServer:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    return hub_server
+
+
+# ---------------------------------------------------------------------------------------- upload
+
+
+def test_upload_arrives_byte_for_byte_and_card_parses(logged_in: HubServer, out: Path, tmp_path):
+    code, stdout, stderr = run_main("upload", str(out), "me/tiny-nf4", "--commit-message", "first", "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert result["verified"] is True and result["commit_url"].endswith(logged_in.head("me/tiny-nf4"))
+    uploaded = logged_in.files("me/tiny-nf4")
+    local = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {k: v for k, v in uploaded.items() if k != ".gitattributes"} == local
+    assert sorted(result["files"]) == sorted(local)
+    (tmp_path / "card.md").write_bytes(uploaded["README.md"])
+    card = ModelCard.load(tmp_path / "card.md")
+    assert card.data.base_model_relation == "quantized" and card.data.license_name == "tiny-licence"
+    assert logged_in.commits("me/tiny-nf4")[0].message == "first"
+
+
+def test_failed_verification_blocks_upload(logged_in: HubServer, out: Path):
+    shard = out / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+    code, _, stderr = run_main("upload", str(out), "me/tiny-nf4")
+    assert code == 1
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: refusing to upload") and "model.safetensors" in lines[0]
+    assert logged_in.requests == [] and not logged_in.has_repo("me/tiny-nf4")
+
+
+def test_files_outside_the_conversion_block_upload(logged_in: HubServer, out: Path):
+    (out / ".env").write_text("SECRET=1")
+    code, _, stderr = run_main("upload", str(out), "me/tiny-nf4")
+    assert code == 1 and ".env" in stderr and "not part of the conversion" in stderr
+    assert logged_in.requests == []
+
+
+def test_upload_to_a_branch_privately(logged_in: HubServer, out: Path):
+    code, stdout, stderr = run_main("upload", str(out), "me/tiny", "--revision", "nf4", "--private", "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["revision"] == "nf4"
+    assert "prequant.json" in logged_in.files("me/tiny", "nf4")
+
+
+def test_convert_push_to_hub(logged_in: HubServer, carded_source: Path, tmp_path):
+    proc = run_cli("convert", str(carded_source), str(tmp_path / "out"), "--device", "cpu", "--push-to-hub", "me/pushed",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["hub_commit_url"].endswith(logged_in.head("me/pushed"))
+    uploaded = logged_in.files("me/pushed")
+    assert uploaded["prequant.json"] == (tmp_path / "out" / "prequant.json").read_bytes()
+    assert b'from_pretrained("me/pushed"' in uploaded["README.md"]  # the card names the repo it lives in
+
+
+# ------------------------------------------------------------------------------------------- CI
+
+
+def _prequant_invocations(script: str) -> list[list[str]]:
+    """Each `prequant ...` command of a run: script, as argv (line continuations joined)."""
+    commands = []
+    for line in script.replace("\\\n", " ").splitlines():
+        for part in line.split("&&"):
+            argv = shlex.split(part.split(">")[0], comments=True)
+            if argv and argv[0] == "prequant":
+                commands.append(argv)
+    return commands
+
+
+def test_workflow_is_valid_yaml_using_existing_commands_and_options():
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    assert set(workflow[True]) == {"workflow_dispatch"}  # YAML 1.1 reads the key `on` as True
+    steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
+    assert any(s.get("uses", "").startswith("actions/upload-artifact@") for s in steps)
+    assert any("secrets.HF_TOKEN" in str(s.get("env", {}).get("HF_TOKEN")) for s in steps)
+    used = [argv for s in steps if "run" in s for argv in _prequant_invocations(s["run"])]
+    assert {argv[1] for argv in used} >= {"convert", "verify", "upload"}
+    for argv in used:
+        code, help_text, stderr = run_main(argv[1], "--help")
+        assert code == 0, f"prequant {argv[1]} --help: {stderr}"
+        for option in (a for a in argv[2:] if a.startswith("--")):
+            assert option in help_text, f"prequant {argv[1]} has no option {option}"
