@@ -174,11 +174,23 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def cli_env(env: dict | None = None) -> dict:
+    """The environment the CLI runs in: this one, with this checkout's prequant first on the path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+
+
+def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """`python -m prequant ARGS` started in the background (text pipes for stdout and stderr)."""
+    popen.setdefault("cwd", ROOT)
+    return subprocess.Popen([sys.executable, "-m", "prequant", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(env), **popen)
+
+
 def run_cli(*args: str, env: dict | None = None, check: bool | None = None, **popen) -> subprocess.CompletedProcess:
-    """`python -m prequant ARGS` in a subprocess, as a user runs it; `popen` (e.g. preexec_fn) goes to subprocess.run."""
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    """`python -m prequant ARGS` in a subprocess, as a user runs it; `popen` (e.g. preexec_fn, cwd) goes to subprocess.run."""
+    popen.setdefault("cwd", ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "prequant", *args], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=600, **popen
+        [sys.executable, "-m", "prequant", *args], capture_output=True, text=True, env=cli_env(env), timeout=600, **popen
     )
     if check:
         assert proc.returncode == 0, proc.stderr

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PrequantError
+from ..util.fsio import write_error, write_json
 from .plan import Plan
 
 JOB = "job.json"
@@ -30,6 +31,11 @@ def fingerprint(plan: Plan, source_files: tuple[Path, ...], version: str) -> dic
         files.append({"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
     plan_hash = hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()
     return {"prequant": version, "source_files": files, "plan_sha256": plan_hash}
+
+
+def job_id(job: dict) -> str:
+    """A job's fingerprint as one string, which the manifest records (--resume then knows a finished job)."""
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
@@ -57,7 +63,7 @@ class Journal:
                 )
             self.done = _read(staging / JOURNAL)
         else:
-            job_path.write_text(json.dumps(job, indent=1))
+            write_json(job_path, job)
             (staging / JOURNAL).unlink(missing_ok=True)
         self._file = open(staging / JOURNAL, "a")  # noqa: SIM115 - closed in close()
 
@@ -73,11 +79,17 @@ class Journal:
         self._append({"shard": shard})
 
     def _append(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # into the kernel: survives SIGKILL of this process
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # into the kernel: survives SIGKILL of this process
+        except OSError as e:  # a full disk or quota: the journal's last line may be cut, which _read allows
+            raise write_error(self.staging / JOURNAL, e) from e
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the line that could not be flushed has already been reported (or the run is being stopped)
 
 
 def _read(path: Path) -> Finished:

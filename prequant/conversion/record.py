@@ -36,8 +36,9 @@ class Recorder:
     """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `inspect`
     hooks), then writes the model card and prequant.json into the staging folder."""
 
-    def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None) -> None:
-        self.source, self.plan = source, plan
+    def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None,
+                 job: str | None = None) -> None:
+        self.source, self.plan, self.job = source, plan, job
         self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
                         "stats": stats}
         self.stats = Collector() if stats else None
@@ -130,6 +131,7 @@ class Recorder:
             "format_version": FORMAT_VERSION,
             "versions": versions(),
             "device": device,
+            "job": self.job,  # the conversion's fingerprint (source files, plan, version): --resume knows it is done
             "source": source,
             "options": self.options,
             # Source names of the tensors quantized as their transpose (the planner's Decision.transpose).

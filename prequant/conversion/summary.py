@@ -23,18 +23,23 @@ class Summary:
     copied_files: list[str] = field(default_factory=list)
     stats: dict | None = None  # relative error of the dequantized tensors (median, worst), when measured
     hub_commit_url: str | None = None  # with push_to_hub
+    already_complete: bool = False  # --resume found this conversion finished in OUTPUT_DIR: nothing was written
 
     @property
     def gb_per_s(self) -> float:
         return self.input_bytes / 1e9 / self.seconds if self.seconds else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "gb_per_s": round(self.gb_per_s, 3)}
+        d = {**asdict(self), "gb_per_s": round(self.gb_per_s, 3)}
+        if not self.already_complete:
+            del d["already_complete"]  # said only when true, so the usual result is unchanged
+        return d
 
     def to_text(self) -> str:
+        counts = f"{self.tensors_quantized} tensors quantized, {self.tensors_kept} kept, {self.shards} shard(s)"
         lines = [
-            f"wrote {self.output_dir}: {self.tensors_quantized} tensors quantized, {self.tensors_kept} kept, "
-            f"{self.shards} shard(s)",
+            f"already complete: {self.output_dir} holds this conversion, finished earlier; nothing was written ({counts})"
+            if self.already_complete else f"wrote {self.output_dir}: {counts}",
             f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
             f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
             f"time: {self.seconds:.1f} s on {self.device}, {self.gb_per_s:.2f} GB/s of input",
