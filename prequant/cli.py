@@ -80,6 +80,11 @@ def convert(
         typer.Option("--delete-source-shards", help="Hub source: delete each shard prequant downloaded from the Hugging "
                      "Face cache once converted (disk holds about two source shards plus the output)."),
     ] = False,
+    allow_nan: Annotated[
+        bool,
+        typer.Option("--allow-nan", help="Copy kept (unquantized) tensors holding NaN as they are instead of refusing "
+                     "(recorded in prequant.json)."),
+    ] = False,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
     arguments = dict(locals())
@@ -226,39 +231,6 @@ def version() -> None:
     print(__version__)
 
 
-def run() -> None:
-    """The `prequant` command (console script and `python -m prequant`): `main()`, then leave at once.
-
-    Once a command has finished, stdout and stderr are flushed and atexit handlers (the trace, logging)
-    have run, nothing is left to do; the interpreter's own teardown would still spend about two seconds
-    destroying torch's and CUDA's state (measured on the GPU machine), so the process exits without it.
-    SIGINT and SIGTERM are exceptions from start-up on (`util.signals`); once the command has finished they
-    are blocked, so the exit status is the command's. With PREQUANT_DEBUG=1 an unexpected exception takes the
-    normal path, traceback and all."""
-    signals.install()  # already done by `prequant.__main__`; again for callers of this function
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt as e:  # a signal while main() was reporting how the command ended
-        code = _interrupted(signals.of(e))
-    signals.hold()
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said there anyway
-            pass
-    os._exit(code)
-
-
 def main() -> None:
     """Run the app. A PrequantError becomes `Error: ...` on stderr with its exit code; SIGINT and SIGTERM one
     line and 130 / 143; any other exception one line and exit 1 (PREQUANT_DEBUG=1: the traceback instead)."""
@@ -271,7 +243,7 @@ def main() -> None:
         print("Error: " + _one_line(e.message), file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt as e:
-        sys.exit(_interrupted(signals.of(e)))
+        sys.exit(interrupted(signals.of(e)))
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
@@ -289,7 +261,7 @@ def main() -> None:
         sys.exit(1)
     if code == _TYPER_INTERRUPTED:
         # typer turns a KeyboardInterrupt inside a command into this exit code, and returns it.
-        sys.exit(_interrupted(signals.received() or signal.SIGINT))
+        sys.exit(interrupted(signals.received() or signal.SIGINT))
     if isinstance(code, int) and code:
         sys.exit(code)
 
@@ -297,7 +269,7 @@ def main() -> None:
 _TYPER_INTERRUPTED = 130
 
 
-def _interrupted(signum: int) -> int:
+def interrupted(signum: int) -> int:
     """Say that a signal stopped the command; return its exit status."""
     print(f"Error: interrupted by {signals.name(signum)}", file=sys.stderr)
     return signals.exit_code(signum)

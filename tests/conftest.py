@@ -139,6 +139,33 @@ class Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+Q0, K0, UP1 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+               "model.layers.1.mlp.up_proj.weight")
+MIXES = {  # tensor -> the dtype it is stored in, in a bf16 Llama (quantized ones and kept ones)
+    "fp32-in-bf16": {Q0: torch.float32, UP1: torch.float32, "model.layers.0.input_layernorm.weight": torch.float32,
+                     "lm_head.weight": torch.float32},
+    "fp16-in-bf16": {Q0: torch.float16, UP1: torch.float16, "model.layers.0.input_layernorm.weight": torch.float16,
+                     "lm_head.weight": torch.float16},
+    "mixed": {Q0: torch.float32, K0: torch.float16, "model.norm.weight": torch.float32,
+              "model.embed_tokens.weight": torch.float16},
+}
+
+
+def retyped(src: Path, dst: Path, dtypes: dict[str, torch.dtype]) -> Path:
+    """A copy of `src` with the named tensors stored in other dtypes, their values moved off the bf16 grid (so
+    that the cast to bf16 has to round)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name, dtype in dtypes.items():
+        t = tensors[name].float()
+        tensors[name] = (t + torch.randn(t.shape, generator=generator) * t.abs().mean() * 1e-2).to(dtype)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def bnb_config(**overrides):
     from transformers import BitsAndBytesConfig
 

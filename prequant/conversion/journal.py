@@ -44,6 +44,7 @@ class Finished:
 
     steps: dict[str, dict[str, bytes]] = field(default_factory=dict)  # source name -> variable-size blobs
     shards: set[str] = field(default_factory=set)
+    non_finite: dict[str, tuple[int, int]] = field(default_factory=dict)  # kept tensor -> (NaN, Inf) counts
 
 
 class Journal:
@@ -71,8 +72,10 @@ class Journal:
     def resumed(self) -> bool:
         return bool(self.done.steps)
 
-    def step_done(self, name: str, blobs: dict[str, bytes]) -> None:
-        record = {"step": name, "blobs": {k: base64.b64encode(v).decode() for k, v in blobs.items()}}
+    def step_done(self, name: str, blobs: dict[str, bytes], non_finite: tuple[int, int] | None = None) -> None:
+        record: dict = {"step": name, "blobs": {k: base64.b64encode(v).decode() for k, v in blobs.items()}}
+        if non_finite:
+            record["non_finite"] = list(non_finite)
         self._append(record)
 
     def shard_done(self, shard: str) -> None:
@@ -103,6 +106,8 @@ def _read(path: Path) -> Finished:
             break  # a line cut short by the kill: everything after it is unknown
         if "step" in record:
             done.steps[record["step"]] = {k: base64.b64decode(v) for k, v in record["blobs"].items()}
+            if "non_finite" in record:
+                done.non_finite[record["step"]] = tuple(record["non_finite"])  # type: ignore[assignment]
         elif "shard" in record:
             done.shards.add(record["shard"])
     return done

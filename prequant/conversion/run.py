@@ -80,7 +80,7 @@ def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Q
                   side: list[Path], opts: ConvertOptions) -> dict | None:
     """Stream the shards, write config, index, side files and manifest into the staging folder, publish; return
     the manifest (None when an earlier, interrupted run had written everything and was publishing)."""
-    record = Recorder(src, plan, stats=opts.stats, job=job_id(job),
+    record = Recorder(src, plan, stats=opts.stats, job=job_id(job), allow_nan=opts.allow_nan,
                       options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit})
     staging = output.staging_dir(out, keep=opts.resume)
     written = None
@@ -103,7 +103,11 @@ def _plan(src: Source, tensors: list[TensorRef], config: dict, opts: ConvertOpti
     layout = (layout_worker.take(src.path, tensors, skip, opts.trust_remote_code)
               or analyze(config, src.path, tensors, skip, opts.trust_remote_code))
     require_known(layout)
-    return make_plan(tensors, layout, opts.settings, opts.shard_limit)
+    plan = make_plan(tensors, layout, opts.settings, opts.shard_limit)
+    if opts.progress and not opts.dry_run:  # a dry run's plan says them
+        for warning in plan.warnings:
+            print(f"prequant: warning: {warning}", file=sys.stderr)
+    return plan
 
 
 def _write_shards(
@@ -113,6 +117,7 @@ def _write_shards(
     shard's data bytes. The disk is kept reading ahead of the pipeline (local files) and a Hub source's shards
     are downloaded as it reaches them."""
     journal = Journal(staging, job, resume=opts.resume)
+    record.kept.found.update(journal.done.non_finite)  # what the interrupted run found in the tensors it wrote
     if journal.resumed and opts.progress:
         print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
               file=sys.stderr)
@@ -126,7 +131,7 @@ def _write_shards(
             hooks.append(data.tensor_done)  # a Hub shard: evicted after its last tensor with --delete-source-shards
             trace.mark("pipeline-start")
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=_each(hooks),
-                                 inspect=record.inspect, on_shard=record.on_shard)
+                                 inspect=record.inspect, on_shard=record.on_shard, check=record.kept)
             trace.mark("pipeline-end")
             return sizes
     finally:
@@ -162,6 +167,7 @@ def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer, started: 
         stats=written["stats"]["summary"],
         hub_commit_url=hub_url,
         already_complete=already_complete,
+        non_finite=written.get("non_finite") or {},
     )
 
 

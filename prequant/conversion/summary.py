@@ -24,6 +24,7 @@ class Summary:
     stats: dict | None = None  # relative error of the dequantized tensors (median, worst), when measured
     hub_commit_url: str | None = None  # with push_to_hub
     already_complete: bool = False  # --resume found this conversion finished in OUTPUT_DIR: nothing was written
+    non_finite: dict[str, dict[str, int]] = field(default_factory=dict)  # kept tensors with NaN / Inf: the counts
 
     @property
     def gb_per_s(self) -> float:
@@ -31,8 +32,9 @@ class Summary:
 
     def to_dict(self) -> dict:
         d = {**asdict(self), "gb_per_s": round(self.gb_per_s, 3)}
-        if not self.already_complete:
-            del d["already_complete"]  # said only when true, so the usual result is unchanged
+        for key in ("already_complete", "non_finite"):  # said only when there is something to say
+            if not d[key]:
+                del d[key]
         return d
 
     def to_text(self) -> str:
@@ -48,6 +50,14 @@ class Summary:
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
                          f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")
+        if self.non_finite:
+            found = ", ".join(f"{name} ({_counts(counts)})" for name, counts in self.non_finite.items())
+            lines.append(f"non-finite values kept as they are: {found} (recorded in prequant.json)")
         if self.hub_commit_url:
             lines.append(f"uploaded: {self.hub_commit_url}")
         return "\n".join(lines)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """'3 NaN, 12 Inf'"""
+    return ", ".join(f"{counts[kind]:,} {label}" for kind, label in (("nan", "NaN"), ("inf", "Inf")) if counts.get(kind))
