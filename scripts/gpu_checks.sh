@@ -15,7 +15,7 @@ mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
 python3 -c "import torch, transformers, bitsandbytes; print('torch', torch.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_grok.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"} 2>&1 | tail -25
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/conversion/test_convert_gpu.py tests/bnb/test_quantize_gpu.py tests/conversion/test_grok.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"} 2>&1 | tail -25
 IFS=';' read -ra SPECS <<< "${PREQUANT_BENCH:-16 llama --transformers --warm-libraries;16 llama;16 llama --warm-libraries --prequant-arg=--max-shard-size=1GB;4 llama --warm-libraries;30 llama --warm-libraries}"
 for spec in "${SPECS[@]}"; do
   set -- $spec
