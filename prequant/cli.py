@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Annotated
 
 from .util import trace  # first, so a trace's "start" is the process' own start (standard library only)
+from .util import signals
 
 import typer
 
@@ -77,6 +79,11 @@ def convert(
         bool,
         typer.Option("--delete-source-shards", help="Hub source: delete each shard prequant downloaded from the Hugging "
                      "Face cache once converted (disk holds about two source shards plus the output)."),
+    ] = False,
+    allow_nan: Annotated[
+        bool,
+        typer.Option("--allow-nan", help="Copy kept (unquantized) tensors holding NaN as they are instead of refusing "
+                     "(recorded in prequant.json)."),
     ] = False,
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
@@ -198,6 +205,24 @@ def check_fsdp(
         raise CheckFailed(result)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from ._version import __version__
+
+        print(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print prequant's version and exit.")
+    ] = False,
+) -> None:
+    # The options of `prequant` itself, before the command (no docstring: the app's help stays its own).
+    pass
+
+
 @app.command()
 def version() -> None:
     """Print prequant's version."""
@@ -206,54 +231,50 @@ def version() -> None:
     print(__version__)
 
 
-def run() -> None:
-    """The `prequant` command (console script and `python -m prequant`): `main()`, then leave at once.
-
-    Once a command has finished, stdout and stderr are flushed and atexit handlers (the trace, logging)
-    have run, nothing is left to do; the interpreter's own teardown would still spend about two seconds
-    destroying torch's and CUDA's state (measured on the GPU machine), so the process exits without it.
-    An unexpected exception still takes the normal path, traceback and all."""
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said there anyway
-            pass
-    os._exit(code)
-
-
 def main() -> None:
-    """Run the app; PrequantError becomes `Error: ...` on stderr with its exit code."""
+    """Run the app. A PrequantError becomes `Error: ...` on stderr with its exit code; SIGINT and SIGTERM one
+    line and 130 / 143; any other exception one line and exit 1 (PREQUANT_DEBUG=1: the traceback instead)."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except PrequantError as e:
         if os.environ.get("PREQUANT_DEBUG"):
             raise
         # One line whatever the message holds: names taken from a corrupt file may contain newlines.
-        print("Error: " + " ".join(e.message.splitlines()), file=sys.stderr)
+        print("Error: " + _one_line(e.message), file=sys.stderr)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("Error: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        sys.exit(interrupted(signals.of(e)))
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors and the like
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as e:
         # typer raises the click it runs on: the click package, or (typer >= 0.2x) its own vendored copy.
         click_exceptions = sys.modules[typer.BadParameter.__module__]
-        if isinstance(e, click_exceptions.ClickException):
+        if isinstance(e, click_exceptions.ClickException):  # usage errors and the like
             e.show()
             sys.exit(e.exit_code)
-        if isinstance(e, click_exceptions.Abort):
-            sys.exit(1)
-        raise
+        if os.environ.get("PREQUANT_DEBUG"):
+            raise
+        what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        print(f"Error: {_one_line(what)} (PREQUANT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        sys.exit(1)
+    if code == _TYPER_INTERRUPTED:
+        # typer turns a KeyboardInterrupt inside a command into this exit code, and returns it.
+        sys.exit(interrupted(signals.received() or signal.SIGINT))
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+_TYPER_INTERRUPTED = 130
+
+
+def interrupted(signum: int) -> int:
+    """Say that a signal stopped the command; return its exit status."""
+    print(f"Error: interrupted by {signals.name(signum)}", file=sys.stderr)
+    return signals.exit_code(signum)
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    line = " ".join(text.splitlines())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

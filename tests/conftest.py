@@ -139,6 +139,33 @@ class Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+Q0, K0, UP1 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+               "model.layers.1.mlp.up_proj.weight")
+MIXES = {  # tensor -> the dtype it is stored in, in a bf16 Llama (quantized ones and kept ones)
+    "fp32-in-bf16": {Q0: torch.float32, UP1: torch.float32, "model.layers.0.input_layernorm.weight": torch.float32,
+                     "lm_head.weight": torch.float32},
+    "fp16-in-bf16": {Q0: torch.float16, UP1: torch.float16, "model.layers.0.input_layernorm.weight": torch.float16,
+                     "lm_head.weight": torch.float16},
+    "mixed": {Q0: torch.float32, K0: torch.float16, "model.norm.weight": torch.float32,
+              "model.embed_tokens.weight": torch.float16},
+}
+
+
+def retyped(src: Path, dst: Path, dtypes: dict[str, torch.dtype]) -> Path:
+    """A copy of `src` with the named tensors stored in other dtypes, their values moved off the bf16 grid (so
+    that the cast to bf16 has to round)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    for name, dtype in dtypes.items():
+        t = tensors[name].float()
+        tensors[name] = (t + torch.randn(t.shape, generator=generator) * t.abs().mean() * 1e-2).to(dtype)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def bnb_config(**overrides):
     from transformers import BitsAndBytesConfig
 
@@ -174,11 +201,23 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def cli_env(env: dict | None = None) -> dict:
+    """The environment the CLI runs in: this one, with this checkout's prequant first on the path."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+
+
+def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """`python -m prequant ARGS` started in the background (text pipes for stdout and stderr)."""
+    popen.setdefault("cwd", ROOT)
+    return subprocess.Popen([sys.executable, "-m", "prequant", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(env), **popen)
+
+
 def run_cli(*args: str, env: dict | None = None, check: bool | None = None, **popen) -> subprocess.CompletedProcess:
-    """`python -m prequant ARGS` in a subprocess, as a user runs it; `popen` (e.g. preexec_fn) goes to subprocess.run."""
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    """`python -m prequant ARGS` in a subprocess, as a user runs it; `popen` (e.g. preexec_fn, cwd) goes to subprocess.run."""
+    popen.setdefault("cwd", ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "prequant", *args], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=600, **popen
+        [sys.executable, "-m", "prequant", *args], capture_output=True, text=True, env=cli_env(env), timeout=600, **popen
     )
     if check:
         assert proc.returncode == 0, proc.stderr

@@ -124,6 +124,14 @@ class Fault:
 
 
 @dataclass
+class Stall:
+    """Requests held by `HubServer.stall` until ``release`` is set."""
+
+    arrived: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
 class RequestRecord:
     method: str
     path: str  # URL path, percent-decoded, without the query
@@ -178,6 +186,7 @@ class HubServer:
         self.request_log: list[RequestRecord] = []
         self.served: list[tuple[str, str]] = []  # (repo_id, filename) of every file body sent
         self._faults: list[Fault] = []
+        self._stalls: dict[str, Stall] = {}
         self._repos: dict[str, Repo] = {}
         self._lock = threading.RLock()
         self._cdn_host = cdn_host
@@ -197,6 +206,8 @@ class HubServer:
         return self
 
     def stop(self) -> None:
+        for stall in self._stalls.values():
+            stall.release.set()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -290,6 +301,14 @@ class HubServer:
         with self._lock:
             self._faults.append(fault)
         return fault
+
+    def stall(self, route: str) -> Stall:
+        """Hold every request to ``route`` (a handler's name, e.g. "preupload" or "commit") until the returned
+        stall is released (or 60 s pass); its ``arrived`` event is set when the first one comes in."""
+        stall = Stall()
+        with self._lock:
+            self._stalls[route] = stall
+        return stall
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -452,6 +471,11 @@ class _Handler(BaseHTTPRequestHandler):
         for route_method, pattern, name in self.routes:
             match = pattern.fullmatch(split.path)
             if match and (route_method == method or (route_method == "GET" and method == "HEAD")):
+                with self.hub._lock:
+                    stall = self.hub._stalls.get(name)
+                if stall is not None:
+                    stall.arrived.set()
+                    stall.release.wait(60)
                 try:
                     getattr(self, name)(**{k: unquote(v) for k, v in match.groupdict().items() if v is not None})
                 except HubError as error:
@@ -957,6 +981,7 @@ __all__ = [
     "Fault",
     "HubServer",
     "RequestRecord",
+    "Stall",
     "hub_server",
     "point_huggingface_hub_at",
 ]

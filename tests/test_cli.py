@@ -122,3 +122,45 @@ def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
     assert t["busy"]["quantize"] > 0 and t["busy"]["write"] > 0  # real work was timed
     assert all(0 <= s <= times[-1] - times[0] + 0.01 for s in t["busy"].values())  # no stage outlasts the process
 
+
+
+def test_version_option():
+    proc = run_cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    from prequant import __version__
+
+    assert proc.stdout.strip() == __version__ == run_cli("version").stdout.strip()
+
+
+def test_unexpected_exception_is_one_line_with_the_debug_hint(checkpoints, tmp_path):
+    """Any exception that is not a PrequantError (a bug, here injected mid-conversion) is one line, exit 1."""
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu",
+                   env={"PREQUANT_FAILPOINT": "tensor-written:3:raise", "PREQUANT_DEBUG": ""})
+    assert proc.returncode == 1
+    line = _one_line_error(proc)
+    assert line == ("Error: RuntimeError: failure injected at tensor-written (PREQUANT_FAILPOINT) "
+                    "(PREQUANT_DEBUG=1 shows the traceback)")
+    debug = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out2"), "--device", "cpu",
+                    env={"PREQUANT_FAILPOINT": "tensor-written:3:raise", "PREQUANT_DEBUG": "1"})
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "RuntimeError" in debug.stderr
+
+
+def test_output_dir_name_too_long_is_one_line(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / ("x" * 300)), "--device", "cpu")
+    assert proc.returncode == 2
+    assert "File name too long" in _one_line_error(proc)
+
+
+@pytest.mark.parametrize("output_dir", ["", "   "], ids=["empty", "blank"])
+def test_empty_output_dir_is_refused_and_the_current_directory_untouched(checkpoints, tmp_path, output_dir):
+    """`prequant convert SRC "$OUT" --overwrite` with OUT unset must not write into the current directory."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "model.safetensors").write_bytes(b"the user's own weights")
+    (cwd / "config.json").write_text("{}")
+    for extra in ([], ["--overwrite"], ["--dry-run"]):
+        proc = run_cli("convert", str(checkpoints("llama")), output_dir, "--device", "cpu", *extra, cwd=cwd)
+        assert proc.returncode == 2, proc.stderr
+        assert "OUTPUT_DIR is empty" in _one_line_error(proc)
+    assert sorted(p.name for p in cwd.iterdir()) == ["config.json", "model.safetensors"]
+    assert (cwd / "model.safetensors").read_bytes() == b"the user's own weights"

@@ -120,6 +120,13 @@ def packed_bytes(n: int) -> int:
     return -(-n // 2)
 
 
+def loses_codes(n: int, storage_code: str) -> bool:
+    """Whether bitsandbytes' storage for `n` elements (`packed_length`) is smaller than the codes it must hold:
+    the last byte is lost and the tensor cannot be dequantized (e.g. 37 x 98 in bfloat16: 1,812 of 1,813 bytes).
+    A uint8 storage never loses any."""
+    return packed_length(n, storage_code) * itemsize(storage_code) < packed_bytes(n)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One key of a quantized weight in a checkpoint; `shape` is None for the quant-state JSON, whose length is

@@ -9,6 +9,9 @@ Two ways to decide, in this order:
    are mapped to model keys with transformers' own renaming tables, so keys that transformers fuses
    (native MoE experts in transformers 5) are recognised and kept, as transformers keeps them.
 2. Otherwise, a registry of name rules per family (Grok-1 in both namings) and a generic fallback.
+
+Each decision also carries the dtype transformers loads the tensor in, and with the meta model every tensor's
+shape is checked against its parameter's (`loading` has those rules).
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
+from .loading import cast_code, check_shape, fp32_pattern, load_dtype, should_convert, unmatched_by_4x
 
 log = logging.getLogger("prequant")
 
@@ -33,6 +36,7 @@ class Decision:
     quantize: bool
     reason: str
     transpose: bool = False  # GPT-2 Conv1D stores [in, out]; bitsandbytes wants [out, in]
+    dtype: str | None = None  # safetensors code transformers casts it to on load (None: loaded as stored)
 
 
 @dataclass(frozen=True)
@@ -43,21 +47,7 @@ class Layout:
     skip_modules: list[str] | None  # llm_int8_skip_modules to write (None keeps transformers' defaults)
     method: str  # how the decisions were made, for the plan
     notes: list[str] = field(default_factory=list)
-
-
-def should_convert(module: str, patterns: Iterable[str]) -> bool:
-    """transformers' skip-list matching: a pattern matches a module name from its start up to a module
-    boundary (also as a regex), or as a suffix."""
-    boundary = r"(?:(?<=\.)|(?=\.|$))"
-    for pattern in patterns:
-        try:
-            if re.match(rf"(?:{pattern}){boundary}", module):
-                return False
-        except re.error:
-            pass  # not a regex: plain matching below still applies
-        if module.endswith(pattern):
-            return False
-    return True
+    warnings: list[str] = field(default_factory=list)  # said on stderr by a conversion (e.g. --skip and 4.x)
 
 
 def analyze(
@@ -67,25 +57,29 @@ def analyze(
     skip: list[str],
     trust_remote_code: bool = False,
 ) -> Layout:
-    """Decide, for each tensor, whether it is quantized; see the module docstring for how."""
+    """Decide, for each tensor, whether it is quantized and the dtype it is loaded in; see the module docstring
+    for how. A tensor shaped otherwise than the model's parameter is refused (PrequantError naming it)."""
     remote = bool(config.get("auto_map"))
+    dtype = load_dtype(config, tensors)
     if not remote or trust_remote_code:
-        layout = _from_transformers(source_dir, tensors, skip, trust_remote_code)
+        layout = _from_transformers(source_dir, tensors, skip, trust_remote_code, dtype)
         if layout is not None:
             return layout
-    return _from_rules(config, tensors, skip, remote)
+    return _from_rules(config, tensors, skip, remote, dtype)
 
 
 # --- 1. transformers on the meta device -------------------------------------------------------
 
 
 def _from_transformers(
-    source_dir: Path, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool
+    source_dir: Path, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool, dtype: str | None
 ) -> Layout | None:
     try:
         import torch
         import transformers
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ..checkpoint.dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
     except ImportError:
         return None
     try:
@@ -94,11 +88,13 @@ def _from_transformers(
             cfg = AutoConfig.from_pretrained(source_dir, trust_remote_code=trust_remote_code)
             arch = (getattr(cfg, "architectures", None) or [None])[0]
             cls = getattr(transformers, arch, None) if arch else None
+            # In the dtype from_pretrained loads it in: a kept weight is cast to its parameter's dtype.
+            kwargs = {} if dtype is None else {"dtype": SAFETENSORS_DTYPES[dtype]}
             with torch.device("meta"):
                 if cls is not None and hasattr(cls, "_from_config"):
-                    model = cls._from_config(cfg)
+                    model = cls._from_config(cfg, **kwargs)
                 else:
-                    model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+                    model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # an architecture this transformers does not know: fall back to name rules
         log.info("transformers cannot build this model on the meta device (%s); using name rules", e)
         return None
@@ -111,26 +107,40 @@ def _from_transformers(
     patterns = [*defaults, *required, *skip, *keep_fp32]
     linear = _linear_modules(model)
     to_model_key = _key_mapper(model)
+    state = model.state_dict()  # meta tensors: every parameter's (and persistent buffer's) shape and dtype
+    fp32 = fp32_pattern(model, dtype)
+    name = type(model).__name__
 
     decisions: dict[str, Decision] = {}
+    by_skip: dict[str, str] = {}  # module -> the --skip pattern keeping it
     for t in tensors:
         model_key, converted = to_model_key(t.name)
         module, _, leaf = model_key.rpartition(".")
+        param = state.get(model_key)
+        if param is not None and not converted:
+            check_shape(t, tuple(param.shape), name)
+        target = "F32" if fp32 is not None and fp32.search(model_key) else None
+        kept_as = cast_code(t.dtype, target or (TORCH_TO_SAFETENSORS.get(param.dtype) if param is not None else None))
         if converted:
-            decisions[t.name] = Decision(False, f"fused by transformers into {model_key}; bitsandbytes keeps it")
+            decisions[t.name] = Decision(False, f"fused by transformers into {model_key}; bitsandbytes keeps it",
+                                         dtype=kept_as)
         elif leaf != "weight" or module not in linear:
-            decisions[t.name] = Decision(False, "not a linear weight")
+            decisions[t.name] = Decision(False, "not a linear weight", dtype=kept_as)
         elif len(t.shape) != 2:
-            decisions[t.name] = Decision(False, f"{len(t.shape)}-D, not a 2-D linear weight")
+            decisions[t.name] = Decision(False, f"{len(t.shape)}-D, not a 2-D linear weight", dtype=kept_as)
         elif not should_convert(module, patterns):
-            decisions[t.name] = Decision(False, "skipped (" + _which_skip(module, skip, required, keep_fp32) + ")")
+            which = _which_skip(module, skip, required, keep_fp32)
+            if which == "--skip":
+                by_skip[module] = next(p for p in skip if not should_convert(module, [p]))
+            decisions[t.name] = Decision(False, f"skipped ({which})", dtype=kept_as)
         else:
             conv1d = linear[module]
-            decisions[t.name] = Decision(True, "Conv1D, transposed" if conv1d else "nn.Linear", transpose=conv1d)
+            decisions[t.name] = Decision(True, "Conv1D, transposed" if conv1d else "nn.Linear", transpose=conv1d,
+                                         dtype=cast_code(t.dtype, target or dtype))
     # An explicit list replaces transformers' defaults on load, so it must carry them too.
     skip_modules = sorted({*defaults, *required, *skip}) if skip or required else None
-    method = f"transformers meta model ({type(model).__name__})" + (f", {family.name} skips" if family else "")
-    return Layout(decisions, skip_modules, method)
+    method = f"transformers meta model ({name})" + (f", {family.name} skips" if family else "")
+    return Layout(decisions, skip_modules, method, warnings=unmatched_by_4x(by_skip, skip_modules or []))
 
 
 def _transformers_default_skips(model: object) -> list[str]:
@@ -245,22 +255,26 @@ def detect_family(tensors: list[TensorRef]) -> Family | None:
     return next((f for f in FAMILIES if any(f.detect.match(t.name) for t in tensors)), None)
 
 
-def _from_rules(config: dict, tensors: list[TensorRef], skip: list[str], remote: bool) -> Layout:
+def _from_rules(config: dict, tensors: list[TensorRef], skip: list[str], remote: bool, dtype: str | None) -> Layout:
     family = detect_family(tensors)
     decisions: dict[str, Decision] = {}
+    by_skip: dict[str, str] = {}
     for t in tensors:
         module, _, leaf = t.name.rpartition(".")
+        cast = cast_code(t.dtype, dtype)  # no model to ask: every floating-point tensor in the model's dtype
         if leaf != "weight" or len(t.shape) != 2:
-            decisions[t.name] = Decision(False, "not a 2-D weight")
+            decisions[t.name] = Decision(False, "not a 2-D weight", dtype=cast)
         elif not should_convert(module, skip):
-            decisions[t.name] = Decision(False, "skipped (--skip)")
+            by_skip[module] = next(p for p in skip if not should_convert(module, [p]))
+            decisions[t.name] = Decision(False, "skipped (--skip)", dtype=cast)
         elif family is not None:
             linear = bool(family.quantize.match(module))
-            decisions[t.name] = Decision(linear, f"{family.name} rule" if linear else f"kept by {family.name} rule")
+            decisions[t.name] = Decision(linear, f"{family.name} rule" if linear else f"kept by {family.name} rule",
+                                         dtype=cast)
         elif _NOT_LINEAR.search(module):
-            decisions[t.name] = Decision(False, "embedding/norm/head/router by name")
+            decisions[t.name] = Decision(False, "embedding/norm/head/router by name", dtype=cast)
         else:
-            decisions[t.name] = Decision(True, "2-D weight (generic rule)")
+            decisions[t.name] = Decision(True, "2-D weight (generic rule)", dtype=cast)
     required = family.skip_modules if family else ("lm_head",)
     notes = []
     if remote:
@@ -268,7 +282,8 @@ def _from_rules(config: dict, tensors: list[TensorRef], skip: list[str], remote:
     if family is None:
         notes.append("architecture unknown to transformers here: generic name rules used; check the plan")
     method = f"name rules ({family.name})" if family else "name rules (generic)"
-    return Layout(decisions, sorted({*required, *skip}), method, notes)
+    skip_modules = sorted({*required, *skip})
+    return Layout(decisions, skip_modules, method, notes, unmatched_by_4x(by_skip, skip_modules))
 
 
 def require_known(layout: Layout) -> None:

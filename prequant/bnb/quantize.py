@@ -7,6 +7,7 @@ reproduces the CUDA bytes (bitsandbytes' CPU path does not). What the entries ho
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,12 @@ class Quantizer:
         offset = None
         if s.double_quant:
             codes, nested_absmax, nested_map, offset = self._nested(absmax)
+            if not math.isfinite(offset):  # float32's sum of block scales near its maximum overflows
+                raise PrequantError(
+                    f"tensor {name!r}: its block scales (up to {float(absmax.max()):.3g}) are too large for double "
+                    "quantization (their mean overflows float32, and the weight would load as NaN); pass "
+                    f"--no-double-quant, or keep it unquantized with --skip {name.removesuffix('.weight')}"
+                )
             out.update(absmax=codes, nested_absmax=nested_absmax, nested_quant_map=nested_map)
         state = quant_state(s.quant_type, s.blocksize, torch_name(dtype), list(shape), offset)
         out[s.state_entry] = torch.tensor(list(encode_quant_state(state)), dtype=torch.uint8)

@@ -90,19 +90,31 @@ def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor]) -> Tenso
 def compare(
     source: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int
 ) -> TensorStats:
-    """Dequantize `packed` chunk by chunk and compare it with `source` (flattened row-major)."""
+    """Dequantize `packed` chunk by chunk and compare it with `source` (flattened row-major).
+
+    Both are scaled by a power of two near the largest block scale first (exact: only exponents change), so
+    that no square, sum or difference overflows float32 (values near 1e30 square to 1e60) or underflows (tiny
+    weights): finite inputs always give finite figures. The ratio is scale-free; the largest error is scaled
+    back in float64."""
     n = source.numel()
+    exponent = math.frexp(float(absmax.max()))[1] if absmax.numel() else 0
     err2 = ref2 = 0.0
     max_err = torch.zeros((), device=source.device)
     for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
-        x = _flat_chunk(source, start, end).float()
-        diff = values.sub_(x)
+        x = _scaled(_flat_chunk(source, start, end).to(torch.float32, copy=True), exponent)
+        diff = _scaled(values, exponent).sub_(x)
         err2 += float(torch.dot(diff, diff))
         ref2 += float(torch.dot(x, x))
         max_err = torch.maximum(max_err, _absmax(diff))
     rel = math.sqrt(err2 / ref2) if ref2 > 0 else (0.0 if err2 == 0 else math.inf)
     lo, hi = (float(absmax.min()), float(absmax.max())) if absmax.numel() else (0.0, 0.0)
-    return TensorStats(n, lo, hi, rel, float(max_err))
+    return TensorStats(n, lo, hi, rel, math.ldexp(float(max_err), exponent))
+
+
+def _scaled(t: torch.Tensor, exponent: int) -> torch.Tensor:
+    """t * 2**-exponent, in place, in two steps so that neither factor overflows float32 (|exponent| <= 149)."""
+    half = exponent // 2
+    return t.mul_(2.0 ** -half).mul_(2.0 ** -(exponent - half))
 
 
 def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, n: int) -> torch.Tensor:

@@ -1,11 +1,21 @@
 """safetensors headers, parsed and checked here (not by the safetensors library), so that every defect of a
-file (short file, header longer than the file, bad JSON, offsets out of range or overlapping) becomes one
-PrequantError naming the file and tensor, before any work starts."""
+file becomes one PrequantError naming the file and tensor, before any work starts.
+
+The rules are the safetensors library's own (`SafeTensors::read_metadata` and `Metadata::validate` in its
+Rust crate), each mirrored: at least 8 bytes; a header length of at most 100,000,000 bytes that fits in the
+file; the header UTF-8 JSON (serde_json's: no NaN or Infinity, no lone surrogates, at most 127 levels deep)
+holding an object whose `__metadata__`, if not null, maps strings to strings and whose every other entry has
+a known dtype, a shape of non-negative integers and two non-negative data_offsets; element counts (multiplied
+out in order) and byte counts that fit 64 bits; tensors that, sorted by offset, tile the data section with no
+overlap and no gap, and a file that ends exactly where the last tensor does. A file safetensors would refuse
+is refused here. A few files it would accept are refused too: dtypes torch has no type for, shapes torch
+cannot hold (more than 64 dimensions, a dimension past 2^63 - 1), and headers that are not what its writers
+write (a key given twice, an entry or a dtype in serde's alternative forms: a JSON array, {"F32": null}).
+"""
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from pathlib import Path
 
@@ -13,8 +23,10 @@ from ..errors import PrequantError
 from .dtypes import SAFETENSORS_DTYPES, itemsize
 from .tensors import TensorRef, quote, reason, short
 
-# A safetensors header is JSON; real ones are well under 100 MB even for thousands of tensors.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# safetensors' MAX_HEADER_SIZE; real headers are well under it even for thousands of tensors.
+MAX_HEADER_BYTES = 100_000_000
+MAX_DEPTH = 127  # serde_json's recursion limit: 128 nested arrays or objects are refused
+_U64 = 2**64  # safetensors counts elements, bits and bytes in usize: past this, it refuses the shape
 CORRUPT = "the file is corrupt, re-download it"
 
 
@@ -63,10 +75,13 @@ def parse_header(path: Path, raw: bytes, size: int, *, label: object = None) -> 
     `label` names the file in messages (`path` by default: a Hub shard is named by its repo, not its cache path)."""
     where = path if label is None else label
     try:
-        header = json.loads(raw)
+        # Decoded as UTF-8 first: given bytes, json.loads would also take UTF-16 and UTF-32, which safetensors does not.
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     # ValueError covers bad JSON, bad UTF-8 and integers too long to parse; RecursionError, deeply nested junk.
     except (ValueError, RecursionError) as e:
         raise PrequantError(f"header is not valid JSON ({reason(e)}); {CORRUPT}", where=where) from e
+    if problem := _json_problem(header):
+        raise PrequantError(f"header is not valid JSON ({problem}); {CORRUPT}", where=where)
     if not isinstance(header, dict):
         raise PrequantError(f"header is not a JSON object; {CORRUPT}", where=where)
     metadata = header.pop("__metadata__", None)
@@ -74,10 +89,60 @@ def parse_header(path: Path, raw: bytes, size: int, *, label: object = None) -> 
         metadata = {}
     if not isinstance(metadata, dict):
         raise PrequantError(f"__metadata__ is not a JSON object; {CORRUPT}", where=where)
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise PrequantError(f"__metadata__ value of {quote(key)} is {short(value)}, not a string; {CORRUPT}",
+                                where=where)
     data_start = 8 + len(raw)
     refs = [_parse_entry(path, where, name, entry, data_start, size - data_start) for name, entry in header.items()]
-    _check_no_overlap(where, refs)
-    return refs, {str(k): str(v) for k, v in metadata.items()}
+    _check_layout(where, refs, data_start, size)
+    return refs, dict(metadata)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(f"key {quote(key, 60)} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_problem(value: object) -> str | None:
+    """What serde_json would refuse in a value Python's json accepted: nesting past its limit, lone surrogates."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            if depth > MAX_DEPTH:
+                return f"nested more than {MAX_DEPTH} levels deep"
+            for key, sub in item.items():
+                if not _encodable(key):
+                    return "a string holds a lone surrogate"
+                stack.append((sub, depth + 1))
+        elif isinstance(item, list):
+            if depth > MAX_DEPTH:
+                return f"nested more than {MAX_DEPTH} levels deep"
+            stack.extend((sub, depth + 1) for sub in item)
+        elif isinstance(item, str) and not _encodable(item):
+            return "a string holds a lone surrogate"
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # Dimensions must fit torch's int64 sizes, even for an empty tensor whose other dimensions are huge; the
@@ -107,8 +172,18 @@ def _parse_entry(path: Path, where: object, name: str, entry: object, data_start
         )
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
         raise PrequantError(f"{tensor}: data_offsets {short(offsets)} is not a pair of integers; {CORRUPT}", where=where)
+    count = 1
+    for d in shape:  # multiplied in order, as safetensors does: [2**33, 2**33, 0] overflows before the 0
+        count *= d
+        if count >= _U64:
+            raise PrequantError(
+                f"{tensor}: shape {short(shape)} has more elements than a 64-bit count holds; {CORRUPT}", where=where
+            )
     begin, end = offsets
-    expected = math.prod(shape) * itemsize(dtype)
+    expected = count * itemsize(dtype)
+    if expected * 8 >= _U64:
+        raise PrequantError(f"{tensor}: shape {short(shape)} has more bits than a 64-bit count holds; {CORRUPT}",
+                            where=where)
     if begin < 0 or end < begin or end - begin != expected:
         raise PrequantError(
             f"{tensor}: data_offsets {short(offsets)} do not match {dtype}{short(shape)} ({short(expected)} bytes); "
@@ -128,12 +203,28 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)  # JSON true/false arrive as bool, a subclass of int
 
 
-def _check_no_overlap(where: object, refs: list[TensorRef]) -> None:
-    previous: TensorRef | None = None
-    for ref in sorted(refs, key=lambda r: (r.offset, r.nbytes)):
-        if previous is not None and ref.nbytes and ref.offset < previous.offset + previous.nbytes:
+def _check_layout(where: object, refs: list[TensorRef], data_start: int, size: int) -> None:
+    """Sorted by offset, the tensors tile the data section exactly: no overlap, no gap, nothing after the last."""
+    ordered = sorted(refs, key=lambda r: (r.offset, r.offset + r.nbytes))
+    end = data_start
+    for previous, ref in zip([None, *ordered], ordered):
+        if ref.offset < end:
             raise PrequantError(
                 f"tensors {quote(previous.name)} and {quote(ref.name)} overlap in the file; {CORRUPT}", where=where
             )
-        if ref.nbytes:
-            previous = ref
+        end = ref.offset + ref.nbytes
+    end = data_start
+    for ref in ordered:
+        if ref.offset > end:
+            raise PrequantError(
+                f"tensor {quote(ref.name)} starts at data offset {ref.offset - data_start}, but the tensor before it "
+                f"ends at {end - data_start}: bytes no tensor owns; {CORRUPT}",
+                where=where,
+            )
+        end = ref.offset + ref.nbytes
+    if end != size:
+        raise PrequantError(
+            f"{size - end} bytes follow the last tensor's data (the data section is {size - data_start} bytes, the "
+            f"tensors cover {end - data_start}); {CORRUPT}",
+            where=where,
+        )

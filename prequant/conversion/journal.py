@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import PrequantError
+from ..util.fsio import write_error, write_json
 from .plan import Plan
 
 JOB = "job.json"
@@ -32,12 +33,18 @@ def fingerprint(plan: Plan, source_files: tuple[Path, ...], version: str) -> dic
     return {"prequant": version, "source_files": files, "plan_sha256": plan_hash}
 
 
+def job_id(job: dict) -> str:
+    """A job's fingerprint as one string, which the manifest records (--resume then knows a finished job)."""
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+
+
 @dataclass
 class Finished:
     """What the journal says is finished."""
 
     steps: dict[str, dict[str, bytes]] = field(default_factory=dict)  # source name -> variable-size blobs
     shards: set[str] = field(default_factory=set)
+    non_finite: dict[str, tuple[int, int]] = field(default_factory=dict)  # kept tensor -> (NaN, Inf) counts
 
 
 class Journal:
@@ -57,7 +64,7 @@ class Journal:
                 )
             self.done = _read(staging / JOURNAL)
         else:
-            job_path.write_text(json.dumps(job, indent=1))
+            write_json(job_path, job)
             (staging / JOURNAL).unlink(missing_ok=True)
         self._file = open(staging / JOURNAL, "a")  # noqa: SIM115 - closed in close()
 
@@ -65,19 +72,27 @@ class Journal:
     def resumed(self) -> bool:
         return bool(self.done.steps)
 
-    def step_done(self, name: str, blobs: dict[str, bytes]) -> None:
-        record = {"step": name, "blobs": {k: base64.b64encode(v).decode() for k, v in blobs.items()}}
+    def step_done(self, name: str, blobs: dict[str, bytes], non_finite: tuple[int, int] | None = None) -> None:
+        record: dict = {"step": name, "blobs": {k: base64.b64encode(v).decode() for k, v in blobs.items()}}
+        if non_finite:
+            record["non_finite"] = list(non_finite)
         self._append(record)
 
     def shard_done(self, shard: str) -> None:
         self._append({"shard": shard})
 
     def _append(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # into the kernel: survives SIGKILL of this process
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # into the kernel: survives SIGKILL of this process
+        except OSError as e:  # a full disk or quota: the journal's last line may be cut, which _read allows
+            raise write_error(self.staging / JOURNAL, e) from e
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the line that could not be flushed has already been reported (or the run is being stopped)
 
 
 def _read(path: Path) -> Finished:
@@ -91,6 +106,8 @@ def _read(path: Path) -> Finished:
             break  # a line cut short by the kill: everything after it is unknown
         if "step" in record:
             done.steps[record["step"]] = {k: base64.b64decode(v) for k, v in record["blobs"].items()}
+            if "non_finite" in record:
+                done.non_finite[record["step"]] = tuple(record["non_finite"])  # type: ignore[assignment]
         elif "shard" in record:
             done.shards.add(record["shard"])
     return done

@@ -17,9 +17,11 @@ starts it where there are at least `MIN_CPUS` (the GPU machine has 16).
 from __future__ import annotations
 
 import atexit
+import base64
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +90,8 @@ def take(source_dir: Path, tensors: list[TensorRef], skip: list[str], trust_remo
         return None
     if err:
         sys.stderr.write(err.decode(errors="replace"))  # what transformers said while building the model
+    if "error" in answer:  # the same refusal the parent would come to (e.g. a shape the model contradicts)
+        raise pickle.loads(base64.b64decode(answer["error"]))
     return _layout_from_dict(answer["layout"])
 
 
@@ -104,18 +108,20 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _layout_to_dict(layout: Layout) -> dict:
     return {
-        "decisions": {name: [d.quantize, d.reason, d.transpose] for name, d in layout.decisions.items()},
+        "decisions": {name: [d.quantize, d.reason, d.transpose, d.dtype] for name, d in layout.decisions.items()},
         "skip_modules": layout.skip_modules,
         "method": layout.method,
         "notes": layout.notes,
+        "warnings": layout.warnings,
     }
 
 
 def _layout_from_dict(data: dict) -> Layout:
     from ..bnb.layout import Decision, Layout
 
-    decisions = {name: Decision(bool(q), str(reason), bool(t)) for name, (q, reason, t) in data["decisions"].items()}
-    return Layout(decisions, data["skip_modules"], data["method"], list(data["notes"]))
+    decisions = {name: Decision(bool(q), str(reason), bool(t), dtype) for name, (q, reason, t, dtype)
+                 in data["decisions"].items()}
+    return Layout(decisions, data["skip_modules"], data["method"], list(data["notes"]), list(data["warnings"]))
 
 
 def main() -> None:
@@ -125,10 +131,16 @@ def main() -> None:
     from ..source.local import local
     from ..source.resolve import scan
 
+    from ..errors import PrequantError
+
     request = json.loads(sys.argv[1])
     src = local(request["source"], Path(request["source"]))
     tensors = scan(src)
-    layout = analyze(read_config(src.path), src.path, tensors, request["skip"], request["trust_remote_code"])
+    try:
+        layout = analyze(read_config(src.path), src.path, tensors, request["skip"], request["trust_remote_code"])
+    except PrequantError as e:  # carried to the parent, which raises it as it would have raised it itself
+        json.dump({"tensors_key": tensors_key(tensors), "error": base64.b64encode(pickle.dumps(e)).decode()}, sys.stdout)
+        return
     json.dump({"tensors_key": tensors_key(tensors), "layout": _layout_to_dict(layout)}, sys.stdout)
 
 

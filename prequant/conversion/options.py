@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..bnb.format import Settings
+from ..bnb.loading import skip_problem
+from ..errors import UsageError
 from .plan import parse_size
 
 
@@ -33,11 +35,15 @@ class ConvertOptions:
     stats: bool = True
     push_to_hub: str | None = None
     delete_source_shards: bool = False
+    allow_nan: bool = False  # copy a kept tensor holding NaN as it is (recorded in prequant.json) instead of refusing
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip", tuple(self.skip or ()))
         self.settings  # noqa: B018 - checks the quantization settings
         self.shard_limit  # noqa: B018 - checks the size
+        for pattern in self.skip:  # transformers compiles each as a regex when it loads the output
+            if problem := skip_problem(pattern):
+                raise UsageError(f"--skip {pattern!r} {problem}")
 
     @property
     def settings(self) -> Settings:

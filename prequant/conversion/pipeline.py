@@ -11,15 +11,16 @@ On a GPU the reader copies the file through two fixed pinned buffers into a devi
 CUDA stream, and results come back into pinned buffers that torch's caching host allocator reuses, so host
 memory stays at those buffers and the few tensors in flight. On the CPU the reader hands over zero-copy
 memory-mapped views; `readahead` keeps the kernel reading the files ahead. Tensors kept as they are never
-enter this process: the writer has the kernel copy them file to file (copy_file_range).
+enter this process: their values are checked on the mapped view (one reduction over the pages the copy reads
+anyway), then the writer has the kernel copy them file to file (copy_file_range). A tensor transformers loads
+in another dtype goes through the quantizing device like a quantized one and is cast there.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -29,16 +30,13 @@ from ..bnb.format import entry_key
 from ..bnb.quantize import Quantizer
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..checkpoint.reader import TensorReader
-from ..checkpoint.tensors import BIN_OFFSET, TensorRef
+from ..checkpoint.tensors import BIN_OFFSET
 from ..util import trace
+from .gpu_loader import GpuLoader
 from .journal import Journal
 from .plan import Plan, Step
 from .shardset import FileSlice, ShardSet
 
-CHUNK_BYTES = 64 * 1024 * 1024  # pinned staging buffer size for host-to-device copies
-# Threads filling one staging buffer: a single thread copies from the page cache at ~3 GB/s, below what a
-# read-ahead source delivers; the copies (preadv) run without the GIL.
-READ_THREADS = 4
 IN_FLIGHT = 2  # tensors queued between stages
 
 
@@ -86,6 +84,8 @@ _END = object()
 
 # inspect(step, source tensor, entries by short name ("weight", "absmax", ...)), on the quantizing device.
 Inspect = Callable[[Step, torch.Tensor, dict[str, torch.Tensor]], None]
+# check(name, kept tensor) -> (NaN, Inf) counts when not all finite; raises to refuse it (`kept.KeptCheck`).
+Check = Callable[[str, torch.Tensor], "tuple[int, int] | None"]
 
 
 def run(
@@ -97,6 +97,7 @@ def run(
     on_step: Callable[[Step], None] = lambda step: None,
     inspect: Inspect | None = None,
     on_shard: Callable[[str, BinaryIO], None] = lambda name, file: file.close(),
+    check: Check | None = None,
 ) -> dict[str, int]:
     """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
@@ -104,7 +105,12 @@ def run(
     `on_step` is called (from the writer thread) after each step's outputs are written, or at start for
     each step already done; `inspect(step, source, entries)` is called on the quantizing thread with both
     on the quantizing device (statistics are cheap there); `on_shard(name, file)` (writer thread) when a
-    shard's bytes are all written, with the shard open for reading (the callee closes it), before its flush.
+    shard's bytes are all written, with the shard open for reading (the callee closes it), before its flush;
+    `check(name, tensor)` on every kept tensor's values as written (its counts go into the journal).
+
+    A tensor transformers would load in another dtype (`Decision.dtype`) is cast on the quantizing device first,
+    one tensor at a time; a kept tensor that needs no cast never enters this process: its mapped view is checked
+    in place, then the kernel copies its bytes.
     """
     failed = threading.Event()
     errors: list[BaseException] = []
@@ -129,7 +135,7 @@ def run(
         return body
 
     def read_all() -> None:
-        loader = _GpuLoader(source, device) if device.type == "cuda" else None
+        loader = GpuLoader(source, device) if device.type == "cuda" else None
         try:
             read_steps(loader)
         finally:
@@ -137,28 +143,33 @@ def run(
                 loader.close()
         loaded.put(_END)
 
-    def read_steps(loader: _GpuLoader | None) -> None:
+    def read_steps(loader: GpuLoader | None) -> None:
         # No per-tensor advice: local files are read ahead by readahead.py, Hub shards were just written.
         for step in todo:
             source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
-            if step.quantize:
+            found = None
+            if step.quantize or step.decision.dtype:  # through the quantizing device, to be quantized or cast
                 data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
-            elif step.source.offset != BIN_OFFSET:
-                data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)
-            else:  # a .bin shard's tensor: no known byte range, written from its memory-mapped view
-                data = (source.view(step.source), None)
-            loaded.put((step, data))
+            else:
+                if check is not None:
+                    with trace.busy("check-kept"):
+                        found = check(step.source.name, source.view(step.source))
+                if step.source.offset != BIN_OFFSET:
+                    data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)
+                else:  # a .bin shard's tensor: no known byte range, written from its memory-mapped view
+                    data = (source.view(step.source), None)
+            loaded.put((step, data, found))
 
     def write_all() -> None:
         try:
             shards.finish_resumed()
             while (item := quantized.get()) is not _END:
-                step, entries, copied = item  # type: ignore[misc]
+                step, entries, copied, found = item  # type: ignore[misc]
                 if copied is not None:
                     with trace.busy("device-to-host-wait"):
                         copied.synchronize()
                 with trace.busy("write"):
-                    shards.write(step, entries)
+                    shards.write(step, entries, found)
                 del entries, item
                 on_step(step)
         finally:
@@ -168,7 +179,7 @@ def run(
     for t in threads:
         t.start()
     try:
-        guarded(lambda: _quantize_all(loaded, quantized, quantizer, inspect))()  # a failure sets `failed`
+        guarded(lambda: _quantize_all(loaded, quantized, quantizer, inspect, check))()  # a failure sets `failed`
         for t in threads:
             t.join()
     except BaseException:
@@ -183,21 +194,28 @@ def run(
     return shards.sizes
 
 
-def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspect: Inspect | None) -> None:
+def _quantize_all(
+    loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspect: Inspect | None, check: Check | None
+) -> None:
     cuda = quantizer.device.type == "cuda"
     while (item := loaded.get()) is not _END:
-        step, (tensor, ready) = item  # type: ignore[misc]
-        if not step.quantize:
-            quantized.put((step, {step.source.name: tensor}, None))
+        step, (tensor, ready), found = item  # type: ignore[misc]
+        name = step.source.name
+        if not step.quantize and not step.decision.dtype:
+            quantized.put((step, {name: tensor}, None, found))
             continue
         if ready is not None:
             torch.cuda.current_stream(quantizer.device).wait_event(ready)
-        x = tensor.t() if step.decision.transpose else tensor
-        with trace.busy("quantize"):
-            entries = quantizer(x, step.source.name)
-        if inspect is not None:
-            with trace.busy("stats"):
-                inspect(step, x, entries)
+        if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
+            with trace.busy("cast"):
+                tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
+        if step.quantize:
+            entries = _quantized(step, tensor, quantizer, inspect)
+        else:
+            if check is not None:
+                with trace.busy("check-kept"):
+                    found = check(name, tensor)
+            entries = {name: tensor}
         copied = None
         if cuda:
             # Into pinned memory, asynchronously: this thread goes on to the next tensor while the copy runs,
@@ -210,66 +228,17 @@ def _quantize_all(loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspe
                 copied = torch.cuda.Event()
                 copied.record(torch.cuda.current_stream(quantizer.device))
                 entries = host
-        name = step.source.name
-        quantized.put((step, {entry_key(name, k): v for k, v in entries.items()}, copied))
-        del tensor, x, entries, item
+        quantized.put((step, entries, copied, found))
+        del tensor, entries, item
     quantized.put(_END)
 
 
-class _GpuLoader:
-    """Copies a tensor from its file to the GPU through two pinned buffers, on a side stream."""
-
-    def __init__(self, source: TensorReader, device: torch.device) -> None:
-        self.source, self.device = source, device
-        self.stream = torch.cuda.Stream(device)
-        self.buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.events = [torch.cuda.Event() for _ in range(2)]
-        for ev in self.events:
-            ev.record(self.stream)
-        self.pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="prequant-read")
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-    def _fill(self, ref: TensorRef, start: int, buf: memoryview) -> None:
-        """Bytes [start, start+len(buf)) of the tensor into buf, in READ_THREADS parts read at once."""
-        part = -(-len(buf) // READ_THREADS // 4096) * 4096
-        spans = [(a, min(len(buf), a + part)) for a in range(0, len(buf), part)]
-        for f in [self.pool.submit(self.source.read_into, ref, start + a, buf[a:b]) for a, b in spans]:
-            f.result()
-
-    def load(self, ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event]:
-        if ref.offset == BIN_OFFSET:
-            return self._load_bin(ref)
-        out = torch.empty(ref.nbytes, dtype=torch.uint8, device=self.device)
-        # `out` may reuse memory the default stream was still reading: order the copies after that work.
-        self.stream.wait_stream(torch.cuda.default_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for i, start in enumerate(_chunks(ref.nbytes)):
-                buf, ev = self.buffers[i % 2], self.events[i % 2]
-                with trace.busy("host-to-device-wait"):
-                    ev.synchronize()  # the previous copy out of this buffer has finished
-                n = min(CHUNK_BYTES, ref.nbytes - start)
-                with trace.busy("read"):
-                    self._fill(ref, start, memoryview(buf.numpy())[:n])
-                out[start : start + n].copy_(buf[:n], non_blocking=True)
-                ev.record(self.stream)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return out.view(SAFETENSORS_DTYPES[ref.dtype]).view(ref.shape), done
-
-    def _load_bin(self, ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """A .bin shard's tensor has no byte range in its file: copy torch's memory-mapped tensor as it is."""
-        src = self.source.view(ref)
-        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-        self.stream.wait_stream(torch.cuda.default_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            with trace.busy("read"):
-                out.copy_(src)  # pageable: synchronous, straight from the mapped pages
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return out, done
-
-
-def _chunks(nbytes: int) -> Iterator[int]:
-    return iter(range(0, nbytes, CHUNK_BYTES))
+def _quantized(step: Step, tensor: torch.Tensor, quantizer: Quantizer, inspect: Inspect | None) -> dict[str, torch.Tensor]:
+    """A weight's checkpoint entries, by key; `inspect` sees them with the tensor as quantized."""
+    x = tensor.t() if step.decision.transpose else tensor
+    with trace.busy("quantize"):
+        entries = quantizer(x, step.source.name)
+    if inspect is not None:
+        with trace.busy("stats"):
+            inspect(step, x, entries)
+    return {entry_key(step.source.name, k): v for k, v in entries.items()}

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..bnb.format import QUANTIZABLE, Settings, settings_entries
+from ..bnb.format import QUANTIZABLE, Settings, loses_codes, settings_entries
 from ..bnb.layout import Decision, Layout
 from ..checkpoint.dtypes import itemsize
 from ..checkpoint.hf_files import shard_name
@@ -65,6 +65,7 @@ class Plan:
     skip_modules: list[str] | None
     method: str
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def input_bytes(self) -> int:
@@ -94,6 +95,7 @@ class Plan:
             "settings": vars(self.settings),
             "method": self.method,
             "notes": self.notes,
+            **({"warnings": self.warnings} if self.warnings else {}),
             "llm_int8_skip_modules": self.skip_modules,
             "tensors": [
                 {
@@ -101,6 +103,7 @@ class Plan:
                     "action": "quantize" if s.quantize else "keep",
                     "reason": s.decision.reason,
                     "dtype": s.source.dtype,
+                    **({"cast_to": s.decision.dtype} if s.decision.dtype else {}),  # as transformers loads it
                     "shape": list(s.source.shape),
                     "input_bytes": s.source.nbytes,
                     "output_bytes": s.out_bytes,
@@ -123,13 +126,15 @@ class Plan:
             f"plan: {s.quant_type}, blocksize {s.blocksize}, double quant {'on' if s.double_quant else 'off'}, "
             f"storage {s.quant_storage}, compute {s.compute_dtype}; decided by {self.method}",
             *(f"note: {n}" for n in self.notes),
+            *(f"warning: {w}" for w in self.warnings),
         ]
         width = max((len(st.source.name) for st in self.steps), default=10)
         for st in self.steps:
             shape = "x".join(map(str, st.source.shape)) or "scalar"
             action = "quantize" if st.quantize else "keep"
+            dtype = st.source.dtype + (f"->{st.decision.dtype}" if st.decision.dtype else "")
             lines.append(
-                f"  {action:8} {st.source.name:{width}}  {st.source.dtype:>4} {shape:>14}  "
+                f"  {action:8} {st.source.name:{width}}  {dtype:>4} {shape:>14}  "
                 f"{_human(st.source.nbytes):>9} -> {_human(st.out_bytes):>9}  {st.shard}  ({st.decision.reason})"
             )
         for name, size in self.shard_bytes().items():
@@ -151,18 +156,31 @@ def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_
     groups: list[tuple[TensorRef, Decision, tuple[OutTensor, ...]]] = []
     for t in tensors:
         decision = layout.decisions[t.name]
-        if decision.quantize and t.dtype not in QUANTIZABLE:
-            raise PrequantError(
-                f"tensor {t.name!r} has dtype {t.dtype}; only F32, F16 and BF16 weights can be quantized to 4 bit "
-                "(convert the checkpoint first, or --skip that module)"
-            )
-        outputs = quantized_outputs(t, settings) if decision.quantize else (OutTensor(t.name, t.dtype, t.shape),)
+        if decision.quantize:
+            _check_quantizable(t, decision, settings)
+        dtype = decision.dtype or t.dtype  # as transformers loads it
+        outputs = quantized_outputs(t, settings) if decision.quantize else (OutTensor(t.name, dtype, t.shape),)
         groups.append((t, decision, outputs))
     shard_of = _assign_shards([sum(o.nbytes for o in outs) for _, _, outs in groups], max_shard_size)
     count = max(shard_of) + 1
     names = tuple(shard_name(i, count) for i in range(count))
     steps = tuple(Step(t, d, outs, names[shard_of[i]]) for i, (t, d, outs) in enumerate(groups))
-    return Plan(settings, steps, names, layout.skip_modules, layout.method, list(layout.notes))
+    return Plan(settings, steps, names, layout.skip_modules, layout.method, list(layout.notes), list(layout.warnings))
+
+
+def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings) -> None:
+    """Refuse, before any work, a weight bitsandbytes cannot quantize, or whose packed storage would lose bytes."""
+    if (decision.dtype or t.dtype) not in QUANTIZABLE:
+        raise PrequantError(
+            f"tensor {t.name!r} has dtype {t.dtype}; only F32, F16 and BF16 weights can be quantized to 4 bit "
+            "(convert the checkpoint first, or --skip that module)"
+        )
+    if loses_codes(t.numel, settings.storage_code):
+        raise PrequantError(
+            f"tensor {t.name!r} has {t.numel:,} elements ({'x'.join(map(str, t.shape))}), and bitsandbytes' "
+            f"{settings.quant_storage} storage for that many 4-bit codes is a byte short: the tensor could not be "
+            f"dequantized; use --quant-storage uint8 (or --skip {t.name.removesuffix('.weight')})"
+        )
 
 
 def quantized_outputs(t: TensorRef, s: Settings) -> tuple[OutTensor, ...]:

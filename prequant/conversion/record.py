@@ -27,6 +27,7 @@ from ..source.spec import Source
 from ..util import trace
 from ..util.fsio import write_json
 from .card import write_card
+from .kept import KeptCheck
 from .plan import Plan
 
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
@@ -36,11 +37,13 @@ class Recorder:
     """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `inspect`
     hooks), then writes the model card and prequant.json into the staging folder."""
 
-    def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None) -> None:
-        self.source, self.plan = source, plan
+    def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None,
+                 job: str | None = None, allow_nan: bool = False) -> None:
+        self.source, self.plan, self.job = source, plan, job
         self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
-                        "stats": stats}
+                        "stats": stats, "allow_nan": allow_nan}
         self.stats = Collector() if stats else None
+        self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest
         self._hashes: dict[str, Future[str]] = {}
         self._queue: queue.Queue[tuple[BinaryIO, Future[str]] | None] = queue.Queue()
         # Shards are hashed side by side: one thread hashes ~1 GB/s, which a fast disk outruns (5 GB shards
@@ -130,6 +133,7 @@ class Recorder:
             "format_version": FORMAT_VERSION,
             "versions": versions(),
             "device": device,
+            "job": self.job,  # the conversion's fingerprint (source files, plan, version): --resume knows it is done
             "source": source,
             "options": self.options,
             # Source names of the tensors quantized as their transpose (the planner's Decision.transpose).
@@ -142,6 +146,8 @@ class Recorder:
                 "summary": summarize(tensors) if self.stats is not None else None,
             },
             "tensors": {name: tensors[name].to_dict() for name in quantized if name in tensors},
+            # Kept tensors holding NaN (copied with --allow-nan) or Inf (attention masks use it): their counts.
+            "non_finite": self.kept.record(),
         }
         write_json(staging / MANIFEST, manifest, sort_keys=False)
         return manifest

@@ -25,11 +25,11 @@ from ..checkpoint.tensors import TensorRef
 from ..errors import Interrupted
 from ..source.resolve import check_delete, reader, resolve, scan
 from ..source.spec import Source
-from ..util import trace
+from ..util import signals, trace
 from ..util.progress import Progress
 from ..verify.publish import push_converted
 from . import layout_worker, output, pipeline, readahead
-from .journal import Journal, fingerprint
+from .journal import Journal, fingerprint, job_id
 from .options import ConvertOptions
 from .plan import Plan, Step, make_plan
 from .record import Recorder
@@ -56,10 +56,7 @@ def convert(
     opts = replace(options or ConvertOptions(), **changes)
     src = resolve(str(source), stream=True)
     check_delete(src, opts.delete_source_shards)
-    out = Path(output_dir)
-    if not opts.dry_run:
-        output.check_not_source(out, src.path)
-        output.check(out, opts.overwrite or opts.resume)
+    out = output.target(output_dir, src.path, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
     tensors = scan(src)
     if src.index_file is not None:
         check_index(src.index_file, tensors)
@@ -71,14 +68,25 @@ def convert(
     trace.mark("planned")
     if opts.dry_run:
         return plan
-    record = Recorder(src, plan, stats=opts.stats,
+    job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
+    side = side_files(src.path)
+    with output.claim(out, job_id(job), overwrite=opts.overwrite, resume=opts.resume) as claim:  # locked till published
+        written = None if claim.complete else _convert_into(out, src, plan, config, quantizer, job, side, opts)
+    hub_url = push_converted(out, opts.push_to_hub, progress=opts.progress) if opts.push_to_hub else None
+    return _summary(out, src, plan, quantizer, started, side, written or manifest.load(out), hub_url, claim.complete)
+
+
+def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Quantizer, job: dict,
+                  side: list[Path], opts: ConvertOptions) -> dict | None:
+    """Stream the shards, write config, index, side files and manifest into the staging folder, publish; return
+    the manifest (None when an earlier, interrupted run had written everything and was publishing)."""
+    record = Recorder(src, plan, stats=opts.stats, job=job_id(job), allow_nan=opts.allow_nan,
                       options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit})
     staging = output.staging_dir(out, keep=opts.resume)
-    side = side_files(src.path)
-    written: dict | None = None  # the manifest; None when an earlier, interrupted run had written everything
+    written = None
     with _interruptible(), record:
         if not (opts.resume and output.publishing(staging)):
-            shard_sizes = _write_shards(src, plan, quantizer, staging, record, opts)
+            shard_sizes = _write_shards(src, plan, quantizer, staging, record, job, opts)
             copy_side_files(src.path, staging, side)
             write_index(staging, plan, shard_sizes)
             write_config(staging, config, plan)
@@ -86,8 +94,7 @@ def convert(
             trace.mark("manifest-written")
         output.publish(out, staging)
         trace.mark("published")
-    hub_url = push_converted(out, opts.push_to_hub, progress=opts.progress) if opts.push_to_hub else None
-    return _summary(out, src, plan, quantizer, started, side, written or manifest.load(out), hub_url)
+    return written
 
 
 def _plan(src: Source, tensors: list[TensorRef], config: dict, opts: ConvertOptions) -> Plan:
@@ -96,17 +103,21 @@ def _plan(src: Source, tensors: list[TensorRef], config: dict, opts: ConvertOpti
     layout = (layout_worker.take(src.path, tensors, skip, opts.trust_remote_code)
               or analyze(config, src.path, tensors, skip, opts.trust_remote_code))
     require_known(layout)
-    return make_plan(tensors, layout, opts.settings, opts.shard_limit)
+    plan = make_plan(tensors, layout, opts.settings, opts.shard_limit)
+    if opts.progress and not opts.dry_run:  # a dry run's plan says them
+        for warning in plan.warnings:
+            print(f"prequant: warning: {warning}", file=sys.stderr)
+    return plan
 
 
 def _write_shards(
-    src: Source, plan: Plan, quantizer: Quantizer, staging: Path, record: Recorder, opts: ConvertOptions
+    src: Source, plan: Plan, quantizer: Quantizer, staging: Path, record: Recorder, job: dict, opts: ConvertOptions
 ) -> dict[str, int]:
     """Stream every tensor through the pipeline into the staging folder, journaled for --resume; return each
     shard's data bytes. The disk is kept reading ahead of the pipeline (local files) and a Hub source's shards
     are downloaded as it reaches them."""
-    job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
     journal = Journal(staging, job, resume=opts.resume)
+    record.kept.found.update(journal.done.non_finite)  # what the interrupted run found in the tensors it wrote
     if journal.resumed and opts.progress:
         print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
               file=sys.stderr)
@@ -120,7 +131,7 @@ def _write_shards(
             hooks.append(data.tensor_done)  # a Hub shard: evicted after its last tensor with --delete-source-shards
             trace.mark("pipeline-start")
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=_each(hooks),
-                                 inspect=record.inspect, on_shard=record.on_shard)
+                                 inspect=record.inspect, on_shard=record.on_shard, check=record.kept)
             trace.mark("pipeline-end")
             return sizes
     finally:
@@ -139,7 +150,7 @@ def _each(hooks: list[Callable[[TensorRef], Any]]) -> Callable[[Step], None]:
 
 
 def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer, started: float, side: list[Path],
-             written: dict, hub_url: str | None) -> Summary:
+             written: dict, hub_url: str | None, already_complete: bool) -> Summary:
     return Summary(
         output_dir=str(out),
         source=src.describe(),
@@ -155,23 +166,28 @@ def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer, started: 
         copied_files=[p.as_posix() for p in side],
         stats=written["stats"]["summary"],
         hub_commit_url=hub_url,
+        already_complete=already_complete,
+        non_finite=written.get("non_finite") or {},
     )
 
 
 @contextmanager
 def _interruptible() -> Iterator[None]:
-    """SIGINT and SIGTERM stop the conversion cleanly (threads joined, journal flushed) as Interrupted."""
-    def on_term(signum: int, frame: object) -> None:
-        raise Interrupted("SIGTERM", 128 + signal.SIGTERM)
+    """SIGINT and SIGTERM stop the conversion cleanly (threads joined, journal flushed) as Interrupted.
 
+    The CLI has every signal raise `signals.Signalled` from start-up on; a library caller gets that for SIGTERM
+    here, for the span of the conversion, when nothing else handles it (Python raises KeyboardInterrupt for
+    SIGINT already). Either is a KeyboardInterrupt, which no `except Exception` on the way swallows."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_term) if main else None
+    install = main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    previous = signal.signal(signal.SIGTERM, signals.raising) if install else None
     try:
         yield
-    except KeyboardInterrupt:
-        raise Interrupted("SIGINT", 128 + signal.SIGINT) from None
+    except KeyboardInterrupt as e:
+        signum = signals.of(e)
+        raise Interrupted(signals.name(signum), signals.exit_code(signum)) from None
     finally:
-        if main:
+        if install:
             signal.signal(signal.SIGTERM, previous)
 
 

@@ -61,7 +61,8 @@ class ShardSet:
             elif all(s.source.name in self.done_steps for s in steps):
                 self._finalize(self._writer(shard))
 
-    def write(self, step: Step, entries: dict[str, torch.Tensor]) -> None:
+    def write(self, step: Step, entries: dict[str, torch.Tensor], found: tuple[int, int] | None = None) -> None:
+        """Write a step's entries; `found`: its NaN and Inf counts (a kept tensor's), journaled with it."""
         writer = self._writer(step.shard)
         for key, data in entries.items():
             if isinstance(data, FileSlice):
@@ -70,7 +71,8 @@ class ShardSet:
                 writer.write(key, data)
             failpoints.hit("tensor-written")
         if self.journal is not None:
-            self.journal.step_done(step.source.name, {o.key: writer.blob(o.key) for o in step.outputs if o.shape is None})
+            blobs = {o.key: writer.blob(o.key) for o in step.outputs if o.shape is None}
+            self.journal.step_done(step.source.name, blobs, found)
             failpoints.hit("step-journaled")
         if writer.done:
             self._finalize(writer)

@@ -23,18 +23,25 @@ class Summary:
     copied_files: list[str] = field(default_factory=list)
     stats: dict | None = None  # relative error of the dequantized tensors (median, worst), when measured
     hub_commit_url: str | None = None  # with push_to_hub
+    already_complete: bool = False  # --resume found this conversion finished in OUTPUT_DIR: nothing was written
+    non_finite: dict[str, dict[str, int]] = field(default_factory=dict)  # kept tensors with NaN / Inf: the counts
 
     @property
     def gb_per_s(self) -> float:
         return self.input_bytes / 1e9 / self.seconds if self.seconds else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "gb_per_s": round(self.gb_per_s, 3)}
+        d = {**asdict(self), "gb_per_s": round(self.gb_per_s, 3)}
+        for key in ("already_complete", "non_finite"):  # said only when there is something to say
+            if not d[key]:
+                del d[key]
+        return d
 
     def to_text(self) -> str:
+        counts = f"{self.tensors_quantized} tensors quantized, {self.tensors_kept} kept, {self.shards} shard(s)"
         lines = [
-            f"wrote {self.output_dir}: {self.tensors_quantized} tensors quantized, {self.tensors_kept} kept, "
-            f"{self.shards} shard(s)",
+            f"already complete: {self.output_dir} holds this conversion, finished earlier; nothing was written ({counts})"
+            if self.already_complete else f"wrote {self.output_dir}: {counts}",
             f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
             f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
             f"time: {self.seconds:.1f} s on {self.device}, {self.gb_per_s:.2f} GB/s of input",
@@ -43,6 +50,14 @@ class Summary:
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
                          f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")
+        if self.non_finite:
+            found = ", ".join(f"{name} ({_counts(counts)})" for name, counts in self.non_finite.items())
+            lines.append(f"non-finite values kept as they are: {found} (recorded in prequant.json)")
         if self.hub_commit_url:
             lines.append(f"uploaded: {self.hub_commit_url}")
         return "\n".join(lines)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """'3 NaN, 12 Inf'"""
+    return ", ".join(f"{counts[kind]:,} {label}" for kind, label in (("nan", "NaN"), ("inf", "Inf")) if counts.get(kind))

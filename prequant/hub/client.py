@@ -8,6 +8,7 @@ Every failure becomes one `PrequantError` line that names the repo (and the file
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
@@ -182,6 +183,15 @@ def evict(source: HubCommit, filename: str) -> None:
         pointer.unlink()
 
 
+@dataclass(frozen=True)
+class Uploaded:
+    """What `upload` did: the commit, the repo's visibility, the remote files it deleted."""
+
+    commit_url: str
+    private: bool
+    deleted: list[str]
+
+
 def upload(
     folder: Path,
     repo_id: str,
@@ -190,11 +200,13 @@ def upload(
     private: bool = False,
     commit_message: str | None = None,
     token: str | None = None,
-) -> str:
-    """Create ``repo_id`` if needed and upload ``folder`` to it in one commit; returns the commit URL.
+    stale: Callable[[list[str]], list[str]] | None = None,
+) -> Uploaded:
+    """Create ``repo_id`` if needed and upload ``folder`` to it in one commit.
 
-    ``repo_id`` may carry the branch as ``org/name@branch`` instead of ``revision``; a new branch is
-    created from main.
+    ``repo_id`` may carry the branch as ``org/name@branch`` instead of ``revision``; a new branch is created
+    from main. ``stale(remote files)`` names the branch's files to delete in the same commit. ``private`` makes
+    a new repo private; an existing public repo is refused (nothing sent): its visibility is its owner's setting.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -209,20 +221,38 @@ def upload(
     if cache.offline():
         raise PrequantError(f"cannot {action}: HF_HUB_OFFLINE is set; unset it to upload")
     api = _api(token)
+    visibility = _visibility(api, repo_id)
+    if visibility is False and private:
+        raise PrequantError(
+            f"refusing to upload to {repo_id}: it exists and is public, and --private does not change an existing "
+            f"repo's visibility; make it private first (its settings on the Hub, or huggingface_hub's "
+            f"update_repo_settings({repo_id!r}, private=True)), or upload without --private"
+        )
     try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if visibility is None:
+            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision not in (None, constants.DEFAULT_REVISION):
             api.create_branch(repo_id, branch=revision, exist_ok=True)  # type: ignore[arg-type]
+        deleted = sorted(stale(api.list_repo_files(repo_id, revision=revision))) if stale is not None else []
         info = api.upload_folder(
             folder_path=folder,
             repo_id=repo_id,
             revision=revision,
             commit_message=commit_message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
+            delete_patterns=[glob.escape(name) for name in deleted] or None,  # exact names, not patterns
         )
     except Exception as error:
         message = explain(error, action, repo_id, revision, token, endpoint=cache.endpoint(), writing=True)
         raise PrequantError(message) from error
-    return info.commit_url
+    return Uploaded(info.commit_url, private if visibility is None else visibility, deleted)
+
+
+def _visibility(api: HfApi, repo_id: str) -> bool | None:
+    """Whether the repo is private; None when it does not exist (or cannot be seen, which create_repo then says)."""
+    try:
+        return bool(api.model_info(repo_id, timeout=_API_TIMEOUT_S).private)
+    except Exception:  # noqa: BLE001 - missing, unreachable, no access: create_repo says which
+        return None
 
 
 def _api(token: str | None) -> HfApi:
@@ -266,4 +296,4 @@ def _is_transient(error: BaseException) -> bool:
     return is_incomplete(error)
 
 
-__all__ = ["HubCommit", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "resolve", "upload"]
+__all__ = ["HubCommit", "Uploaded", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "resolve", "upload"]

@@ -1,6 +1,10 @@
 """Crash points for the kill-and-resume tests: `PREQUANT_FAILPOINT=name:n` SIGKILLs the process the
 n-th time it reaches `name`. A real SIGKILL, at a precise spot, which no outside timing can give.
-Unset (always, in normal use) this costs one dictionary lookup."""
+
+`name:n:ACTION` does something else there: a signal name (`SIGSTOP` to freeze the process while it holds
+what it holds, `SIGINT`, `SIGTERM`) is sent to the process itself, and `raise` raises an unexpected
+exception (a RuntimeError, what a bug would raise). Unset (always, in normal use) this costs one dictionary
+lookup."""
 
 from __future__ import annotations
 
@@ -8,13 +12,16 @@ import os
 import signal
 
 _spec = os.environ.get("PREQUANT_FAILPOINT", "")
-_name, _, _count = _spec.partition(":")
+_name, _, _rest = _spec.partition(":")
+_count, _, _action = _rest.partition(":")
 _left = {_name: int(_count or 1)} if _name else {}
 
 
 def hit(name: str) -> None:
-    """Die here (SIGKILL, no cleanup) if this is the configured crash point and its turn has come."""
+    """Act here (by default SIGKILL, no cleanup) if this is the configured point and its turn has come."""
     if name in _left:
         _left[name] -= 1
         if _left[name] == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if _action == "raise":
+                raise RuntimeError(f"failure injected at {name} (PREQUANT_FAILPOINT)")
+            os.kill(os.getpid(), getattr(signal, _action or "SIGKILL"))

@@ -9,7 +9,8 @@ import torch
 
 from ..bnb import stats
 from ..bnb.layout import analyze
-from ..checkpoint.dtypes import torch_name
+from ..bnb.loading import cast_code
+from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..checkpoint.hf_files import read_config
 from ..checkpoint.manifest import MANIFEST
 from ..checkpoint.reader import TensorReader, scan_files
@@ -69,10 +70,11 @@ def compare_source(
                 accounted.add(t.name)
                 kept += 1
                 out = refs[t.name]
-                if (out.dtype, out.shape) != (t.dtype, t.shape):
+                if out.shape != t.shape or (out.dtype != t.dtype and cast_code(t.dtype, out.dtype) is None):
                     report.fail(t.name, f"is {out.dtype}{list(out.shape)} but the source has {t.dtype}{list(t.shape)}")
-                elif not torch.equal(_bytes(odata, out), _bytes(sdata, t)):
-                    report.fail(t.name, "kept unquantized, but its bytes differ from the source")
+                elif not _same_bytes(odata.view(out), sdata.view(t)):
+                    cast = f" (cast to {out.dtype}, as transformers loads it)" if out.dtype != t.dtype else ""
+                    report.fail(t.name, f"kept unquantized, but its bytes differ from the source{cast}")
             else:
                 report.fail(t.name, "in the source but not in the output")
     src_names = {t.name for t in src_refs}
@@ -124,8 +126,12 @@ def _compare_quantized(
         report.fail(t.name, f"quant state shape {list(shape)} does not match the source's {list(x.shape)}{layout}")
         return None
     if torch_name(x.dtype) != g.state["dtype"]:
-        report.fail(t.name, f"quant state dtype {g.state['dtype']} but the source is {torch_name(x.dtype)}")
-        return None
+        # A tensor transformers loads in the model's dtype is cast before quantizing, as convert does.
+        wanted = TORCH_TO_SAFETENSORS[NAMED[g.state["dtype"]]]
+        if cast_code(t.dtype, wanted) is None:
+            report.fail(t.name, f"quant state dtype {g.state['dtype']} but the source is {torch_name(x.dtype)}")
+            return None
+        x = x.to(NAMED[g.state["dtype"]])
     w = g.weight
     absmax = stats.dequantize_absmax(
         odata.view(refs[f"{w}.absmax"]),
@@ -150,5 +156,11 @@ def _judge(name: str, st: stats.TensorStats, expected: float, limit: float, repo
                     "Gaussian-like weights): heavy-tailed weights; consider --skip for this module")
 
 
-def _bytes(data: TensorReader, ref: TensorRef) -> torch.Tensor:
-    return data.view(ref).reshape(-1).view(torch.uint8)
+def _same_bytes(out: torch.Tensor, source: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether a kept tensor holds the source's bytes, cast to its dtype first where convert casts (in chunks:
+    memory stays bounded whatever the tensor's size)."""
+    a, b = out.reshape(-1), source.reshape(-1)
+    return a.numel() == b.numel() and all(
+        torch.equal(a[i : i + chunk].view(torch.uint8), b[i : i + chunk].to(a.dtype).view(torch.uint8))
+        for i in range(0, a.numel(), chunk)
+    )

@@ -12,6 +12,7 @@ from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
 from ..checkpoint.safetensors import read_header
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
+from ..util import failpoints
 from ..util.progress import Progress
 from .report import Report
 
@@ -52,15 +53,22 @@ def check_files(out: Path, manifest: dict, report: Report, progress: bool) -> se
         else:
             to_hash.append((name, path, entry["sha256"]))
     total = sum(listed[name]["size"] for name, _, _ in to_hash)
-    with Progress(total, enabled=progress, label="hashing") as bar, ThreadPoolExecutor(
-        max_workers=max(1, min(HASH_WORKERS, os.cpu_count() or 1)), thread_name_prefix="prequant-verify"
-    ) as pool:
-        digests = pool.map(lambda item: sha256_file(item[1], bar.advance), to_hash)
-        for (name, _, expected), digest in zip(to_hash, digests):
-            if digest != expected:
-                report.fail(name, "sha256 differs from prequant.json: the file was modified or corrupted; "
-                            "re-download it or reconvert")
-                bad.add(name)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(HASH_WORKERS, os.cpu_count() or 1)),
+                              thread_name_prefix="prequant-verify")
+    try:
+        with Progress(total, enabled=progress, label="hashing") as bar:
+            digests = pool.map(lambda item: sha256_file(item[1], bar.advance), to_hash)
+            for (name, _, expected), digest in zip(to_hash, digests):
+                failpoints.hit("verify-hashed")
+                if digest != expected:
+                    report.fail(name, "sha256 differs from prequant.json: the file was modified or corrupted; "
+                                "re-download it or reconvert")
+                    bad.add(name)
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM): stop at once rather than wait for files being hashed (gigabytes each).
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out).as_posix()
         if path.is_file() and rel not in listed and rel != MANIFEST:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from ..checkpoint.manifest import MANIFEST
@@ -24,7 +25,9 @@ def upload(
     """Verify OUTPUT_DIR, then upload it to the Hub (create_repo + upload_folder); return what was sent.
 
     Refuses (VerificationFailed, nothing sent) when verification finds a problem, and when OUTPUT_DIR
-    holds files that are not part of the conversion (they would be published too)."""
+    holds files that are not part of the conversion (they would be published too). Into an existing repo, the
+    checkpoint files the new one does not have (an earlier conversion's shards and index) are deleted in the
+    same commit; `private` on an existing public repo is refused."""
     out = Path(output_dir)
     report = verify(out, progress=progress)
     if not report.ok:
@@ -37,16 +40,34 @@ def upload(
             "would be published too; move it out of OUTPUT_DIR"
         )
     files = report.listed_files + [MANIFEST]  # as verify just read them
-    url = client.upload(out, repo_id, revision=revision, private=private, commit_message=commit_message, token=token)
+    done = client.upload(out, repo_id, revision=revision, private=private, commit_message=commit_message, token=token,
+                         stale=_replaced_by(files))
     return {
         "repo_id": repo_id,
         "revision": revision,
-        "private": private,
-        "commit_url": url,
+        "private": done.private,  # the repo's visibility, as the Hub has it
+        "commit_url": done.commit_url,
         "files": sorted(files),
+        "deleted": done.deleted,
         "bytes": sum((out / f).stat().st_size for f in files),
         "verified": True,
     }
+
+
+def _replaced_by(files: list[str]) -> Callable[[list[str]], list[str]]:
+    """Which files of the repo the upload replaces: the checkpoint files a loader would take (weights and index
+    at the top level, e.g. an earlier conversion's shards) that the new one does not have. Everything else in the
+    repo (its own notes, other folders) stays."""
+    new = set(files)
+
+    def stale(remote: list[str]) -> list[str]:
+        return [f for f in remote if f not in new and "/" not in f and _loadable(f)]
+
+    return stale
+
+
+def _loadable(name: str) -> bool:
+    return name.endswith((".safetensors", ".index.json")) or (name.startswith("pytorch_model") and name.endswith(".bin"))
 
 
 def push_converted(output_dir: Path, repo_id: str, *, progress: bool = True) -> str:

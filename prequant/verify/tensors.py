@@ -21,7 +21,7 @@ from ..bnb.format import (
     split_state_key,
     state_key,
 )
-from ..bnb.layout import should_convert
+from ..bnb.loading import should_convert
 from ..checkpoint.hf_files import CONFIG
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import TensorRef

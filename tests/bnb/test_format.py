@@ -127,3 +127,16 @@ def test_entry_names_round_trip():
 def test_quant_state_problems_name_what_is_wrong(state, problem):
     problems = fmt.quant_state_problems(state, "nf4")
     assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "n,storage,loses",
+    [(37 * 98, "BF16", True), (37 * 98, "U8", False), (3627, "BF16", False), (3628, "BF16", False),
+     (3625, "BF16", True), (4096 * 14336, "BF16", False), (8 * 11 + 3, "F32", True), (8 * 11 + 7, "F32", False),
+     (8 * 11 + 1, "F16", True)],
+)
+def test_storage_that_loses_codes(n, storage, loses):
+    """bitsandbytes stores (n + 1) // (2 * itemsize) words: 37 x 98 in bf16 is 906 words, 1,812 of 1,813 bytes."""
+    assert fmt.loses_codes(n, storage) is loses
+    if (n, storage) == (37 * 98, "BF16"):
+        assert fmt.packed_length(n, storage) * 2 == 1812 and fmt.packed_bytes(n) == 1813

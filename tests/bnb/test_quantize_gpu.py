@@ -107,3 +107,19 @@ def test_tensor_over_2g_elements_matches_cpu_kernel():
     cpu = prequant.quantize_tensor(x, device="cpu")
     for k in gpu:
         assert _same_bytes(gpu[k], cpu[k]), k
+
+
+@gpu_only
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("n", [3626, 3625, 3627, 3628, 1, 2, 7, 8, 37 * 99])
+def test_lossy_storage_is_what_bitsandbytes_allocates(n, storage):
+    """bnb.format.packed_length / loses_codes against bitsandbytes' own CUDA allocation."""
+    import bitsandbytes.functional as F
+
+    from prequant.bnb import format as fmt
+    from prequant.checkpoint.dtypes import TORCH_TO_SAFETENSORS
+
+    packed, _ = F.quantize_4bit(torch.randn(n, device="cuda"), blocksize=64, quant_storage=storage)
+    code = TORCH_TO_SAFETENSORS[storage]
+    assert packed.numel() == fmt.packed_length(n, code)
+    assert fmt.loses_codes(n, code) == (packed.numel() * storage.itemsize < fmt.packed_bytes(n))

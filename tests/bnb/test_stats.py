@@ -48,3 +48,14 @@ def test_entry_stats_of_a_gaussian_tensor_is_the_nf4_figure():
 def test_non_finite_statistics_are_none_in_json():
     st = stats.TensorStats(4, 0.0, float("inf"), float("nan"), 1.0)
     assert not st.finite and st.to_dict()["absmax_max"] is None and st.to_dict()["rel_error"] is None
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e-30, 1e20, 1.0])
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.uint8])
+def test_finite_inputs_give_finite_statistics_at_any_scale(scale, storage):
+    """Values near 1e30 square to 1e60, past float32: the figures must still be finite, and the same as at scale 1."""
+    x = (torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * scale).to(torch.bfloat16)
+    st = stats.entry_stats(x, prequant.quantize_tensor(x, quant_storage=storage))
+    assert st.finite, st
+    assert 0.08 < st.rel_error < 0.1 and 0.0 < st.error_ratio < 0.2
+    assert st.to_dict()["rel_error"] is not None

@@ -4,6 +4,10 @@ Whatever the input, `read_header` / `scan_files` / `check_index` / `source.local
 consistent with the file (every tensor's bytes inside the data section, sized by dtype and shape, no two
 tensors sharing bytes, each viewable) or raise PrequantError, the error the CLI turns into one line. Any
 other exception would reach the user as a traceback.
+
+The safetensors library itself is the oracle for what a valid file is: whatever `read_header` accepts,
+safetensors opens too; whatever safetensors opens, `read_header` accepts, except for the few stricter rules
+its docstring lists (refused with the messages in `STRICTER`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import atexit
 import itertools
 import json
 import math
+import re
 import shutil
 import struct
 import tempfile
@@ -122,15 +127,47 @@ def only_prequant_errors(call: Callable[[], object]) -> object | None:
         return None
 
 
+# Refusals of files the safetensors library opens (read_header's docstring says why): dtypes torch lacks, shapes
+# torch cannot hold, a key twice, an entry or a dtype in serde's alternative forms (array, {"F32": null}).
+STRICTER = re.compile(
+    r"dtype .* is not supported|shape .* is not a list of at most 64 non-negative integers|appears twice in one "
+    r"object|header entry is not an object"
+)
+
+
+def safetensors_opens(path: Path) -> list[str] | None:
+    """The tensor names the safetensors library reads from the file's header, or None when it refuses the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "np") as f:
+            return sorted(f.keys())
+    except Exception:  # noqa: BLE001 - its refusals come as several exception types
+        return None
+
+
 def read_and_check(path: Path) -> None:
-    result = only_prequant_errors(lambda: safetensors.read_header(path))
+    refusal: list[PrequantError] = []
+
+    def read() -> object:
+        try:
+            return safetensors.read_header(path)
+        except PrequantError as e:
+            refusal.append(e)
+            raise
+
+    result = only_prequant_errors(read)
     # Shown by --hypothesis-show-statistics: both outcomes must occur, or the search is not reaching the checks.
     if currently_in_test_context():
         event("refused" if result is None else "accepted")
+    opened = safetensors_opens(path) if path.is_file() else None
     if result is not None:
         refs, metadata = result
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
         check_refs(path, refs)
+        assert opened == sorted(r.name for r in refs), "accepted a file the safetensors library refuses"
+    elif opened is not None:
+        assert STRICTER.search(refusal[0].message), f"safetensors opens it, refused: {refusal[0].message[:300]}"
 
 
 # --- valid files ---------------------------------------------------------------------------------
@@ -140,7 +177,7 @@ def read_and_check(path: Path) -> None:
 @given(specs=tensor_specs)
 def test_valid_files_are_read_exactly(specs: list[tuple[str, str, list[int]]]) -> None:
     header = layout(specs)
-    path = write(encode(header, bytes(range(256)) * (data_size(header) // 256 + 1)))
+    path = write(encode(header, (bytes(range(256)) * (data_size(header) // 256 + 1))[: data_size(header)]))
     refs, metadata = safetensors.read_header(path)
     assert metadata == {"format": "pt"}
     assert {(r.name, r.dtype, r.shape) for r in refs} == {(n, d, tuple(s)) for n, d, s in specs}
@@ -241,7 +278,7 @@ NASTY_REFUSALS = {
     "thousands of dimensions": "tensor 't': shape [1, 1, 1, ",
     "shape of bools": "tensor 't': shape [true] is not a list of at most 64 non-negative integers",
     "offsets as floats": "tensor 't': data_offsets [0.0, 4.0] is not a pair of integers",
-    "NaN offsets": "tensor 't': data_offsets [NaN, 4] is not a pair of integers",
+    "NaN offsets": "header is not valid JSON (NaN is not JSON)",  # serde_json has no NaN
     "metadata is a list": "__metadata__ is not a JSON object",
     "metadata is false": "__metadata__ is not a JSON object",
     "header is a string": "header is not a JSON object",
@@ -262,6 +299,84 @@ def test_nasty_headers(name: str) -> None:
     assert type(refused.value) is PrequantError and refused.value.exit_code == 1  # a bad file, not a usage error
     assert message.startswith(f"{path}: {NASTY_REFUSALS[name]}"), message[:300]
     assert "\n" not in message and len(message) < 1000, message[:300]  # one readable line, even for a 1 MB name
+
+
+def _entry(dtype: str = "F32", shape: list[int] | None = None, offsets: list[int] | None = None, **extra: object) -> dict:
+    return {"dtype": dtype, "shape": [1] if shape is None else shape, "data_offsets": offsets or [0, 4], **extra}
+
+
+# Files the safetensors library refuses, each with what read_header's refusal says (after "<file>: ").
+DEFECTS: dict[str, tuple[bytes | dict, bytes, str]] = {
+    "trailing bytes after the data": ({"t": _entry()}, b"\0" * 4 + b"junk", "4 bytes follow the last tensor's data"),
+    "a hole between two tensors": (
+        {"a": _entry(), "b": _entry(offsets=[8, 12])}, b"\0" * 12, "tensor 'b' starts at data offset 8, but the"
+    ),
+    "a hole before the first tensor": ({"t": _entry(offsets=[4, 8])}, b"\0" * 8, "tensor 't' starts at data offset 4"),
+    "an empty tensor inside another": (
+        {"a": _entry(shape=[2], offsets=[0, 8]), "z": _entry(shape=[0], offsets=[4, 4])}, b"\0" * 8,
+        "tensors 'a' and 'z' overlap",
+    ),
+    "a metadata value that is not a string": (
+        {"__metadata__": {"format": "pt", "step": 7}, "t": _entry()}, b"\0" * 4,
+        "__metadata__ value of 'step' is 7, not a string",
+    ),
+    "an element count past 64 bits": (
+        {"t": _entry(shape=[2**33, 2**33, 0], offsets=[0, 0])}, b"", "tensor 't': shape [8589934592, 8589934592, 0] has"
+    ),
+    "a bit count past 64 bits": ({"t": _entry(shape=[2**61], offsets=[0, 2**63])}, b"", "tensor 't': shape [2305843009213693952] has more bits"),
+    "NaN in an unknown field": (b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": NaN}}', b"\0" * 4,
+                                "header is not valid JSON (NaN is not JSON)"),
+    "a lone surrogate in a name": (b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4,
+                                   "header is not valid JSON (a string holds a lone surrogate)"),
+    "UTF-16 text without a byte-order mark": (
+        '{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'.encode("utf-16-le"), b"\0" * 4,
+        "header is not valid JSON",
+    ),
+    "__metadata__ twice": (b'{"__metadata__": {}, "__metadata__": {}}', b"", "header is not valid JSON (key '__metadata__' appears twice"),
+    "nested 128 levels deep": (
+        b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + b"[" * 126 + b"]" * 126 + b"}}",
+        b"\0" * 4, "header is not valid JSON (nested more than 127 levels deep)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DEFECTS))
+def test_every_defect_safetensors_refuses_is_refused(name: str) -> None:
+    header, data, says = DEFECTS[name]
+    path = write(encode(header if isinstance(header, bytes) else json.dumps(header).encode(), data))
+    assert safetensors_opens(path) is None, "the safetensors library opens this file: not a defect"
+    with pytest.raises(PrequantError) as refused:
+        safetensors.read_header(path)
+    assert refused.value.message.startswith(f"{path}: {says}"), refused.value.message[:300]
+    read_and_check(path)
+
+
+def test_header_length_is_bounded_as_safetensors_bounds_it() -> None:
+    """100,000,000 bytes, safetensors' MAX_HEADER_SIZE (a sparse file: nothing is written but the length)."""
+    path = SCRATCH / "huge-header.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", 100_000_001))
+        f.truncate(8 + 100_000_001)
+    try:
+        assert safetensors_opens(path) is None
+        with pytest.raises(PrequantError, match="header length 100000001 is over 100000000 bytes"):
+            safetensors.read_header(path)
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("header", [
+    {"__metadata__": None, "t": _entry()},
+    {"t": _entry(unknown={"kept": [1, 2.5, None]})},
+    {"t": _entry(), "z": _entry(shape=[0, 5], offsets=[4, 4])},
+    {},
+], ids=["null metadata", "unknown field", "empty tensor at the end", "no tensors"])
+def test_files_safetensors_opens_are_read(header: dict) -> None:
+    data = b"\0" * (4 if header.get("t") else 0)
+    path = write(encode(json.dumps(header).encode(), data))
+    assert safetensors_opens(path) is not None
+    refs, _ = safetensors.read_header(path)
+    assert sorted(r.name for r in refs) == safetensors_opens(path)
 
 
 def test_unreadable_paths_are_prequant_errors() -> None:

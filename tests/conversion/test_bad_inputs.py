@@ -41,6 +41,7 @@ USER_FILES = {"notes.txt": b"the user's own notes\n", "eval/results.json": b'{"p
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 DOWN_PROJ = "model.layers.1.mlp.down_proj.weight"
+GATE_PROJ = "model.layers.0.mlp.gate_proj.weight"
 BF16_NAN, BF16_INF = b"\xc0\x7f", b"\x80\x7f"  # little-endian bfloat16 bit patterns
 
 
@@ -419,6 +420,79 @@ def disk_full_tmpfs(c: Ctx) -> Run:
     return c.run(c.single(), "--overwrite", "--max-shard-size", "40KB", output=out)
 
 
+def _custom_llama(c: Ctx, **config: int) -> Path:
+    """A tiny random bf16 Llama of the given dimensions, saved as one safetensors file."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.bfloat16)
+    model.save_pretrained(c.tmp / "src")
+    return c.tmp / "src"
+
+
+def transposed_weight(c: Ctx) -> Run:
+    src = c.single()
+
+    def edit(h: dict) -> None:
+        h[GATE_PROJ]["shape"] = list(reversed(h[GATE_PROJ]["shape"]))  # same bytes, the model's transpose
+
+    _edit_header(src / "model.safetensors", edit)
+    return c.run(src)
+
+
+def trailing_bytes_after_the_data(c: Ctx) -> Run:
+    src = c.single()
+    with open(src / "model.safetensors", "ab") as f:
+        f.write(b"junk")  # safetensors refuses the file: not fully covered by its tensors
+    return c.run(src)
+
+
+def element_count_overflows(c: Ctx) -> Run:
+    src = c.single()
+
+    def edit(h: dict) -> None:
+        end = max(e["data_offsets"][1] for k, e in h.items() if k != "__metadata__")
+        h["extra"] = {"dtype": "BF16", "shape": [2**33, 2**33, 0], "data_offsets": [end, end]}
+
+    _edit_header(src / "model.safetensors", edit)
+    return c.run(src)
+
+
+def metadata_value_not_a_string(c: Ctx) -> Run:
+    src = c.single()
+
+    def edit(h: dict) -> None:
+        h["__metadata__"]["step"] = 1000
+
+    _edit_header(src / "model.safetensors", edit)
+    return c.run(src)
+
+
+def skip_is_not_a_regex(c: Ctx) -> Run:
+    return c.run(c.single(), "--skip", "(")
+
+
+def nan_in_a_kept_tensor(c: Ctx) -> Run:
+    src = c.single()
+    _poke(src / "model.safetensors", "model.norm.weight", BF16_NAN, element=3)
+    return c.run(src, "--overwrite", output=c.tmp / "existing")
+
+
+def odd_element_count_with_bf16_storage(c: Ctx) -> Run:
+    # 37 x 98 = 3,626 elements: bitsandbytes' bf16 storage holds 906 words (1,812 bytes) of the 1,813 needed.
+    src = _custom_llama(c, hidden_size=98, intermediate_size=37, num_hidden_layers=1, num_attention_heads=1,
+                        num_key_value_heads=1, vocab_size=64)
+    return c.run(src)
+
+
+def disk_full_in_the_journal(c: Ctx) -> Run:
+    # Every file but the journal stays under the 6 KiB limit (shards of at most 2 KB): the run fails on a
+    # journal line, the only write there is no room for.
+    src = _custom_llama(c, hidden_size=16, intermediate_size=32, num_hidden_layers=6, num_attention_heads=2,
+                        num_key_value_heads=1, vocab_size=32)
+    return c.run(src, "--max-shard-size", "2KB", preexec_fn=_file_size_limit(6 * 1024))
+
+
 @dataclass(frozen=True)
 class Case:
     build: Callable[[Ctx], Run]
@@ -467,6 +541,15 @@ CASES = [
     Case(disk_full_file_size_limit, 1, "model.safetensors", ("no space left", "free space", "--resume")),
     Case(disk_full_copying_side_files, 1, "tokenizer.json", ("no space left", "free space", "--resume")),
     Case(disk_full_tmpfs, 1, "model-0000", ("no space left", "free space", "--resume")),
+    Case(disk_full_in_the_journal, 1, "journal.jsonl", ("no space left", "free space", "--resume")),
+    Case(transposed_weight, 1, GATE_PROJ, ("has shape [64, 128]", "expects [128, 64]", "config.json")),
+    Case(trailing_bytes_after_the_data, 1, "model.safetensors", ("4 bytes follow the last tensor", REDOWNLOAD)),
+    Case(element_count_overflows, 1, "'extra'", ("more elements than a 64-bit count holds", REDOWNLOAD)),
+    Case(metadata_value_not_a_string, 1, "'step'", ("not a string", REDOWNLOAD)),
+    Case(skip_is_not_a_regex, 2, "--skip '('", ("not a valid regular expression", "escape")),
+    Case(nan_in_a_kept_tensor, 1, "model.norm.weight", ("1 NaN", "kept unquantized", "--allow-nan")),
+    Case(odd_element_count_with_bf16_storage, 1, "model.layers.0.mlp.down_proj.weight",
+         ("3,626 elements", "byte short", "--quant-storage uint8")),
 ]
 
 

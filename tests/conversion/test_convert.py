@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import bnb_config, read_checkpoint, transformers_reference
+from conftest import MIXES, bnb_config, read_checkpoint, retyped, transformers_reference
 
 import prequant
 from prequant.conversion.plan import parse_size
@@ -255,3 +255,102 @@ def test_conversions_leave_no_hashing_threads_behind(checkpoints, tmp_path):
     for i in range(2):
         prequant.convert(checkpoints("llama", "200KB"), tmp_path / f"out{i}", device="cpu", progress=False)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("prequant-hash")]
+
+
+# --- tensors stored in another dtype than the model's ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixed(checkpoints, tmp_path_factory):
+    """(source, prequant output, transformers output) per mix, built once."""
+    made: dict[str, tuple[Path, Path, Path]] = {}
+
+    def get(mix: str) -> tuple[Path, Path, Path]:
+        if mix not in made:
+            src = retyped(checkpoints("llama"), tmp_path_factory.mktemp(f"{mix}-src") / "src", MIXES[mix])
+            out = tmp_path_factory.mktemp(f"{mix}-prequant") / "out"
+            prequant.convert(src, out, device="cpu", progress=False)
+            made[mix] = (src, out, transformers_reference(src, tmp_path_factory.mktemp(f"{mix}-ref")))
+        return made[mix]
+
+    return get
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tensors_in_other_dtypes_are_kept_as_transformers_keeps_them(mixed, mix):
+    """Kept tensors in transformers' dtype (the model's) with its bytes (torch's rounding)."""
+    _, out, ref = mixed(mix)
+    ours, theirs = read_checkpoint(out), read_checkpoint(ref)
+    assert sorted(ours) == sorted(theirs)
+    kept = [k for k in theirs if f"{k}.absmax" not in theirs and ".quant_state." not in k and not k.endswith(
+        (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map"))]
+    assert {k for k in MIXES[mix] if f"{k}.absmax" not in theirs} <= set(kept)
+    for key in kept:
+        assert ours[key].dtype == theirs[key].dtype == torch.bfloat16, key
+        assert torch.equal(ours[key].view(torch.uint8), theirs[key].view(torch.uint8)), key
+    for key, t in theirs.items():
+        assert (ours[key].dtype, ours[key].dim()) == (t.dtype, t.dim()), key
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tensors_in_other_dtypes_are_quantized_from_the_models_dtype(mixed, mix):
+    """The quant state says bfloat16, as transformers', which casts before quantizing."""
+    _, out, ref = mixed(mix)
+    ours, theirs = read_checkpoint(out), read_checkpoint(ref)
+    for name in (n for n in MIXES[mix] if f"{n}.absmax" in theirs):
+        key = f"{name}.quant_state.bitsandbytes__nf4"
+        a, b = _state(ours[key]), _state(theirs[key])
+        assert a.pop("nested_offset") == pytest.approx(b.pop("nested_offset"), rel=1e-5), key
+        assert a == b and a["dtype"] == "bfloat16", key
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tensors_in_other_dtypes_give_the_bytes_of_the_source_cast_first(mixed, tmp_path, mix):
+    """Every byte equals the conversion of the same checkpoint cast to bf16 by torch, as transformers loads it
+    (bitsandbytes' CPU path, the reference here, packs other bytes than CUDA's; the GPU test compares those)."""
+    from safetensors.torch import load_file, save_file
+
+    src, out, _ = mixed(mix)
+    cast = tmp_path / "cast"
+    cast.mkdir()
+    for f in src.iterdir():
+        (cast / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()},
+              cast / "model.safetensors", metadata={"format": "pt"})
+    prequant.convert(cast, tmp_path / "out", device="cpu", progress=False)
+    ours, expected = read_checkpoint(out), read_checkpoint(tmp_path / "out")
+    assert sorted(ours) == sorted(expected)
+    for key in ours:
+        assert ours[key].dtype == expected[key].dtype and torch.equal(ours[key].view(torch.uint8),
+                                                                    expected[key].view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_tensors_in_other_dtypes_verify_against_their_source(mixed, mix):
+    from prequant.verify.run import verify
+
+    src, out, _ = mixed(mix)
+    report = verify(out, src, progress=False)
+    assert report.ok, report.to_text()
+    assert report.source["kept"] == 7 and report.source["quantized"] == 14
+
+
+def test_odd_element_count_converts_with_uint8_storage(tmp_path):
+    """37 x 98 weights: refused with bf16 storage (a byte short, see test_bad_inputs), fine with uint8, the fix
+    the refusal names; the layout is transformers'."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=98, intermediate_size=37, num_hidden_layers=1, num_attention_heads=1,
+                         num_key_value_heads=1, vocab_size=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "src")
+    with pytest.raises(prequant.PrequantError, match=r"--quant-storage uint8"):
+        prequant.convert(tmp_path / "src", tmp_path / "bf16", device="cpu", progress=False)
+    assert not (tmp_path / "bf16").exists()  # refused before any work
+    prequant.convert(tmp_path / "src", tmp_path / "out", device="cpu", progress=False, quant_storage="uint8")
+    ours = read_checkpoint(tmp_path / "out")
+    theirs = read_checkpoint(transformers_reference(tmp_path / "src", tmp_path / "ref",
+                                                    bnb_4bit_quant_storage=torch.uint8))
+    assert {k: (v.dtype, v.shape) for k, v in ours.items() if ".quant_state." not in k} == {
+        k: (v.dtype, v.shape) for k, v in theirs.items() if ".quant_state." not in k}
+    assert ours["model.layers.0.mlp.down_proj.weight"].numel() == 1813
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out", device_map="cpu")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import pytest
-from conftest import build_checkpoint, gpu_only, read_checkpoint, transformers_reference
+from conftest import MIXES, build_checkpoint, gpu_only, read_checkpoint, retyped, transformers_reference
 
 import prequant
 
@@ -79,3 +79,14 @@ def test_real_size_layer_is_byte_identical_to_transformers(tmp_path):
     _assert_identical_checkpoints(tmp_path / "cuda", ref)
     prequant.convert(tmp_path / "src", tmp_path / "cpu", device="cpu", progress=False)
     _assert_identical_checkpoints(tmp_path / "cpu", ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("mix", ["fp32-in-bf16", "fp16-in-bf16", "mixed"])
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_tensors_in_other_dtypes_are_byte_identical_to_transformers(tiny, tmp_path, mix, device):
+    """Weights stored in fp32 or fp16 in a bf16 model: cast as transformers casts them, then quantized."""
+    src = retyped(tiny[0], tmp_path / "src", MIXES[mix])
+    ref = transformers_reference(src, tmp_path / "ref", device="cuda")
+    prequant.convert(src, tmp_path / "out", device=device, progress=False)
+    _assert_identical_checkpoints(tmp_path / "out", ref)

@@ -59,3 +59,21 @@ def test_cli_plan_equals_library_plan(checkpoints, tmp_path, monkeypatch):
     assert len(taken) == 1 and taken[0] is not None, "the CLI did not use the child's layout"
     library = prequant.convert(src, tmp_path / "out", dry_run=True, skip=["h.0.mlp"])
     assert json.loads(out) == json.loads(json.dumps(library.to_dict()))
+
+
+def test_child_carries_a_refusal_as_the_parent_would_raise_it(checkpoints, tmp_path):
+    """A weight shaped as the model's transpose: the child refuses it, and the parent raises that same error."""
+    import shutil
+
+    from test_bad_inputs import GATE_PROJ, _edit_header
+
+    src_dir = shutil.copytree(checkpoints("llama"), tmp_path / "src")
+    _edit_header(src_dir / "model.safetensors", lambda h: h[GATE_PROJ].update(shape=h[GATE_PROJ]["shape"][::-1]))
+    src = sources.resolve(str(src_dir))
+    tensors = sources.scan(src)
+    with pytest.raises(prequant.PrequantError) as in_process:
+        architectures.analyze(hf_files.read_config(src.path), src.path, tensors, [], False)
+    layout_worker.start(str(src.path), [], False)
+    with pytest.raises(prequant.PrequantError) as from_child:
+        layout_worker.take(src.path, tensors, [], False)
+    assert from_child.value.message == in_process.value.message and "expects [128, 64]" in from_child.value.message

@@ -291,7 +291,7 @@ def test_upload_arrives_byte_for_byte(
         monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
         hub_server.upload_mode = "regular"
 
-    url = hub.upload(checkpoint, "me/tiny-bnb-4bit", commit_message="first")
+    url = hub.upload(checkpoint, "me/tiny-bnb-4bit", commit_message="first").commit_url
     first = hub_server.head("me/tiny-bnb-4bit")
     assert url == f"{hub_server.url}/me/tiny-bnb-4bit/commit/{first}"
     uploaded = hub_server.files("me/tiny-bnb-4bit")
@@ -302,7 +302,7 @@ def test_upload_arrives_byte_for_byte(
     assert used_lfs == (client == "lfs")
 
     (checkpoint / "config.json").write_text('{"changed": true}')
-    second_url = hub.upload(checkpoint, "me/tiny-bnb-4bit", commit_message="second")
+    second_url = hub.upload(checkpoint, "me/tiny-bnb-4bit", commit_message="second").commit_url
     assert second_url != url
     assert [c.message for c in hub_server.commits("me/tiny-bnb-4bit")][:2] == ["second", "first"]
     assert hub_server.files("me/tiny-bnb-4bit")["config.json"] == b'{"changed": true}'

@@ -72,6 +72,44 @@ def test_upload_to_a_branch_privately(logged_in: HubServer, out: Path):
     assert "prequant.json" in logged_in.files("me/tiny", "nf4")
 
 
+def test_upload_into_an_existing_repo_replaces_the_old_checkpoint(logged_in: HubServer, out: Path):
+    """An earlier conversion there had three shards and an index; this one has a single file. Loaders take a
+    leftover index or shard over the new ones: the commit removes them, and nothing else of the repo."""
+    logged_in.add_repo("me/tiny-nf4", {
+        "model-00001-of-00003.safetensors": b"old shard 1", "model-00002-of-00003.safetensors": b"old shard 2",
+        "model-00003-of-00003.safetensors": b"old shard 3", "model.safetensors.index.json": b"{}",
+        "pytorch_model.bin": b"older still", "config.json": b"{}", "eval/results.json": b"{}",
+        "NOTES.md": b"the owner's notes", "old/model.safetensors": b"kept: not where a loader looks",
+    })
+    code, stdout, stderr = run_main("upload", str(out), "me/tiny-nf4", "--json")
+    assert code == 0, stderr
+    uploaded = logged_in.files("me/tiny-nf4")
+    assert set(uploaded) == {p.name for p in out.iterdir()} | {"eval/results.json", "NOTES.md", "old/model.safetensors"}
+    assert all(uploaded[p.name] == p.read_bytes() for p in out.iterdir())
+    assert json.loads(stdout)["deleted"] == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json", "pytorch_model.bin",
+    ]
+    assert len(logged_in.commits("me/tiny-nf4")) == 2  # one commit: the files and the deletions together
+
+
+def test_private_into_an_existing_public_repo_is_refused(logged_in: HubServer, out: Path):
+    logged_in.add_repo("me/public", {"README.md": b"public"}, private=False)
+    before = logged_in.head("me/public")
+    code, stdout, stderr = run_main("upload", str(out), "me/public", "--private", "--json")
+    assert code == 1 and stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "refusing to upload to me/public: it exists and is public" in lines[0], stderr
+    assert logged_in.head("me/public") == before and logged_in.files("me/public") == {"README.md": b"public"}
+
+
+def test_the_result_says_the_repos_actual_visibility(logged_in: HubServer, out: Path):
+    logged_in.add_repo("me/secret", {"README.md": b"private"}, private=True)
+    code, stdout, stderr = run_main("upload", str(out), "me/secret", "--json")  # no --private: it stays private
+    assert code == 0, stderr
+    assert json.loads(stdout)["private"] is True
+
+
 def test_convert_push_to_hub(logged_in: HubServer, carded_source: Path, tmp_path):
     proc = run_cli("convert", str(carded_source), str(tmp_path / "out"), "--device", "cpu", "--push-to-hub", "me/pushed",
                    "--json")

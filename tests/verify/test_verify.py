@@ -263,3 +263,19 @@ def test_malformed_index(out):
     (out / INDEX).write_text('{"weight_map": ["not", "a", "map"]}')
     rehash(out, INDEX)
     assert first_problem(out).startswith(f"{INDEX}: not a valid index (needs a 'weight_map' object")
+
+
+def test_weights_near_1e30_verify_against_their_source(checkpoints, tmp_path):
+    """Their float32 error norm would overflow: convert records a finite error, verify --source passes."""
+    src = Path(shutil.copytree(checkpoints("llama"), tmp_path / "src"))
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = (tensors[name].float() * 1e30).to(torch.bfloat16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    prequant.convert(src, out, device="cpu", progress=False)
+    recorded = json.loads((out / "prequant.json").read_text())["tensors"][name]
+    assert recorded["rel_error"] is not None and 0.05 < recorded["rel_error"] < 0.12
+    report = verification.verify(out, src, progress=False)
+    assert report.ok, report.to_text()
+    assert report.source["tensors"][name]["rel_error"] == recorded["rel_error"]

@@ -1,0 +1,70 @@
+"""SIGINT and SIGTERM as one exception, so that every command stops the same way at any moment.
+
+The `prequant` command calls `install()` first thing, before anything heavy is imported; from then on either
+signal raises `Signalled` in the main thread. It is a KeyboardInterrupt: code that already cleans up after
+Ctrl-C (joins its threads, flushes the resume journal) does the same for SIGTERM, and no `except Exception`
+in a library can swallow it. A second signal while the first is still unwinding ends the process at once.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+_received: int | None = None
+
+
+class Signalled(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived (raised in the main thread by the handler)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(name(signum))
+        self.signum = signum
+
+
+def name(signum: int) -> str:
+    """'SIGINT', 'SIGTERM'."""
+    return signal.Signals(signum).name
+
+
+def exit_code(signum: int) -> int:
+    """What a shell reports for a process the signal ended: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signum
+
+
+def of(interrupt: BaseException) -> int:
+    """The signal behind a KeyboardInterrupt: its own for `Signalled`, else SIGINT (Python's Ctrl-C)."""
+    return getattr(interrupt, "signum", signal.SIGINT)
+
+
+def received() -> int | None:
+    """The first signal the installed handler received, if any."""
+    return _received
+
+
+def _handler(signum: int, frame: object) -> None:
+    global _received
+    if _received is not None:
+        # A second signal while the first unwinds: whoever sends it wants the process gone now.
+        os.write(2, f"Error: interrupted by {name(signum)}\n".encode())
+        os._exit(exit_code(signum))
+    _received = signum
+    raise Signalled(signum)
+
+
+def install() -> None:
+    """Raise `Signalled` on SIGINT and SIGTERM in this process (main thread only, as Python requires)."""
+    for signum in HANDLED:
+        signal.signal(signum, _handler)
+
+
+def raising(signum: int, frame: object) -> None:
+    """A plain handler raising `Signalled` every time (what a library installs for the span of a call)."""
+    raise Signalled(signum)
+
+
+def hold() -> None:
+    """Block both signals from now on: the command has finished, and its exit status says how."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(HANDLED))

@@ -1,0 +1,90 @@
+"""NaN and Inf in the tensors kept unquantized: NaN refused (see test_bad_inputs) unless --allow-nan, which copies
+it as it is and records it; Inf recorded and reported, not refused; the records survive a kill and --resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_checkpoint, run_cli
+
+from prequant.conversion.kept import non_finite
+
+NORM = "model.norm.weight"
+EMBED = "model.embed_tokens.weight"
+BF16_NAN, BF16_INF, BF16_NEG_INF = b"\xc0\x7f", b"\x80\x7f", b"\x80\xff"
+ARGS = ("--device", "cpu", "--max-shard-size", "60KB")
+
+
+def _poke(path: Path, tensor: str, value: bytes, element: int) -> None:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin = 8 + n + json.loads(raw[8 : 8 + n])[tensor]["data_offsets"][0] + element * len(value)
+    with open(path, "r+b") as f:
+        f.seek(begin)
+        f.write(value)
+
+
+@pytest.fixture
+def source(checkpoints, tmp_path) -> Path:
+    """The tiny Llama with 2 NaN in the final norm and 3 Inf in the embedding (a -inf among them)."""
+    src = Path(shutil.copytree(checkpoints("llama"), tmp_path / "src"))
+    shard = src / "model.safetensors"
+    for element in (3, 9):
+        _poke(shard, NORM, BF16_NAN, element)
+    for element, value in ((0, BF16_INF), (100, BF16_NEG_INF), (5000, BF16_INF)):
+        _poke(shard, EMBED, value, element)
+    return src
+
+
+def test_allow_nan_copies_it_as_it_is_and_records_it(source, tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("convert", str(source), str(out), *ARGS, "--allow-nan", "--json")
+    assert proc.returncode == 0, proc.stderr
+    theirs, ours = read_checkpoint(source), read_checkpoint(out)
+    assert torch.equal(ours[NORM].view(torch.uint8), theirs[NORM].view(torch.uint8))  # NaN bit patterns kept
+    manifest = json.loads((out / "prequant.json").read_text())
+    assert manifest["options"]["allow_nan"] is True
+    assert manifest["non_finite"] == {EMBED: {"nan": 0, "inf": 3}, NORM: {"nan": 2, "inf": 0}}
+    assert json.loads(proc.stdout)["non_finite"] == manifest["non_finite"]
+    assert run_cli("verify", str(out), "--source", str(source)).returncode == 0
+
+
+def test_inf_in_a_kept_tensor_is_recorded_and_reported(checkpoints, tmp_path):
+    src = Path(shutil.copytree(checkpoints("llama"), tmp_path / "src"))
+    _poke(src / "model.safetensors", EMBED, BF16_NEG_INF, 7)  # an attention-mask-like -inf
+    out = tmp_path / "out"
+    proc = run_cli("convert", str(src), str(out), *ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert f"non-finite values kept as they are: {EMBED} (1 Inf)" in proc.stdout
+    manifest = json.loads((out / "prequant.json").read_text())
+    assert manifest["non_finite"] == {EMBED: {"nan": 0, "inf": 1}} and manifest["options"]["allow_nan"] is False
+
+
+def test_the_record_survives_a_kill_and_resume(source, tmp_path):
+    """The embedding is the first tensor written: killed later, the resumed run does not see it again."""
+    clean = tmp_path / "clean"
+    run_cli("convert", str(source), str(clean), *ARGS, "--allow-nan", check=True)
+    out = tmp_path / "out"
+    killed = run_cli("convert", str(source), str(out), *ARGS, "--allow-nan",
+                     env={"PREQUANT_FAILPOINT": "shard-journaled:1"})
+    assert killed.returncode == -9
+    run_cli("convert", str(source), str(out), *ARGS, "--allow-nan", "--resume", check=True)
+    ours, expected = (json.loads((d / "prequant.json").read_text()) for d in (out, clean))
+    assert ours["non_finite"] == expected["non_finite"] == {EMBED: {"nan": 0, "inf": 3}, NORM: {"nan": 2, "inf": 0}}
+    assert ours["files"] == expected["files"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_non_finite_counts(dtype):
+    t = torch.zeros(3 * (1 << 24) + 5, dtype=dtype)  # several counting chunks
+    assert non_finite(t) == (0, 0)
+    t[[0, 1 << 24, -1]] = float("nan")
+    t[[7, -2]] = float("inf")
+    t[9] = -float("inf")
+    assert non_finite(t) == (3, 3)
+    assert non_finite(torch.tensor([1, 2], dtype=torch.int64)) == (0, 0)

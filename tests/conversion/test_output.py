@@ -1,0 +1,92 @@
+"""Where a conversion may write: --resume only continues an interrupted prequant conversion (or says a finished
+one is complete), an OUTPUT_DIR inside SOURCE is refused; in each refused case nothing is touched."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+ARGS = ("--device", "cpu")
+
+
+def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file under `root`: sha256 and mtime (a rewrite with the same bytes shows too)."""
+    return {
+        p.relative_to(root).as_posix(): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def _one_line_error(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def finished(checkpoints, tmp_path) -> Path:
+    """A finished conversion of the tiny Llama (NF4, the defaults)."""
+    out = tmp_path / "finished"
+    run_cli("convert", str(checkpoints("llama")), str(out), *ARGS, check=True)
+    return out
+
+
+def test_resume_into_someone_elses_checkpoint_is_refused_untouched(checkpoints, tmp_path):
+    """A mistyped OUTPUT_DIR with --resume: a folder holding a user's own bf16 checkpoint."""
+    theirs = Path(shutil.copytree(checkpoints("qwen2"), tmp_path / "their-model"))
+    before = _snapshot(theirs)
+    proc = run_cli("convert", str(checkpoints("llama")), str(theirs), *ARGS, "--resume")
+    assert proc.returncode == 2
+    assert "holds no interrupted conversion to resume" in _one_line_error(proc)
+    assert _snapshot(theirs) == before and sorted(os.listdir(theirs)) == sorted(before)
+
+
+def test_resume_into_a_finished_conversion_of_another_job_is_refused_untouched(checkpoints, finished):
+    before = _snapshot(finished)
+    proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--quant-type", "fp4", "--resume")
+    assert proc.returncode == 2
+    assert "holds a finished conversion of another source or with other options" in _one_line_error(proc)
+    assert _snapshot(finished) == before and sorted(os.listdir(finished)) == sorted(before)
+
+
+def test_resume_of_a_finished_conversion_says_already_complete_and_writes_nothing(checkpoints, finished):
+    before = _snapshot(finished)
+    proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"already complete: {finished} holds this conversion"), proc.stdout
+    assert _snapshot(finished) == before and sorted(os.listdir(finished)) == sorted(before)
+    as_json = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--resume", "--json")
+    assert '"already_complete": true' in as_json.stdout
+
+
+def test_resume_of_a_finished_conversion_with_a_file_gone_is_refused(checkpoints, finished):
+    (finished / "model.safetensors").unlink()
+    before = _snapshot(finished)
+    proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--resume")
+    assert proc.returncode == 2
+    assert "model.safetensors is missing" in _one_line_error(proc)
+    assert _snapshot(finished) == before
+
+
+def test_output_dir_inside_the_source_is_refused(checkpoints, tmp_path):
+    src = Path(shutil.copytree(checkpoints("llama"), tmp_path / "tiny-llama"))
+    before = _snapshot(src)
+    for output_dir in (src / "nf4", src / "nested" / "deeper"):
+        proc = run_cli("convert", str(src), str(output_dir), *ARGS)
+        assert proc.returncode == 2
+        line = _one_line_error(proc)
+        assert "inside the source directory" in line and str(tmp_path / "tiny-llama-nf4") in line  # the fix
+    assert _snapshot(src) == before and sorted(os.listdir(src)) == sorted(before)
+
+
+def test_output_dir_inside_the_source_through_a_link_is_refused(checkpoints, tmp_path):
+    src = Path(shutil.copytree(checkpoints("llama"), tmp_path / "tiny-llama"))
+    (tmp_path / "link").symlink_to(src)
+    proc = run_cli("convert", str(src), str(tmp_path / "link" / "nf4"), *ARGS)
+    assert proc.returncode == 2 and "inside the source directory" in _one_line_error(proc)
+    assert not (src / "nf4").exists()
