@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .format import NESTED_BLOCKSIZE, STATE_PREFIX, decode_quant_state
+from .kernels import _compare
 
 CHUNK_ELEMENTS = 1 << 20  # per pass; small enough to stay in cache on the CPU, a few MB on a GPU
 GPU_CHUNK_ELEMENTS = 1 << 24  # ~200 MB of temporaries: small next to the tensors in flight
@@ -90,19 +91,29 @@ def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor]) -> Tenso
 def compare(
     source: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int
 ) -> TensorStats:
-    """Dequantize `packed` chunk by chunk and compare it with `source` (flattened row-major)."""
+    """Dequantize `packed` chunk by chunk and compare it with `source` (flattened row-major).
+
+    On the CPU the chunks go to the kernels' thread pool (`kernels._compare`); on a GPU they are a few
+    large torch operations on the quantizer's own tensors."""
     n = source.numel()
-    err2 = ref2 = 0.0
-    max_err = torch.zeros((), device=source.device)
-    for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
-        x = _flat_chunk(source, start, end).float()
-        diff = values.sub_(x)
-        err2 += float(torch.dot(diff, diff))
-        ref2 += float(torch.dot(x, x))
-        max_err = torch.maximum(max_err, _absmax(diff))
+    if not packed.is_cuda:
+        raw = packed.reshape(-1).view(torch.uint8)
+        pairs = _pair_table(quant_map).view(torch.float64).view(-1)
+        # Only the elements actually stored can be compared (see `_dequantized_chunks`).
+        err2, ref2, max_err = _compare.error_sums(source, raw, absmax, pairs, blocksize, min(n, 2 * raw.numel()))
+    else:
+        err2 = ref2 = 0.0
+        max_gpu = torch.zeros((), device=source.device)
+        for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
+            x = _flat_chunk(source, start, end).float()
+            diff = values.sub_(x)
+            err2 += float(torch.dot(diff, diff))
+            ref2 += float(torch.dot(x, x))
+            max_gpu = torch.maximum(max_gpu, _absmax(diff))
+        max_err = float(max_gpu)
     rel = math.sqrt(err2 / ref2) if ref2 > 0 else (0.0 if err2 == 0 else math.inf)
     lo, hi = (float(absmax.min()), float(absmax.max())) if absmax.numel() else (0.0, 0.0)
-    return TensorStats(n, lo, hi, rel, float(max_err))
+    return TensorStats(n, lo, hi, rel, max_err)
 
 
 def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, n: int) -> torch.Tensor:
