@@ -74,6 +74,8 @@ def dequantize_absmax(
     """The float32 per-block absmax: as stored, or decoded from its 8-bit double-quantized codes."""
     if nested_absmax is None:
         return absmax.float()
+    if not absmax.is_cuda:
+        return _compare.dequantize_nested(absmax, nested_absmax, nested_quant_map, offset, NESTED_BLOCKSIZE)
     nested_map = nested_quant_map.float()  # type: ignore[union-attr]
     scale = nested_absmax.float().repeat_interleave(NESTED_BLOCKSIZE)[: absmax.numel()]
     return nested_map[absmax.long()] * scale + offset

@@ -63,6 +63,31 @@ def error_sums(
     return err2, ref2, max_err
 
 
+def dequantize_nested(codes: torch.Tensor, nested_absmax: torch.Tensor, nested_map: torch.Tensor, offset: float,
+                      nested_blocksize: int) -> torch.Tensor:  # fmt: skip
+    """float32 absmax from its double-quantized form, as bitsandbytes computes it:
+    ``nested_map[code] * nested_absmax[i // nested_blocksize] + offset``, in float32 (two roundings)."""
+    out = torch.empty(codes.numel(), dtype=torch.float32)
+    out_np, codes_np = out.numpy(), codes.reshape(-1).numpy()
+    table, scales = nested_map.float().numpy(), nested_absmax.float().reshape(-1).numpy()
+    shift = np.float32(offset)
+    step = max(nested_blocksize, TASK_ELEMENTS // nested_blocksize * nested_blocksize)
+
+    def task(i: int) -> None:
+        start = i * step
+        part = out_np[start : start + step]
+        np.take(table, codes_np[start : start + step], out=part)
+        full, first = len(part) // nested_blocksize, start // nested_blocksize
+        blocks = part[: full * nested_blocksize].reshape(full, nested_blocksize)
+        np.multiply(blocks, scales[first : first + full, None], out=blocks)
+        if full * nested_blocksize < len(part):
+            np.multiply(part[full * nested_blocksize :], scales[first + full], out=part[full * nested_blocksize :])
+        np.add(part, shift, out=part)
+
+    _parallel.run(-(-len(out_np) // step), task)
+    return out
+
+
 class _Scratch:
     def __init__(self, task: int) -> None:
         self.index_t = torch.empty(task // 2 + 1, dtype=torch.int32)
