@@ -67,6 +67,7 @@ class Job:
         self.packed, self.absmax = packed.numpy(), absmax.numpy()
 
     def run_task(self, i: int) -> None:
+        """Task i: absmax and packed codes of elements [i * task, (i + 1) * task), written into the outputs."""
         start = i * self.task
         stop = min(start + self.task, self.n)
         s = _scratch(self)
@@ -190,14 +191,16 @@ class _Scratch:
         self.above = np.empty(piece, np.bool_)
         self.pairs = np.empty(piece // 2, np.uint16)
         self.packed = np.empty(piece // 2, np.uint8)
-        self._views: dict[int, _Views] = {}
+        self._full: _Views | None = None
 
     def views(self, count: int, blocksize: int) -> _Views:
-        """The buffers cut to `count` elements (made once per count: slicing costs as much as a small op)."""
-        v = self._views.get(count)
-        if v is None:
-            v = self._views[count] = _Views(self, count, blocksize)
-        return v
+        """The buffers cut to `count` elements: made once for whole pieces (slicing costs as much as a small
+        operation), afresh for a tensor's last, shorter piece (whose length varies from tensor to tensor)."""
+        if count != len(self.y):
+            return _Views(self, count, blocksize)
+        if self._full is None:
+            self._full = _Views(self, count, blocksize)
+        return self._full
 
 
 class _Views:
