@@ -39,8 +39,14 @@ step() {  # step NAME SECONDS COMMAND...: run under min(SECONDS, time left), rec
   if (( limit < 15 )); then STATUS+=("$name: skipped (no time left)"); echo "== $name skipped"; return; fi
   echo "== $name (limit ${limit}s, $(( $(date +%s) - START ))s elapsed)"
   local t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@"
+  # Its own process group, so that running out of time also ends the conversions a bench started.
+  setsid "$@" &
+  local pid=$!
+  ( sleep "$limit"; echo "== $name: out of time"; kill -TERM -- "-$pid" 2>/dev/null; sleep 10; kill -KILL -- "-$pid" 2>/dev/null ) &
+  local watchdog=$!
+  wait "$pid"
   local rc=$?
+  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
   STATUS+=("$name: rc $rc in $(( $(date +%s) - t0 ))s")
 }
 clear_checkpoints_except() {  # one generated checkpoint on disk at a time
@@ -55,27 +61,29 @@ clear_checkpoints_except grok-33gb
 step grok33 300 python3 scripts/bench.py --size-gb 33 --shape grok --device cuda --memory-limit-gib 8 --hub \
   --dir "$WORK" --json "$OUT/bench-grok33.json"
 clear_checkpoints_except none
-step startup 40 python3 - "$WORK" "$OUT/startup.json" <<'EOF'
-import json, subprocess, sys, time
+cat > "$WORK/startup.py" <<'EOF'
+import json, os, subprocess, sys, time
 from pathlib import Path
-sys.path.insert(0, "scripts")
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
 from bench import drop_caches
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
 tiny = work / "tiny"
+import shutil; [shutil.rmtree(work / d, ignore_errors=True) for d in ("tiny", "tiny-out", "tiny-dry")]
 subprocess.run([sys.executable, "scripts/make_tiny_checkpoint.py", str(tiny)], check=True, capture_output=True)
 drop_caches(warm_libraries=True)
 result = {}
 for key, extra in (("convert_seconds", []), ("dry_run_seconds", ["--dry-run"])):
     t = time.monotonic()
-    subprocess.run([sys.executable, "-m", "prequant", "convert", str(tiny), str(work / "tiny-out"), *extra],
+    subprocess.run([sys.executable, "-m", "prequant", "convert", str(tiny), str(work / ("tiny-dry" if extra else "tiny-out")), *extra],
                    check=True, capture_output=True)
     result[key] = round(time.monotonic() - t, 2)
 out.write_text(json.dumps(result))
 print(result)
 EOF
+step startup 40 python3 "$WORK/startup.py" "$WORK" "$OUT/startup.json"
 python3 scripts/bench_summary.py "$OUT"
 step gpu-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bnb/test_quantize_gpu.py \
   tests/conversion/test_convert_gpu.py tests/conversion/test_grok.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
-rm -rf "$WORK"/*gb "$WORK"/tiny "$WORK"/tiny-out
+rm -rf "$WORK"/*gb "$WORK"/tiny "$WORK"/tiny-out "$WORK"/tiny-dry "$WORK"/startup.py
 printf '%s\n' "${STATUS[@]}" | tee "$OUT/steps.txt"
 echo "total $(( $(date +%s) - START ))s"
