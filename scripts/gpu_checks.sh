@@ -1,27 +1,89 @@
 #!/usr/bin/env bash
-# The GPU-machine run behind the README's figures: GPU tests (bitsandbytes' CUDA kernel as the reference),
-# then scripts/bench.py on ~4, ~16 (with transformers' path beside it, libraries warm and cold, and with 1 GB output
-# shards) and ~30 GB synthetic checkpoints.
-#   OUT=/some/dir bash scripts/gpu_checks.sh      # from the repository root, prequant importable
+# The GPU machine's measurement set (issue 17) in one command, within PREQUANT_BUDGET_S (default 560 s), JSON
+# results under $OUT, then one table of every figure (scripts/bench_summary.py) and the GPU tests if time is left:
+#   OUT=/some/dir bash scripts/gpu_checks.sh      # from the repository root
+# Steps, each under its own timeout (cut to the time left) and each going on after a failed one:
+#   cpu-kernel   bench_cpu_kernel.py, 14336x4096, threads 1,2,4,8,16, beside bitsandbytes' CPU path
+#   llama16      bench.py 16 GB Llama: cuda with libraries warm, and --device cpu (--also-device), one floor
+#   grok33       bench.py Grok shapes (3 layers, 32.7 GB), everything cold: cuda, then torch capped at 8 GiB,
+#                then from the local Hub server with --delete-source-shards (download alone measured beside it)
+#   startup      a tiny checkpoint's whole conversion and --dry-run, libraries warm
+#   gpu-tests    the CUDA-equality tests (bitsandbytes' kernel as the reference)
+# Disk (64 GB): one checkpoint at a time (16 GB, then 33 GB); outputs are deleted once hashed; the Hub path
+# holds the 33 GB source (served by hard links), at most 2 downloaded shards and the 11 GB output.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-# The GPU image keeps no bytecode between processes; a normal install has it. Cache it once, for both paths.
+cd "$(dirname "$0")/.."
+START=$(date +%s)
+BUDGET=${PREQUANT_BUDGET_S:-560}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_TELEMETRY=1
+# The GPU image keeps no bytecode between processes; an installed package has it. Cache it once, for every path.
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 unset PYTHONDONTWRITEBYTECODE
-python3 -c "import prequant.conversion.run, prequant.bnb.quantize, bitsandbytes.functional, transformers; from transformers import LlamaForCausalLM, AutoModelForCausalLM, BitsAndBytesConfig"
 OUT=${OUT:-/tmp/prequant-gpu-out}
 WORK=${PREQUANT_WORK:-/tmp/prequant-bench}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
+if ! python3 -c "import bitsandbytes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
 python3 -c "import torch, transformers, bitsandbytes; print('torch', torch.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bnb/test_quantize_gpu.py tests/conversion/test_convert_gpu.py tests/conversion/test_grok.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"} 2>&1 | tail -25
-IFS=';' read -ra SPECS <<< "${PREQUANT_BENCH:-16 llama --transformers --warm-libraries;16 llama;16 llama --warm-libraries --prequant-arg=--max-shard-size=1GB;4 llama --warm-libraries;30 llama --warm-libraries}"
-for spec in "${SPECS[@]}"; do
-  set -- $spec
-  # One checkpoint on disk at a time (the machine's disk is 64 GB); consecutive specs of one size share it.
-  ls -d "$WORK"/*gb 2>/dev/null | grep -vx "$WORK/$2-$1gb" | xargs -r rm -rf   # bench.py names them SHAPE-SIZEgb
-  timeout 240 python3 scripts/bench.py --size-gb "$1" --shape "$2" "${@:3}" --device cuda --dir "$WORK" \
-    --json "$OUT/bench-$1gb$(echo "${@:3}" | sed 's/--//g; s/[ =]/_/g').json" > /dev/null
-done
-rm -rf "$WORK"/*gb
+python3 -c "import prequant.conversion.run, prequant.bnb.quantize, prequant.bnb.kernels.cpu, bitsandbytes.functional, transformers, huggingface_hub, pytest; from transformers import LlamaForCausalLM, AutoModelForCausalLM, BitsAndBytesConfig"
+
+STATUS=()
+step() {  # step NAME SECONDS COMMAND...: run under min(SECONDS, time left), record how it ended
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 15 )); then STATUS+=("$name: skipped (no time left)"); echo "== $name skipped"; return; fi
+  echo "== $name (limit ${limit}s, $(( $(date +%s) - START ))s elapsed)"
+  local t0=$(date +%s)
+  # Its own process group, so that running out of time also ends the conversions a bench started.
+  setsid "$@" &
+  local pid=$!
+  ( sleep "$limit"; echo "== $name: out of time"; kill -TERM -- "-$pid" 2>/dev/null; sleep 10; kill -KILL -- "-$pid" 2>/dev/null ) &
+  local watchdog=$!
+  wait "$pid"
+  local rc=$?
+  kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
+  STATUS+=("$name: rc $rc in $(( $(date +%s) - t0 ))s")
+}
+clear_checkpoints_except() {  # one generated checkpoint on disk at a time
+  ls -d "$WORK"/*gb 2>/dev/null | grep -vx "$WORK/$1" | xargs -r rm -rf
+}
+
+step cpu-kernel 120 sh -c "python3 scripts/bench_cpu_kernel.py --shapes 14336x4096 --repeats 2 --threads 1,2,4,8,16 --json > '$OUT/cpu_kernel.json'"
+clear_checkpoints_except llama-16gb
+step llama16 170 python3 scripts/bench.py --size-gb 16 --shape llama --device cuda --also-device cpu --warm-libraries \
+  --dir "$WORK" --json "$OUT/bench-llama16.json"
+clear_checkpoints_except grok-33gb
+step grok33 300 python3 scripts/bench.py --size-gb 33 --shape grok --device cuda --memory-limit-gib 8 --hub \
+  --dir "$WORK" --json "$OUT/bench-grok33.json"
+clear_checkpoints_except none
+cat > "$WORK/startup.py" <<'EOF'
+import json, os, subprocess, sys, time
+from pathlib import Path
+sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
+from bench import drop_caches
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+tiny = work / "tiny"
+import shutil; [shutil.rmtree(work / d, ignore_errors=True) for d in ("tiny", "tiny-out", "tiny-dry")]
+subprocess.run([sys.executable, "scripts/make_tiny_checkpoint.py", str(tiny)], check=True, capture_output=True)
+drop_caches(warm_libraries=True)
+result = {}
+for key, extra in (("convert_seconds", []), ("dry_run_seconds", ["--dry-run"])):
+    t = time.monotonic()
+    subprocess.run([sys.executable, "-m", "prequant", "convert", str(tiny), str(work / ("tiny-dry" if extra else "tiny-out")), *extra],
+                   check=True, capture_output=True)
+    result[key] = round(time.monotonic() - t, 2)
+out.write_text(json.dumps(result))
+print(result)
+EOF
+step startup 40 python3 "$WORK/startup.py" "$WORK" "$OUT/startup.json"
+python3 scripts/bench_summary.py "$OUT"
+step gpu-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bnb/test_quantize_gpu.py \
+  tests/conversion/test_convert_gpu.py tests/conversion/test_grok.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
+rm -rf "$WORK"/*gb "$WORK"/tiny "$WORK"/tiny-out "$WORK"/tiny-dry "$WORK"/startup.py
+printf '%s\n' "${STATUS[@]}" | tee "$OUT/steps.txt"
+echo "total $(( $(date +%s) - START ))s"

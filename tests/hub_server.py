@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -100,6 +101,7 @@ class Repo:
     gated: bool = False
     refs: dict[str, str] = field(default_factory=dict)  # branch or tag -> commit sha
     commits: dict[str, Commit] = field(default_factory=dict)
+    linked: bool = False  # its files are hard links to the caller's (add_repo(link=True))
 
 
 @dataclass
@@ -248,15 +250,27 @@ class HubServer:
         private: bool | None = None,
         gated: bool | None = None,
         message: str = "Add files",
+        link: bool = False,
+        sha256s: Mapping[str, str] | None = None,
     ) -> str:
-        """Set the complete file set of ``revision`` (a branch, created from ``main`` if new); returns its sha."""
+        """Set the complete file set of ``revision`` (a branch, created from ``main`` if new); returns its sha.
+
+        ``link=True`` (for benchmarks serving many GB): files given as paths are hard-linked into the store,
+        never read into memory, their sha256 taken from ``sha256s`` where given (else streamed), and the
+        repo's folder is laid out with links too; the files must then not be modified in place."""
         with self._lock:
             repo = self._repos.get(repo_id) or self._create(repo_id, with_gitattributes=False)
             if private is not None:
                 repo.private = private
             if gated is not None:
                 repo.gated = gated
-            blobs = {path: self.store(_read(content), lfs=None, path=path) for path, content in files.items()}
+            blobs = {
+                path: self.store_file(content, path=path, sha256=(sha256s or {}).get(path))
+                if link and isinstance(content, Path)
+                else self.store(_read(content), lfs=None, path=path)
+                for path, content in files.items()
+            }
+            repo.linked = repo.linked or link
             parent = repo.refs.get(revision) or repo.refs.get("main")
             return self._commit(repo, revision, parent, blobs, message)
 
@@ -342,6 +356,23 @@ class HubServer:
         is_lfs = _is_lfs_path(path, len(data)) if lfs is None else lfs
         return Blob(sha256=sha256, size=len(data), git_sha1=_git_sha1(data), lfs=is_lfs)
 
+    def store_file(self, source: Path, *, path: str, sha256: str | None = None) -> Blob:
+        """Store a file by hard link (a copy across file systems), hashing it in pieces if no sha256 is given."""
+        size = source.stat().st_size
+        if sha256 is None:
+            digest = hashlib.sha256()
+            with open(source, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+            sha256 = digest.hexdigest()
+        target = self.blob_dir / sha256
+        if not target.exists():
+            _link_or_copy(source, target)
+        is_lfs = _is_lfs_path(path, size)
+        # The git blob sha1 only names non-LFS files (LFS ones are named by their pointer), which are small.
+        git_sha1 = "" if is_lfs else _git_sha1(source.read_bytes())
+        return Blob(sha256=sha256, size=size, git_sha1=git_sha1, lfs=is_lfs)
+
     def blob_path(self, blob: Blob) -> Path:
         return self.blob_dir / blob.sha256
 
@@ -373,7 +404,10 @@ class HubServer:
         target.mkdir(parents=True)
         for path, blob in repo.commits[repo.refs["main"]].files.items():
             (target / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.blob_path(blob), target / path)
+            if repo.linked:
+                _link_or_copy(self.blob_path(blob), target / path)
+            else:
+                shutil.copyfile(self.blob_path(blob), target / path)
 
     def _find(self, repo_id: str) -> Repo | None:
         """A known repo, or one laid out on disk by a test under <root>/<org>/<name>/ (imported as main)."""
@@ -413,6 +447,15 @@ class HubServer:
                             self._faults.remove(fault)
                     return fault
         return None
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    tmp = target.with_suffix(f".{threading.get_ident()}.tmp")
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    tmp.replace(target)
 
 
 def _read(content: bytes | str | Path) -> bytes:

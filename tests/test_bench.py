@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,6 +31,68 @@ def test_bench_reports_read_floor_and_prequant_with_ratios_memory_and_timeline(t
     p = report["prequant"]
     assert 0 < p["peak_rss_anon"] <= p["peak_vm_rss"]
     assert 0 < p["output_bytes"] < report["source_bytes"]  # NF4: about a third of bf16
+    assert p["peak_gpu_process_bytes"] is None and p["peak_gpu_bytes"] is None  # CPU: no GPU figure
+    assert p["weight_sha256"] and all(len(h) == 64 for h in p["weight_sha256"].values())
     events = p["trace"]["events"]
     assert list(events)[:1] == ["start"] and events["planned"] <= events["pipeline-end"] <= events["exit"]
     assert not (tmp_path / "work" / "out-prequant").exists()  # outputs removed unless --keep
+
+
+def test_bench_modes_report_consistent_ratios_and_equal_bytes(tmp_path):
+    """--also-device, --memory-limit-gib and --hub on the CPU: each path has its ratios, the same weight bytes,
+    and the Hub path its wall-time ratio, disk bound and the local server's throughput."""
+    report_file = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size-gb", "0.03", "--shape", "uniform",
+         "--device", "cpu", "--also-device", "cpu", "--memory-limit-gib", "8", "--hub",
+         "--dir", str(tmp_path / "work"), "--json", str(report_file)],
+        check=True, capture_output=True, text=True, timeout=900,
+    )
+    r = json.loads(report_file.read_text())
+    for key in ("prequant", "prequant_also", "prequant_limited"):
+        m = r[key]
+        assert m["ratio_to_floor"] == round(m["seconds"] / r["read_write"]["seconds"], 3)
+        assert m["peak_gpu_process_bytes"] is None and m["gpu_process_match"] is None  # no GPU here
+        assert m["weight_sha256"] == r["prequant"]["weight_sha256"] and m["weight_sha256"]
+    assert r["prequant_also"]["same_bytes"] is True and r["prequant_also"]["device"] == "cpu"
+    assert r["prequant_limited"]["same_bytes"] is True and r["prequant_limited"]["memory_limit_bytes"] == 8 * 2**30
+    hub = r["hub"]
+    c = hub["convert"]
+    assert hub["ratio_to_max_download_local"] == round(c["seconds"] / max(hub["download_seconds"], r["prequant"]["seconds"]), 3)
+    assert c["same_bytes"] is True and c["disk_bound_bytes"] == 2 * hub["largest_shard_bytes"] + c["output_bytes"]
+    assert c["within_disk_bound"] == (c["peak_disk_extra_bytes"] <= c["disk_bound_bytes"])
+    assert hub["server_gbps"] > 0 and hub["download_gbps"] > 0
+    summary = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_summary.py"), str(tmp_path / "work")],
+                             check=True, capture_output=True, text=True).stdout
+    assert "figure (issue 17)" in summary  # prints with every input missing (a step that failed)
+
+
+def test_cpu_kernel_bench_reports_scaling_by_thread_count_beside_bitsandbytes(tmp_path):
+    """bench_cpu_kernel.py --threads 1,2: per count both implementations, the ratio, efficiency against one thread
+    and the statistics' speed; bench_summary reads it."""
+    pytest.importorskip("bitsandbytes")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cpu_kernel.py"), "--shapes", "64x4096",
+                           "--repeats", "1", "--threads", "1,2", "--json"],
+                          check=True, capture_output=True, text=True, timeout=600)
+    report = json.loads(done.stdout)
+    rows = {row["threads"]: row for row in report["results"]}
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert row["speedup_best"] == row["prequant"]["best_gbps"] / row["bitsandbytes"]["best_gbps"]
+        assert row["prequant"]["stats_best_gbps"] > 0 and row["prequant"]["threads"] == row["threads"]
+    assert rows[1]["prequant"]["efficiency"] == 1.0
+    assert rows[2]["prequant"]["efficiency"] == rows[2]["prequant"]["best_gbps"] / (2 * rows[1]["prequant"]["best_gbps"])
+    (tmp_path / "cpu_kernel.json").write_text(done.stdout)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_summary
+
+    table = {what.split(",")[1].strip(): value for what, value, _, _ in bench_summary.rows(tmp_path) if what.startswith("CPU")}
+    assert table["1 thread(s)"] == rows[1]["prequant"]["best_gbps"] and table["16 thread(s)"] is None
+
+
+def test_nvidia_smi_compute_apps_parse_per_process_bytes():
+    """`pid, used_memory` lines (MiB) become bytes per pid; N/A and blank lines are skipped."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_memory import parse_compute_apps
+
+    assert parse_compute_apps("1234, 1708\n99, [N/A]\n\n1234, 2\n") == {1234: 1710 * 2**20}

@@ -8,6 +8,7 @@ reproduces the CUDA bytes (bitsandbytes' CPU path does not). What the entries ho
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ class Quantizer:
                     f"bitsandbytes is not importable ({e}); install it (pip install bitsandbytes) or use --device cpu"
                 ) from e
             self._bnb = bnbf
+            _limit_cuda_memory(self.device)
         else:
             from .kernels import cpu
 
@@ -120,6 +122,26 @@ class Quantizer:
             return codes, st2.absmax, st2.code.clone(), offset.item()
         codes, nested_absmax, offset = self._cpu.quantize_nested(absmax, blocksize=NESTED_BLOCKSIZE)
         return codes, nested_absmax, self._cpu.dynamic_map(), offset
+
+
+# Caps what torch may allocate on the GPU, e.g. "8GiB", "8000MB" or plain bytes: a conversion then proves it
+# fits a smaller GPU (torch raises out-of-memory past the cap rather than using more). bench.py uses it.
+CUDA_MEMORY_LIMIT_ENV = "PREQUANT_CUDA_MEMORY_LIMIT"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _limit_cuda_memory(device: torch.device) -> None:
+    """Apply PREQUANT_CUDA_MEMORY_LIMIT through torch.cuda.set_per_process_memory_fraction (per device)."""
+    text = os.environ.get(CUDA_MEMORY_LIMIT_ENV, "").strip()
+    if not text:
+        return
+    number, unit = text.rstrip("BbIiKkMmGg"), text[len(text.rstrip("BbIiKkMmGg")) :].lower()
+    try:
+        limit = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise UsageError(f"{CUDA_MEMORY_LIMIT_ENV}={text!r} is not a size; use e.g. 8GiB, 8000MB or bytes") from None
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
 
 
 def _as_storage(packed: torch.Tensor, storage: torch.dtype, n: int) -> torch.Tensor:

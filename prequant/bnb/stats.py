@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .format import NESTED_BLOCKSIZE, STATE_PREFIX, decode_quant_state
+from .kernels import _compare
 
 CHUNK_ELEMENTS = 1 << 20  # per pass; small enough to stay in cache on the CPU, a few MB on a GPU
 GPU_CHUNK_ELEMENTS = 1 << 24  # ~200 MB of temporaries: small next to the tensors in flight
@@ -73,6 +74,8 @@ def dequantize_absmax(
     """The float32 per-block absmax: as stored, or decoded from its 8-bit double-quantized codes."""
     if nested_absmax is None:
         return absmax.float()
+    if not absmax.is_cuda:
+        return _compare.dequantize_nested(absmax, nested_absmax, nested_quant_map, offset, NESTED_BLOCKSIZE)
     nested_map = nested_quant_map.float()  # type: ignore[union-attr]
     scale = nested_absmax.float().repeat_interleave(NESTED_BLOCKSIZE)[: absmax.numel()]
     return nested_map[absmax.long()] * scale + offset
@@ -95,20 +98,30 @@ def compare(
     Both are scaled by a power of two near the largest block scale first (exact: only exponents change), so
     that no square, sum or difference overflows float32 (values near 1e30 square to 1e60) or underflows (tiny
     weights): finite inputs always give finite figures. The ratio is scale-free; the largest error is scaled
-    back in float64."""
+    back in float64. On the CPU the chunks go to the kernels' thread pool (`kernels._compare`); on a GPU they
+    are a few large torch operations on the quantizer's own tensors."""
     n = source.numel()
     exponent = math.frexp(float(absmax.max()))[1] if absmax.numel() else 0
-    err2 = ref2 = 0.0
-    max_err = torch.zeros((), device=source.device)
-    for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
-        x = _scaled(_flat_chunk(source, start, end).to(torch.float32, copy=True), exponent)
-        diff = _scaled(values, exponent).sub_(x)
-        err2 += float(torch.dot(diff, diff))
-        ref2 += float(torch.dot(x, x))
-        max_err = torch.maximum(max_err, _absmax(diff))
+    if not packed.is_cuda:
+        raw = packed.reshape(-1).view(torch.uint8)
+        pairs = _pair_table(quant_map).view(torch.float64).view(-1)
+        # Only the elements actually stored can be compared (see `_dequantized_chunks`).
+        err2, ref2, max_err = _compare.error_sums(
+            source, raw, absmax, pairs, blocksize, min(n, 2 * raw.numel()), exponent
+        )
+    else:
+        err2 = ref2 = 0.0
+        max_gpu = torch.zeros((), device=source.device)
+        for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
+            x = _scaled(_flat_chunk(source, start, end).to(torch.float32, copy=True), exponent)
+            diff = _scaled(values, exponent).sub_(x)
+            err2 += float(torch.dot(diff, diff))
+            ref2 += float(torch.dot(x, x))
+            max_gpu = torch.maximum(max_gpu, _absmax(diff))
+        max_err = float(max_gpu)
     rel = math.sqrt(err2 / ref2) if ref2 > 0 else (0.0 if err2 == 0 else math.inf)
     lo, hi = (float(absmax.min()), float(absmax.max())) if absmax.numel() else (0.0, 0.0)
-    return TensorStats(n, lo, hi, rel, math.ldexp(float(max_err), exponent))
+    return TensorStats(n, lo, hi, rel, math.ldexp(max_err, exponent))
 
 
 def _scaled(t: torch.Tensor, exponent: int) -> torch.Tensor:

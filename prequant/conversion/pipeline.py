@@ -10,10 +10,12 @@ model size:
 On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
 CUDA stream, and results come back into pinned buffers that torch's caching host allocator reuses, so host
 memory stays at those buffers and the few tensors in flight. On the CPU the reader hands over zero-copy
-memory-mapped views; `readahead` keeps the kernel reading the files ahead. Tensors kept as they are never
-enter this process: their values are checked on the mapped view (one reduction over the pages the copy reads
-anyway), then the writer has the kernel copy them file to file (copy_file_range). A tensor transformers loads
-in another dtype goes through the quantizing device like a quantized one and is cast there.
+memory-mapped views; `readahead` keeps the kernel reading the files ahead; the quantizing thread spreads
+each tensor's quantization and statistics over the kernels' thread pool (`bnb.kernels._parallel`), so this
+stage uses every core rather than one. Tensors kept as they are never enter this process: their values are
+checked on the mapped view (one reduction over the pages the copy reads anyway), then the writer has the
+kernel copy them file to file (copy_file_range). A tensor transformers loads in another dtype goes through
+the quantizing device like a quantized one and is cast there.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import zlib
 
+import numpy as np
 import torch
 
 FLT_MIN = 2.0**-126  # smallest normal float32
@@ -45,7 +46,7 @@ def flush_denormals_(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _rcp_flip_bits() -> torch.Tensor:
+def _rcp_flip_bits() -> np.ndarray:
     """uint8 [2**20]: bit (m & 7) of byte (m >> 3) is 1 where MUFU.RCP takes the farther neighbour of
     the exact reciprocal of a mantissa m (1 MiB resident instead of a byte per mantissa)."""
     from . import _mufu_rcp_table as table
@@ -53,30 +54,33 @@ def _rcp_flip_bits() -> torch.Tensor:
     raw = zlib.decompress(base64.b64decode(table.FLIPS_ZLIB_B64))
     if hashlib.sha256(raw).hexdigest() != table.FLIPS_SHA256:
         raise RuntimeError("prequant/kernels/_mufu_rcp_table.py is corrupt (hash mismatch); reinstall prequant")
-    flags = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, 8).to(torch.int32)
-    return (flags << torch.arange(8, dtype=torch.int32)).sum(1).to(torch.uint8)
-
-
-def _rcp_flips(mantissa: torch.Tensor) -> torch.Tensor:
-    """int32 0/1 per mantissa (int32 tensor of values in [0, 2**23))."""
-    packed = _rcp_flip_bits().index_select(0, mantissa >> 3).to(torch.int32)
-    return (packed >> (mantissa & 7)) & 1
+    return np.packbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
 
 
 def rcp_approx_ftz(a: torch.Tensor) -> torch.Tensor:
-    """``rcp.approx.ftz.f32`` of a non-negative float32 tensor, bit for bit as an H100/H200 computes it.
+    """``rcp.approx.ftz.f32`` of a non-negative float32 tensor (on the CPU), bit for bit as an H100/H200
+    computes it; see `rcp_approx_ftz_array`."""
+    values = np.ascontiguousarray(a.detach().to(torch.float32).numpy())
+    return torch.from_numpy(rcp_approx_ftz_array(values))
+
+
+def rcp_approx_ftz_array(a: np.ndarray) -> np.ndarray:
+    """``rcp.approx.ftz.f32`` of a contiguous non-negative float32 array, bit for bit as an H100/H200 does it.
 
     Zero (and denormal, flushed) inputs give +inf; inputs above 2**126 give 0 (the denormal result is
     flushed). Otherwise the GPU returns one of the two float32 values around 1/a: start from the correctly
-    rounded one and, where the measured table says so, step one ulp to the other side of 1/a.
+    rounded one and, where the measured table says so, step one ulp to the other side of 1/a. numpy, not
+    torch: the kernel calls this on a few thousand values per task, where per-operation overhead dominates.
     """
-    a = a.to(torch.float32)
-    wide = a.double()
-    nearest = (1.0 / wide).float()  # correctly rounded: float64 has > 2 * 24 + 2 bits (no double rounding)
-    # Which side of 1/a is `nearest` on? The product of two float32 values is exact in float64.
-    below = nearest.double() * wide < 1.0
-    flip = _rcp_flips(a.view(torch.int32) & _MANTISSA_MASK)
-    step = torch.where(below, flip, -flip)
-    out = (nearest.view(torch.int32) + step).view(torch.float32)
-    out = torch.where(a < FLT_MIN, float("inf"), out)
-    return torch.where(a > _RCP_FLUSH_ABOVE, 0.0, out)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # 0 and denormals: fixed below
+        wide = a.astype(np.float64)
+        nearest = np.divide(1.0, wide).astype(np.float32)  # correctly rounded: float64 has > 2 * 24 + 2 bits
+        # Which side of 1/a is `nearest` on? The product of two float32 values is exact in float64.
+        below = nearest.astype(np.float64) * wide < 1.0
+    mantissa = a.view(np.uint32) & _MANTISSA_MASK
+    flip = (_rcp_flip_bits()[mantissa >> 3] >> (mantissa & 7).astype(np.uint8)) & 1
+    step = np.where(below, flip.astype(np.int32), -flip.astype(np.int32))
+    out = (nearest.view(np.int32) + step).view(np.float32)
+    out[a < FLT_MIN] = np.inf
+    out[a > _RCP_FLUSH_ABOVE] = 0.0
+    return out

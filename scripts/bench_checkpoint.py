@@ -1,0 +1,93 @@
+"""The synthetic checkpoints of the benchmarks: Llama-8B-, Grok-1- or uniform 32 MiB-tensor shapes, random bf16,
+written shard by shard so that generating 30+ GB never holds more than one shard in memory."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+SHAPES = {
+    # name: model dimensions; layer_tensors() and config_for() turn them into tensors and a config.json
+    "llama": dict(hidden=4096, inter=14336, kv=1024, vocab=128256, heads=32, kv_heads=8),
+    "grok": dict(hidden=6144, inter=32768, kv=1024, vocab=131072, heads=48, kv_heads=8, experts=8),
+    "uniform": dict(hidden=4096, inter=4096, kv=4096, vocab=4096, heads=32, kv_heads=32),
+}
+
+
+def layer_tensors(shape: str, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    c = SHAPES[shape]
+    h, f, kv = c["hidden"], c["inter"], c["kv"]
+    if shape == "grok":  # keyfan/grok-1-hf naming; quantized by prequant's name rules
+        p = f"transformer.decoder_layer.{i}"
+        out = [(f"{p}.multi_head_attention.{n}.weight", s) for n, s in
+               (("query", (h, h)), ("key", (kv, h)), ("value", (kv, h)), ("linear", (h, h)))]
+        out.append((f"{p}.router.weight", (c["experts"], h)))
+        for e in range(c["experts"]):
+            out += [(f"{p}.moe.{e}.linear.weight", (f, h)), (f"{p}.moe.{e}.linear_v.weight", (f, h)),
+                    (f"{p}.moe.{e}.linear_1.weight", (h, f))]
+        out += [(f"{p}.{n}.weight", (h,)) for n in ("rms_norm", "rms_norm_1", "rms_norm_2", "rms_norm_3")]
+        return out
+    p = f"model.layers.{i}"
+    return [
+        (f"{p}.self_attn.q_proj.weight", (h, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
+        (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, h)),
+        (f"{p}.mlp.gate_proj.weight", (f, h)), (f"{p}.mlp.up_proj.weight", (f, h)),
+        (f"{p}.mlp.down_proj.weight", (h, f)),
+        (f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,)),
+    ]
+
+
+def config_for(shape: str, layers: int) -> dict:
+    c = SHAPES[shape]
+    if shape == "grok":
+        return {"architectures": ["Grok1ModelForCausalLM"], "model_type": "grok-1",
+                "auto_map": {"AutoModelForCausalLM": "modeling_grok1.Grok1ModelForCausalLM"},
+                "hidden_size": c["hidden"], "intermediate_size": c["inter"], "num_hidden_layers": layers,
+                "num_attention_heads": c["heads"], "num_key_value_heads": c["kv_heads"], "vocab_size": c["vocab"],
+                "num_experts": c["experts"], "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c["hidden"],
+            "intermediate_size": c["inter"], "num_hidden_layers": layers, "num_attention_heads": c["heads"],
+            "num_key_value_heads": c["kv_heads"], "vocab_size": c["vocab"], "head_dim": c["hidden"] // c["heads"],
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "hidden_act": "silu"}
+
+
+def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0) -> Path:
+    """Write a random bf16 checkpoint of about size_gb, shard by shard (one shard in memory at a time)."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = SHAPES[shape]
+    embed = [("model.embed_tokens.weight" if shape != "grok" else "transformer.in_out_embed.weight",
+              (c["vocab"], c["hidden"]))]
+    head = [("lm_head.weight", (c["vocab"], c["hidden"])),
+            ("model.norm.weight" if shape != "grok" else "transformer.rms_norm.weight", (c["hidden"],))]
+    per_layer = sum(2 * math.prod(s) for _, s in layer_tensors(shape, 0))
+    fixed = sum(2 * math.prod(s) for _, s in embed + head)
+    layers = max(1, round((size_gb * 1e9 - fixed) / per_layer))
+    tensors = embed + [t for i in range(layers) for t in layer_tensors(shape, i)] + head
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, s in tensors:
+        nbytes = 2 * math.prod(s)
+        if used and used + nbytes > shard_gb * 1e9:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, s))
+        used += nbytes
+    weight_map, gen = {}, torch.Generator(device).manual_seed(0)
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        data = {n: (torch.randn(s, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+                for n, s in shard}
+        save_file(data, out / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(data, fname))
+        del data
+    total = sum(2 * math.prod(s) for _, s in tensors)
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(config_for(shape, layers), indent=2))
+    return out

@@ -1,0 +1,147 @@
+"""bench.py's Hub path: `prequant convert org/name OUT --delete-source-shards` from the project's local Hub server.
+
+The server (tests/hub_server.py, the one the tests use) serves the generated checkpoint from the same disk,
+its files hard-linked into its store (no copy, nothing read into memory). Measured, each from cold page cache:
+
+  download      every file of the repo fetched with huggingface_hub (hf_hub_download) in a fresh process,
+                each shard deleted once fetched: what the download alone costs, through the same client
+  convert       prequant convert bench/NAME OUT --delete-source-shards: wall time, peak disk use beyond what
+                was used before (sampled every 50 ms) against at most 2 source shards + the output, and
+                whether the weight files' sha256 equal the local conversion's
+  server        the local server's own throughput: the largest shard over HTTP to nowhere, warm page cache
+
+and the ratio of the Hub conversion's wall time to max(download alone, the local conversion).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO_PREFIX = "bench"
+HASHES = ".bench-sha256.json"  # beside the generated checkpoint: its files' sha256, for the server
+
+DOWNLOAD = r"""
+import os, sys, time
+from huggingface_hub import hf_hub_download, list_repo_files
+repo, cache = sys.argv[1], sys.argv[2]
+for name in list_repo_files(repo):
+    path = hf_hub_download(repo, name, cache_dir=cache)
+    if name.endswith(".safetensors"):
+        os.remove(os.path.realpath(path))  # as --delete-source-shards does: the disk holds one shard at a time
+"""
+
+
+def source_hashes(src: Path) -> dict[str, str]:
+    """sha256 of every file of the checkpoint, computed once (in parallel) and kept beside it."""
+    cached = src / HASHES
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    files = sorted(p for p in src.iterdir() if p.is_file() and p.name != HASHES)
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)  # releases the GIL: the shards hash side by side
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(max_workers=min(16, len(files) or 1)) as pool:
+        hashes = dict(zip((p.name for p in files), pool.map(digest, files)))
+    cached.write_text(json.dumps(hashes, indent=1))
+    return hashes
+
+
+class DiskSampler:
+    """Peak bytes used on the file system of `path` beyond what was used when sampling started."""
+
+    def __init__(self, path: Path, interval: float = 0.05) -> None:
+        self.path, self.interval = path, interval
+        self.base = shutil.disk_usage(path).used
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, shutil.disk_usage(self.path).used - self.base)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def hub_path(src: Path, args, report: dict, drop_caches, run_prequant) -> dict:
+    """Serve `src` from a local Hub, then time download alone and the Hub conversion (see the module doc)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hub_server import HubServer  # the tests' local Hub (it imports pytest, a test dependency)
+
+    repo = f"{REPO_PREFIX}/{src.name}"
+    hashes = source_hashes(src)
+    server_root, hf_home = args.dir / "hub-server", args.dir / "hub-hf-home"
+    shutil.rmtree(server_root, ignore_errors=True)
+    files = {p.name: p for p in sorted(src.iterdir()) if p.is_file() and p.name != HASHES}
+    shards = [p for p in files.values() if p.suffix == ".safetensors"]
+    with HubServer(server_root) as server:
+        server.add_repo(repo, files, link=True, sha256s=hashes)
+        env = {**os.environ, **server.env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
+        out: dict = {"repo": repo, "files": len(files), "largest_shard_bytes": max(p.stat().st_size for p in shards)}
+        shutil.rmtree(hf_home, ignore_errors=True)
+        drop_caches()
+        start = time.monotonic()
+        subprocess.run([sys.executable, "-c", DOWNLOAD, repo, str(hf_home / "hub")], check=True, env=env)
+        out["download_seconds"] = round(time.monotonic() - start, 2)
+        shutil.rmtree(hf_home, ignore_errors=True)
+
+        drop_caches(args.warm_libraries)
+        disk = DiskSampler(args.dir)
+        converted = run_prequant(repo, args.dir / "out-hub", args, env, ("--delete-source-shards",))
+        converted["peak_disk_extra_bytes"] = disk.stop()
+        converted["disk_bound_bytes"] = 2 * out["largest_shard_bytes"] + converted["output_bytes"]
+        converted["within_disk_bound"] = converted["peak_disk_extra_bytes"] <= converted["disk_bound_bytes"]
+        converted["same_bytes"] = converted["weight_sha256"] == report["prequant"]["weight_sha256"]
+        out["convert"] = converted
+        shutil.rmtree(args.dir / "out-hub", ignore_errors=True)
+        shutil.rmtree(hf_home, ignore_errors=True)
+        out["server_gbps"] = _server_throughput(server, repo, max(shards, key=lambda p: p.stat().st_size).name)
+    local = report["prequant"]["seconds"]
+    out["ratio_to_max_download_local"] = round(converted["seconds"] / max(out["download_seconds"], local), 3)
+    out["download_gbps"] = round(report["source_bytes"] / out["download_seconds"] / 1e9, 3)
+    shutil.rmtree(server_root, ignore_errors=True)
+    return out
+
+
+def _server_throughput(server, repo: str, name: str) -> float:
+    """GB/s of one file's body from the local server (page cache warm: the server's cost, not the disk's)."""
+    url = f"{server.url}/{repo}/resolve/main/{name}"
+    with urllib.request.urlopen(url) as r:  # warm the page cache (and follow the LFS redirect)
+        while r.read(1 << 24):
+            pass
+    start, total = time.monotonic(), 0
+    with urllib.request.urlopen(url) as r:
+        while chunk := r.read(1 << 24):
+            total += len(chunk)
+    return round(total / (time.monotonic() - start) / 1e9, 3)
+
+
+def print_hub(h: dict) -> None:
+    c = h["convert"]
+    print(f"hub path ({h['repo']}, {h['files']} files): download alone {h['download_seconds']:.1f} s "
+          f"({h['download_gbps']:.2f} GB/s), prequant convert --delete-source-shards {c['seconds']:.1f} s = "
+          f"{h['ratio_to_max_download_local']:.2f}x max(download, local convert); peak extra disk "
+          f"{c['peak_disk_extra_bytes'] / 1e9:.2f} GB (bound: 2 shards + output = {c['disk_bound_bytes'] / 1e9:.2f} GB); "
+          f"same bytes as local: {c['same_bytes']}; local server alone {h['server_gbps']:.2f} GB/s", file=sys.stderr)
