@@ -33,6 +33,7 @@ class Decision:
     quantize: bool
     reason: str
     transpose: bool = False  # GPT-2 Conv1D stores [in, out]; bitsandbytes wants [out, in]
+    fused: bool = False  # a native MoE expert weight transformers 5 fuses into a 3-D parameter (kept, as there)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def _from_transformers(
         model_key, converted = to_model_key(t.name)
         module, _, leaf = model_key.rpartition(".")
         if converted:
-            decisions[t.name] = Decision(False, f"fused by transformers into {model_key}; bitsandbytes keeps it")
+            decisions[t.name] = Decision(False, f"fused by transformers into {model_key}; bitsandbytes keeps it",
+                                       fused=True)
         elif leaf != "weight" or module not in linear:
             decisions[t.name] = Decision(False, "not a linear weight")
         elif len(t.shape) != 2:

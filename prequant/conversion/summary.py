@@ -23,6 +23,7 @@ class Summary:
     copied_files: list[str] = field(default_factory=list)
     stats: dict | None = None  # relative error of the dequantized tensors (median, worst), when measured
     hub_commit_url: str | None = None  # with push_to_hub
+    notes: list[str] = field(default_factory=list)  # the plan's notes (e.g. most parameters kept: fused experts)
 
     @property
     def gb_per_s(self) -> float:
@@ -37,12 +38,22 @@ class Summary:
             f"{self.shards} shard(s)",
             f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
             f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
-            f"time: {self.seconds:.1f} s on {self.device}, {self.gb_per_s:.2f} GB/s of input",
+            f"time: {self.seconds:.1f} s on {self.device}, {_rate(self.input_bytes / self.seconds if self.seconds else 0)} "
+            "of input",
         ]
         lines += [f"unquantized: {n:,} parameters ({why})" for why, n in self.unquantized_parameters.items()]
+        lines += [f"note: {n}" for n in self.notes]
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
                          f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")
         if self.hub_commit_url:
             lines.append(f"uploaded: {self.hub_commit_url}")
         return "\n".join(lines)
+
+
+def _rate(bytes_per_s: float) -> str:
+    """A read rate with three significant digits in a unit that shows them (a tiny input is not "0.00 GB/s")."""
+    for unit, size in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= size:
+            return f"{bytes_per_s / size:.3g} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
