@@ -21,7 +21,7 @@ def test_card_metadata_and_original_card(carded_converted):
     assert data["extra_gated_prompt"] == "Accept the tiny licence first." and data["language"] == "en"
     text = card.text
     assert "## Original model card" in text and "Trained on nothing; for tests only." in text
-    assert 'from_pretrained("tiny-llama-bnb-4bit-nf4", torch_dtype=torch.bfloat16)' in text  # FSDP+QLoRA
+    assert 'from_pretrained("tiny-llama-bnb-4bit-nf4", device_map="auto", dtype=torch.bfloat16)' in text  # 4.x, FSDP
     assert "`lm_head`" in text or "output embedding" in text  # what stayed unquantized
     # ... exactly: the tiny Llama's lm_head (256 x 64) is left out as the output embedding, and its token
     # embedding (256 x 64) and five RMSNorm weights (64 each) are not linear weights.
