@@ -122,3 +122,49 @@ def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
     assert t["busy"]["quantize"] > 0 and t["busy"]["write"] > 0  # real work was timed
     assert all(0 <= s <= times[-1] - times[0] + 0.01 for s in t["busy"].values())  # no stage outlasts the process
 
+
+
+COMMANDS = ["convert", "verify", "change-storage", "upload", "check-fsdp", "version"]
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_reads_well_at_80_columns(command):
+    proc = run_cli(*([command] if command else []), "--help", env={"COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    for clutter in ("<bool>", "<str>", "<int>", "<float>", "{", "…", "╭"):
+        assert clutter not in proc.stdout, clutter
+
+
+def test_usage_lines_name_the_arguments():
+    assert "prequant convert [OPTIONS] SOURCE OUTPUT_DIR\n" in run_cli("convert", "--help").stdout
+    assert "prequant change-storage [OPTIONS] OUTPUT_DIR DEST\n" in run_cli("change-storage", "--help").stdout
+
+
+def test_json_help_says_what_each_command_prints():
+    assert "(or the plan)" not in run_cli("verify", "--help").stdout
+    assert "Print the report as JSON" in run_cli("verify", "--help").stdout
+    assert "with --dry-run, the plan" in " ".join(run_cli("convert", "--help").stdout.split())
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_max_rel_error_must_be_a_number_above_zero(converted_llama, value):
+    src, out = converted_llama
+    proc = run_cli("verify", str(out), "--source", str(src), "--max-rel-error", value)
+    assert proc.returncode == 2 and "must be a number above 0" in _one_line_error(proc)
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "cuda:7"])
+def test_dry_run_refuses_the_devices_a_run_refuses(checkpoints, tmp_path, device):
+    import torch
+
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a GPU 7")
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run", "--device", device)
+    assert proc.returncode == 2 and "--device" in _one_line_error(proc)
+
+
+def test_base_model_must_be_a_repo_id(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--base-model", "not a repo")
+    assert proc.returncode == 2 and "--base-model 'not a repo' is not a Hub repo id" in _one_line_error(proc)

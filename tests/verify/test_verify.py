@@ -263,3 +263,12 @@ def test_malformed_index(out):
     (out / INDEX).write_text('{"weight_map": ["not", "a", "map"]}')
     rehash(out, INDEX)
     assert first_problem(out).startswith(f"{INDEX}: not a valid index (needs a 'weight_map' object")
+
+
+def test_an_edited_card_is_a_warning_not_a_failure(out):
+    (out / "README.md").write_text((out / "README.md").read_text().replace("# ", "# My ", 1))
+    report = verification.verify(out, progress=False)
+    assert report.ok, report.to_text()
+    assert [(w.where, w.message.split(" (")[0]) for w in report.warnings] == [("README.md", "edited since the conversion")]
+    (out / "README.md").write_text((out / "README.md").read_text() + "more")  # a size change too
+    assert verification.verify(out, progress=False).ok
