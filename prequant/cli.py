@@ -10,10 +10,10 @@ from typing import Annotated
 from .util import trace  # first, so a trace's "start" is the process' own start (standard library only)
 
 import typer
-import typer.core
 
 from .conversion import layout_worker, readahead
 from .errors import PrequantError
+from .util.helptext import Command as _Command, examples as _examples
 
 app = typer.Typer(
     name="prequant",
@@ -27,32 +27,9 @@ app = typer.Typer(
 )
 
 
-class _Command(typer.core.TyperCommand):
-    """Help laid out as click lays it out, with each argument by its metavar: recent typers write required
-    arguments as `{name}` and add a `<type>` column, older ones do neither; this reads the same on all of them."""
-
-    def collect_usage_pieces(self, ctx: object) -> list[str]:
-        return ["[OPTIONS]", *(p.metavar or p.name.upper() for p in self.params if p.param_type_name == "argument")]
-
-    def format_options(self, ctx: object, formatter: object) -> None:
-        arguments = [(p.metavar or p.name.upper(), p.help or "") for p in self.params
-                     if p.param_type_name == "argument"]
-        options = [r for p in self.get_params(ctx) if p.param_type_name == "option" and (r := p.get_help_record(ctx))]
-        for title, rows in (("Arguments", arguments), ("Options", options)):
-            if rows:
-                with formatter.section(title):
-                    formatter.write_dl(rows)
-
-
-def _examples(*lines: str) -> str:
-    """An epilog of example command lines, kept as written (click rewraps other paragraphs)."""
-    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
-
-
 OutputArg = Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="A folder written by prequant convert.")]
-DeviceOpt = Annotated[
-    str, typer.Option("--device", metavar="DEVICE", help="auto (a GPU when there is one), cpu, or cuda[:N].")
-]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto (a GPU when there is one), cpu, or "
+                                        "cuda[:N].")]
 
 
 @app.command(
@@ -69,44 +46,33 @@ DeviceOpt = Annotated[
     )
 )
 def convert(
-    source: Annotated[
-        str,
-        typer.Argument(metavar="SOURCE", help="Local checkpoint directory, Hub repo (org/name or "
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="Local checkpoint directory, Hub repo (org/name or "
                        "org/name@revision), or alias (grok-1)."),
     ],
     output_dir: Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="Where to write the 4-bit checkpoint.")],
     quant_type: Annotated[str, typer.Option(metavar="nf4|fp4", help="4-bit data type.")] = "nf4",
     double_quant: Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")] = True,
     blocksize: Annotated[int, typer.Option(metavar="N", help="Elements per absmax block (64..4096).")] = 64,
-    compute_dtype: Annotated[
-        str, typer.Option(metavar="DTYPE", help="bnb_4bit_compute_dtype written to the config.")
-    ] = "bfloat16",
-    quant_storage: Annotated[
-        str, typer.Option(metavar="DTYPE", help="dtype the packed weights are stored as: bfloat16 for FSDP "
-                          "(your training dtype), uint8 for vLLM/SGLang, float16, float32.")
-    ] = "bfloat16",
-    skip: Annotated[
-        list[str] | None,
-        typer.Option("--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable)."),
-    ] = None,
-    max_shard_size: Annotated[
-        str, typer.Option(metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
-    ] = "5GB",
+    compute_dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="bnb_4bit_compute_dtype written to the config.")] = "bfloat16",
+    quant_storage: Annotated[str, typer.Option(metavar="DTYPE", help="dtype the packed weights are stored as: "
+                             "bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, float32.")
+                             ] = "bfloat16",
+    skip: Annotated[list[str] | None, typer.Option(
+        "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")] = None,
+    max_shard_size: Annotated[str, typer.Option(
+        metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
     device: DeviceOpt = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the summary (with --dry-run, the plan) as JSON on stdout.")
-    ] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the summary (with --dry-run, the plan) as JSON on stdout.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint in a non-empty OUTPUT_DIR.")] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue an interrupted conversion into OUTPUT_DIR (same source and options).")
-    ] = False,
-    trust_remote_code: Annotated[
-        bool, typer.Option("--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")
-    ] = False,
-    stats: Annotated[
-        bool, typer.Option("--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")
-    ] = True,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an interrupted conversion into OUTPUT_DIR (same source and options).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")] = False,
+    stats: Annotated[bool, typer.Option(
+        "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")] = True,
     base_model: Annotated[
         str | None,
         typer.Option("--base-model", metavar="REPO_ID", help="The card's base_model, for a local SOURCE (a Hub "
@@ -204,13 +170,11 @@ def change_storage(
 def upload(
     output_dir: OutputArg,
     repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", help="Hub model repo, org/name (created if missing).")],
-    revision: Annotated[
-        str | None, typer.Option("--revision", metavar="BRANCH", help="Branch to commit to (created from main).")
-    ] = None,
+    revision: Annotated[str | None, typer.Option(
+        "--revision", metavar="BRANCH", help="Branch to commit to (created from main).")] = None,
     private: Annotated[bool, typer.Option("--private", help="Create the repo as private.")] = False,
-    commit_message: Annotated[
-        str | None, typer.Option("--commit-message", metavar="MSG", help="Message of the Hub commit.")
-    ] = None,
+    commit_message: Annotated[str | None, typer.Option(
+        "--commit-message", metavar="MSG", help="Message of the Hub commit.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was uploaded as JSON on stdout.")] = False,
 ) -> None:
     """Verify OUTPUT_DIR, then upload it to a Hub model repo in one commit (refused if it does not verify)."""
@@ -235,9 +199,8 @@ def upload(
 )
 def check_fsdp(
     output_dir: OutputArg,
-    nproc: Annotated[
-        int, typer.Option("--nproc", metavar="N", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")
-    ] = 2,
+    nproc: Annotated[int, typer.Option(
+        "--nproc", metavar="N", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")] = 2,
     loader: Annotated[
         list[str] | None,
         typer.Option("--loader", metavar="NAME", help="transformers (HF's FSDP-QLoRA path) or prequant "

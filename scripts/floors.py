@@ -23,9 +23,6 @@ except ImportError:  # Python 3.10
 ROOT = Path(__file__).resolve().parent.parent
 EXTRAS = ("transformers", "fsdp")
 CPU_TORCH = "2.13.0"  # the CPU build scripts/setup.sh installs (the oldest on this project's machines)
-# Distributions that install the same package as one of ours, pinned alongside it: transformers 5.0 requires
-# typer-slim, which ships the `typer` package too; at another version than typer, one overwrites the other's files.
-TWINS = {"typer-slim": "typer"}
 _FLOOR = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[[^\]]*\])?\s*>=\s*([0-9][0-9A-Za-z.]*)\s*(?:,.*)?$")
 
 
@@ -59,7 +56,6 @@ def _key(version: str) -> tuple[int, ...]:
 
 def main() -> None:
     pins = floors(requirements())
-    pins.update({twin: pins[ours] for twin, ours in TWINS.items() if ours in pins})
     for name, version in sorted(pins.items()):
         if name == "torch":
             print(f"# torch>={version} declared; no CPU wheel of it on PyPI, the oldest CPU build here instead")

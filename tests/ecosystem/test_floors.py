@@ -30,7 +30,7 @@ def test_script_prints_pip_constraints():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "floors.py")], capture_output=True, text=True,
                          check=True).stdout
     pins = dict(line.split("==") for line in out.splitlines() if line and not line.startswith("#"))
-    assert pins["torch"] == floors.CPU_TORCH and pins["typer-slim"] == pins["typer"]
+    assert pins["torch"] == floors.CPU_TORCH and pins["transformers"] == "5.0"
 
 
 @pytest.mark.skipif(not sys.prefix.endswith(".venv-floor"), reason="checks the floor environment (.ci/run's second)")
