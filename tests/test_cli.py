@@ -124,24 +124,6 @@ def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
 
 
 
-COMMANDS = ["convert", "verify", "change-storage", "upload", "check-fsdp", "version"]
-
-
-@pytest.mark.parametrize("command", ["", *COMMANDS])
-def test_help_reads_well_at_80_columns(command):
-    proc = run_cli(*([command] if command else []), "--help", env={"COLUMNS": "80"})
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
-    for clutter in ("<bool>", "<str>", "<int>", "<float>", "{", "…", "╭"):
-        assert clutter not in proc.stdout, clutter
-
-
-def test_usage_lines_name_the_arguments():
-    assert "prequant convert [OPTIONS] SOURCE OUTPUT_DIR\n" in run_cli("convert", "--help").stdout
-    assert "prequant change-storage [OPTIONS] OUTPUT_DIR DEST\n" in run_cli("change-storage", "--help").stdout
-
-
 def test_json_help_says_what_each_command_prints():
     assert "(or the plan)" not in run_cli("verify", "--help").stdout
     assert "Print the report as JSON" in run_cli("verify", "--help").stdout
