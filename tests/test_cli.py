@@ -150,3 +150,12 @@ def test_dry_run_refuses_the_devices_a_run_refuses(checkpoints, tmp_path, device
 def test_base_model_must_be_a_repo_id(checkpoints, tmp_path):
     proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--base-model", "not a repo")
     assert proc.returncode == 2 and "--base-model 'not a repo' is not a Hub repo id" in _one_line_error(proc)
+
+
+def test_fused_moe_note_in_the_plan_and_summary_from_the_cli(checkpoints, tmp_path):
+    """The CLI decides the layout in a child process: the fused-experts sentence survives the trip."""
+    note = "note: 77% of the parameters (196,608 of 254,784) stay unquantized: transformers 5 fuses"
+    plan = run_cli("convert", str(checkpoints("mixtral")), str(tmp_path / "out"), "--dry-run")
+    assert plan.returncode == 0 and note in plan.stdout, plan.stderr
+    done = run_cli("convert", str(checkpoints("mixtral")), str(tmp_path / "out"), "--device", "cpu")
+    assert done.returncode == 0 and note in done.stdout, done.stderr
