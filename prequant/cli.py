@@ -15,6 +15,7 @@ import typer
 
 from .conversion import layout_worker, readahead
 from .errors import PrequantError
+from .util.helptext import Command as _Command, examples as _examples
 
 app = typer.Typer(
     name="prequant",
@@ -22,55 +23,63 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help, as click lays it out: it reads the same at 80 columns whatever typer and rich are installed
+    # (rich's panels squeeze descriptions into a narrow last column and cut long option names).
+    rich_markup_mode=None,
 )
 
-# Shared options, defined once.
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result (or the plan) as JSON on stdout.")]
-DeviceOpt = Annotated[
-    str, typer.Option("--device", help="auto (a GPU when there is one), cpu, or cuda[:N].", show_default=True)
-]
+
+OutputArg = Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="A folder written by prequant convert.")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto (a GPU when there is one), cpu, or "
+                                        "cuda[:N].")]
 
 
 @app.command(
-    epilog=(
-        "Examples:\n\n"
-        "  prequant convert ./Meta-Llama-3-8B ./llama3-8b-nf4\n\n"
-        "  prequant convert ./model ./out --dry-run\n\n"
-        "  prequant convert grok-1 ./grok-1-nf4 --delete-source-shards   (keyfan/grok-1-hf from the Hub)\n\n"
-        "  prequant convert meta-llama/Llama-3.1-8B@main ./llama-nf4\n\n"
-        "  prequant convert ./model ./out --quant-type fp4 --no-double-quant --quant-storage uint8 --device cpu"
+    cls=_Command,
+    short_help='Convert a checkpoint to bitsandbytes 4-bit.',
+    epilog=_examples(
+        "prequant convert ./Meta-Llama-3-8B ./llama3-8b-nf4",
+        "prequant convert ./model ./out --dry-run",
+        "prequant convert grok-1 ./grok-1-nf4 --delete-source-shards",
+        "    (grok-1: keyfan/grok-1-hf from the Hub)",
+        "prequant convert meta-llama/Llama-3.1-8B@main ./llama-nf4",
+        "prequant convert ./model ./out --quant-type fp4 --no-double-quant \\",
+        "    --quant-storage uint8 --device cpu",
     )
 )
 def convert(
-    source: Annotated[
-        str,
-        typer.Argument(help="Local checkpoint directory, Hub repo (org/name or org/name@revision), or alias (grok-1)."),
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help="Local checkpoint directory, Hub repo (org/name or "
+                       "org/name@revision), or alias (grok-1)."),
     ],
-    output_dir: Annotated[str, typer.Argument(help="Where to write the 4-bit checkpoint.")],
-    quant_type: Annotated[str, typer.Option(help="nf4 or fp4.")] = "nf4",
+    output_dir: Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="Where to write the 4-bit checkpoint.")],
+    quant_type: Annotated[str, typer.Option(metavar="nf4|fp4", help="4-bit data type.")] = "nf4",
     double_quant: Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")] = True,
-    blocksize: Annotated[int, typer.Option(help="Elements per absmax block (64..4096).")] = 64,
-    compute_dtype: Annotated[str, typer.Option(help="bnb_4bit_compute_dtype written to the config.")] = "bfloat16",
-    quant_storage: Annotated[
-        str, typer.Option(help="dtype the packed weights are stored as (bfloat16 for FSDP; uint8, float16, float32).")
-    ] = "bfloat16",
-    skip: Annotated[
-        list[str] | None, typer.Option("--skip", help="Module name or pattern to keep unquantized (repeatable).")
-    ] = None,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    blocksize: Annotated[int, typer.Option(metavar="N", help="Elements per absmax block (64..4096).")] = 64,
+    compute_dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="bnb_4bit_compute_dtype written to the config.")] = "bfloat16",
+    quant_storage: Annotated[str, typer.Option(metavar="DTYPE", help="dtype the packed weights are stored as: "
+                             "bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, float32.")
+                             ] = "bfloat16",
+    skip: Annotated[list[str] | None, typer.Option(
+        "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")] = None,
+    max_shard_size: Annotated[str, typer.Option(
+        metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
     device: DeviceOpt = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
-    as_json: JsonOpt = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the summary (with --dry-run, the plan) as JSON on stdout.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint in a non-empty OUTPUT_DIR.")] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue an interrupted conversion into OUTPUT_DIR (same source and options).")
-    ] = False,
-    trust_remote_code: Annotated[
-        bool, typer.Option("--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")
-    ] = False,
-    stats: Annotated[
-        bool, typer.Option("--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")
-    ] = True,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an interrupted conversion into OUTPUT_DIR (same source and options).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")] = False,
+    stats: Annotated[bool, typer.Option(
+        "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")] = True,
+    base_model: Annotated[
+        str | None,
+        typer.Option("--base-model", metavar="REPO_ID", help="The card's base_model, for a local SOURCE (a Hub "
+                     "SOURCE names its own repo)."),
+    ] = None,
     push_to_hub: Annotated[
         str | None,
         typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload to this Hub repo (org/name[@branch])."),
@@ -101,25 +110,25 @@ def convert(
 
 
 @app.command(
-    epilog=(
-        "Exit status: 0 when every check passes, 1 when one fails (the first problem on stderr, the full report "
-        "on stdout), 2 for usage errors.\n\n"
-        "Examples:\n\n"
-        "  prequant verify ./llama3-8b-nf4\n\n"
-        "  prequant verify ./llama3-8b-nf4 --source ./Meta-Llama-3-8B --json"
-    )
+    cls=_Command,
+    short_help='Check a converted checkpoint (and its error).',
+    epilog="Exit status: 0 when every check passes, 1 when one fails (the first problem on stderr, the full report "
+    "on stdout), 2 for usage errors.\n\n"
+    + _examples("prequant verify ./llama3-8b-nf4", "prequant verify ./llama3-8b-nf4 --source ./Meta-Llama-3-8B --json")
 )
 def verify(
-    output_dir: Annotated[str, typer.Argument(help="A folder written by prequant convert.")],
+    output_dir: OutputArg,
     source: Annotated[
-        str | None, typer.Option("--source", help="The original checkpoint: also measure each tensor's error against it.")
+        str | None,
+        typer.Option("--source", metavar="SOURCE", help="The original checkpoint: also measure each tensor's error "
+                     "against it."),
     ] = None,
     max_rel_error: Annotated[
         float | None,
-        typer.Option("--max-rel-error", help="With --source, fail tensors above this relative error (default: 4x the "
-                     "Gaussian figure for the settings, e.g. 0.368 for NF4 block 64)."),
+        typer.Option("--max-rel-error", metavar="X", help="With --source, fail tensors above this relative error, a "
+                     "number above 0 (default: 4x the Gaussian figure for the settings, e.g. 0.368 for NF4 block 64)."),
     ] = None,
-    as_json: JsonOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Check OUTPUT_DIR: files against prequant.json (size, sha256), index against shards, quant states, config."""
     from .verify.report import VerificationFailed
@@ -132,20 +141,48 @@ def verify(
 
 
 @app.command(
-    epilog=(
-        "The token comes from HF_TOKEN or `hf auth login`. Nothing is sent unless OUTPUT_DIR verifies.\n\n"
-        "Examples:\n\n"
-        "  prequant upload ./llama3-8b-nf4 my-org/llama3-8b-bnb-nf4\n\n"
-        "  prequant upload ./llama3-8b-nf4 my-org/llama3-8b-bnb --revision nf4 --private --json"
-    )
+    "change-storage",
+    cls=_Command,
+    short_help='Copy a checkpoint with another quant storage.',
+    epilog="The packed 4-bit bytes are the same whatever the storage: bfloat16 (or your training dtype) for "
+    "FSDP+QLoRA, uint8 for vLLM and SGLang. OUTPUT_DIR is verified first; DEST gets what convert --quant-storage "
+    "DTYPE would have written.\n\n"
+    + _examples("prequant change-storage ./llama3-8b-nf4 ./llama3-8b-nf4-vllm \\", "    --quant-storage uint8")
+)
+def change_storage(
+    output_dir: OutputArg,
+    dest: Annotated[str, typer.Argument(metavar="DEST", help="Where to write the copy (empty, or --overwrite).")],
+    quant_storage: Annotated[
+        str, typer.Option("--quant-storage", metavar="DTYPE", help="The new storage: uint8, bfloat16, float16 or "
+                          "float32.")
+    ],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint in a non-empty DEST.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    """Copy OUTPUT_DIR to DEST with its packed weights stored as another dtype (headers, config, card rewritten)."""
+    from .conversion.storage import change_storage as run_change
+
+    result = run_change(output_dir, dest, quant_storage, overwrite=overwrite)
+    print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
+
+
+@app.command(
+    cls=_Command,
+    short_help='Verify, then upload to the Hugging Face Hub.',
+    epilog="The token comes from HF_TOKEN or `hf auth login`. Nothing is sent unless OUTPUT_DIR verifies.\n\n"
+    + _examples("prequant upload ./llama3-8b-nf4 my-org/llama3-8b-bnb-nf4",
+                "prequant upload ./llama3-8b-nf4 my-org/llama3-8b-bnb --revision nf4 \\",
+                "    --private --json")
 )
 def upload(
-    output_dir: Annotated[str, typer.Argument(help="A folder written by prequant convert.")],
-    repo_id: Annotated[str, typer.Argument(help="Hub model repo, org/name (created if missing).")],
-    revision: Annotated[str | None, typer.Option("--revision", help="Branch to commit to (created from main).")] = None,
+    output_dir: OutputArg,
+    repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", help="Hub model repo, org/name (created if missing).")],
+    revision: Annotated[str | None, typer.Option(
+        "--revision", metavar="BRANCH", help="Branch to commit to (created from main).")] = None,
     private: Annotated[bool, typer.Option("--private", help="Create the repo as private.")] = False,
-    commit_message: Annotated[str | None, typer.Option("--commit-message", help="Message of the Hub commit.")] = None,
-    as_json: JsonOpt = False,
+    commit_message: Annotated[str | None, typer.Option(
+        "--commit-message", metavar="MSG", help="Message of the Hub commit.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was uploaded as JSON on stdout.")] = False,
 ) -> None:
     """Verify OUTPUT_DIR, then upload it to a Hub model repo in one commit (refused if it does not verify)."""
     from .verify.publish import upload as run_upload
@@ -159,36 +196,39 @@ def upload(
 
 @app.command(
     "check-fsdp",
-    epilog=(
-        "Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.fsdp.job` once per loader "
-        "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
-        "Examples:\n\n"
-        "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2\n\n"
-        "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant --steps 20 --report check.json"
-    ),
+    cls=_Command,
+    short_help='Train a few FSDP+QLoRA steps on N ranks.',
+    epilog="Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.fsdp.job` once per loader "
+    "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
+    + _examples("prequant check-fsdp ./llama3-8b-nf4 --nproc 2",
+                "prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant \\",
+                "    --steps 20 --report check.json"),
 )
 def check_fsdp(
-    output_dir: Annotated[str, typer.Argument(help="A folder written by prequant convert.")],
-    nproc: Annotated[int, typer.Option("--nproc", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")] = 2,
+    output_dir: OutputArg,
+    nproc: Annotated[int, typer.Option(
+        "--nproc", metavar="N", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")] = 2,
     loader: Annotated[
         list[str] | None,
-        typer.Option("--loader", help="transformers (HF's FSDP-QLoRA path) or prequant (load_for_fsdp); repeatable; "
-                     "default: both, compared."),
+        typer.Option("--loader", metavar="NAME", help="transformers (HF's FSDP-QLoRA path) or prequant "
+                     "(load_for_fsdp); repeatable; default: both, compared."),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps on the fixed batch.")] = 10,
-    seed: Annotated[int, typer.Option(help="Seed of the batch and of the LoRA init.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Sequences in the batch.")] = 2,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 256,
-    lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = 16,
+    steps: Annotated[int, typer.Option(metavar="N", help="Training steps on the fixed batch.")] = 10,
+    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the batch and of the LoRA init.")] = 0,
+    batch_size: Annotated[int, typer.Option(metavar="N", help="Sequences in the batch.")] = 2,
+    seq_len: Annotated[int, typer.Option(metavar="N", help="Tokens per sequence.")] = 256,
+    lora_r: Annotated[int, typer.Option(metavar="N", help="LoRA rank.")] = 16,
     buffer_dtype: Annotated[
-        str, typer.Option(help="Floating buffers (RoPE) in bfloat16 as HF's Trainer casts them, float32, or keep.")
+        str, typer.Option(metavar="DTYPE", help="Floating buffers (RoPE) in bfloat16 as HF's Trainer casts them, "
+                          "float32, or keep.")
     ] = "bfloat16",
     packed_storage: Annotated[
-        str, typer.Option(help="prequant loader: uint8 (safe) or checkpoint (bf16 as stored; bitsandbytes #1945).")
+        str, typer.Option(metavar="KIND", help="prequant loader: uint8 (safe) or checkpoint (bf16 as stored; "
+                          "bitsandbytes #1945).")
     ] = "uint8",
-    timeout: Annotated[float, typer.Option(help="Seconds allowed per loader run.")] = 1800,
+    timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds allowed per loader run.")] = 1800,
     report: Annotated[str | None, typer.Option("--report", metavar="FILE", help="Also write the JSON report here.")] = None,
-    as_json: JsonOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Train a few FSDP+QLoRA steps from OUTPUT_DIR on N ranks: memory per rank, losses, packed bytes intact."""
     from .fsdp.check import CheckFailed, CheckOptions

@@ -164,3 +164,40 @@ def test_empty_output_dir_is_refused_and_the_current_directory_untouched(checkpo
         assert "OUTPUT_DIR is empty" in _one_line_error(proc)
     assert sorted(p.name for p in cwd.iterdir()) == ["config.json", "model.safetensors"]
     assert (cwd / "model.safetensors").read_bytes() == b"the user's own weights"
+
+
+def test_json_help_says_what_each_command_prints():
+    assert "(or the plan)" not in run_cli("verify", "--help").stdout
+    assert "Print the report as JSON" in run_cli("verify", "--help").stdout
+    assert "with --dry-run, the plan" in " ".join(run_cli("convert", "--help").stdout.split())
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_max_rel_error_must_be_a_number_above_zero(converted_llama, value):
+    src, out = converted_llama
+    proc = run_cli("verify", str(out), "--source", str(src), "--max-rel-error", value)
+    assert proc.returncode == 2 and "must be a number above 0" in _one_line_error(proc)
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "cuda:7"])
+def test_dry_run_refuses_the_devices_a_run_refuses(checkpoints, tmp_path, device):
+    import torch
+
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a GPU 7")
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run", "--device", device)
+    assert proc.returncode == 2 and "--device" in _one_line_error(proc)
+
+
+def test_base_model_must_be_a_repo_id(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--base-model", "not a repo")
+    assert proc.returncode == 2 and "--base-model 'not a repo' is not a Hub repo id" in _one_line_error(proc)
+
+
+def test_fused_moe_note_in_the_plan_and_summary_from_the_cli(checkpoints, tmp_path):
+    """The CLI decides the layout in a child process: the fused-experts sentence survives the trip."""
+    note = "note: 77% of the parameters (196,608 of 254,784) stay unquantized: transformers 5 fuses"
+    plan = run_cli("convert", str(checkpoints("mixtral")), str(tmp_path / "out"), "--dry-run")
+    assert plan.returncode == 0 and note in plan.stdout, plan.stderr
+    done = run_cli("convert", str(checkpoints("mixtral")), str(tmp_path / "out"), "--device", "cpu")
+    assert done.returncode == 0 and note in done.stdout, done.stderr

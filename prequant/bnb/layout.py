@@ -37,6 +37,7 @@ class Decision:
     reason: str
     transpose: bool = False  # GPT-2 Conv1D stores [in, out]; bitsandbytes wants [out, in]
     dtype: str | None = None  # safetensors code transformers casts it to on load (None: loaded as stored)
+    fused: bool = False  # a native MoE expert weight transformers 5 fuses into a 3-D parameter (kept, as there)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _from_transformers(
         kept_as = cast_code(t.dtype, target or (TORCH_TO_SAFETENSORS.get(param.dtype) if param is not None else None))
         if converted:
             decisions[t.name] = Decision(False, f"fused by transformers into {model_key}; bitsandbytes keeps it",
-                                         dtype=kept_as)
+                                         dtype=kept_as, fused=True)
         elif leaf != "weight" or module not in linear:
             decisions[t.name] = Decision(False, "not a linear weight", dtype=kept_as)
         elif len(t.shape) != 2:

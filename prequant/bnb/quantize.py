@@ -21,24 +21,34 @@ from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_lengt
 MAX_KERNEL_ELEMENTS = 2**31 - 2**20
 
 
-def pick_device(device: str) -> torch.device:
-    """'auto' -> the current CUDA device when there is one, else the CPU; 'cuda[:N]' must exist."""
+def check_device(device: str) -> None:
+    """Refuse a --device a conversion cannot use (its spelling; for CUDA, that the GPU exists) without initialising
+    CUDA (`is_available` and `device_count` ask the driver, not a context), so a dry run refuses what a run would."""
     if device == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise UsageError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from e
     if dev.type == "cpu":
-        return dev
+        return
     if dev.type != "cuda":
         raise UsageError(f"--device {device!r} is not supported; use auto, cpu or cuda[:N]")
     if not torch.cuda.is_available():
         raise UsageError(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if index >= torch.cuda.device_count():
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
-    return torch.device("cuda", index)
+
+
+def pick_device(device: str) -> torch.device:
+    """'auto' -> the current CUDA device when there is one, else the CPU; 'cuda[:N]' must exist."""
+    check_device(device)
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 @dataclass

@@ -37,11 +37,19 @@ def load(path: Path) -> dict[str, torch.Tensor]:
 
 def refused(label: object, e: pickle.UnpicklingError) -> PrequantError:
     """The error for a pickle torch's restricted unpickler refused (it ran nothing from it)."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return PrequantError(
-        f"{label}: refused to unpickle: the file holds objects other than tensors ({first}); it may be "
+        f"{label}: refused to unpickle: the file holds objects other than tensors ({_what(e)}); it may be "
         "malicious, nothing from it was run; get the weights as safetensors"
     )
+
+
+def _what(e: pickle.UnpicklingError) -> str:
+    """What torch's restricted unpickler refused, without its advice: torch suggests re-running with
+    `weights_only=False` or allow-listing the global, which for an untrusted file means running its code."""
+    paragraphs = [p.strip() for p in str(e).split("\n\n") if p.strip()]
+    facts = [p for p in paragraphs if "weights_only" not in p] or paragraphs or [type(e).__name__]
+    first = facts[0].removeprefix("WeightsUnpickler error: ").split(". ")[0].rstrip(".")
+    return " ".join(first.split())[:200]
 
 
 def check_state(label: object, state: object) -> dict[str, torch.Tensor]:

@@ -109,7 +109,9 @@ def read_config(source_dir: Path) -> dict:
     if "quantization_config" in config:
         qc = config["quantization_config"]
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        again = " (to store a prequant output's packed weights as another dtype: prequant change-storage)"
         raise PrequantError(
-            f"the source is already quantized ({method}); convert the original bf16/fp16/fp32 checkpoint", where=path
+            f"the source is already quantized ({method}); convert the original bf16/fp16/fp32 checkpoint"
+            + (again if method == "bitsandbytes" else ""), where=path
         )
     return config

@@ -1,13 +1,15 @@
 """The output's model card (README.md), written with huggingface_hub's ModelCard / ModelCardData.
 
-It says what the checkpoint is (base model, 4-bit settings, what stayed unquantized), how to load it
-(plainly, and for FSDP+QLoRA), how it was verified, and carries the source's own card: its text under
-"Original model card" and its licence metadata in the new YAML header. Nothing of the original card is
-dropped: a header that does not parse is kept verbatim in a code block.
+It says what the checkpoint is (base model, 4-bit settings, what stayed unquantized), how to load it with each
+consumer (transformers 5, transformers 4.x, FSDP+QLoRA, vLLM/SGLang: what each needs depends on the quant
+storage), how it was verified, and carries the source's own card: its text under "Original model card" and its
+licence metadata in the new YAML header. Nothing of the original card is dropped: a header that does not parse
+is kept verbatim in a code block. `change_storage` rewrites the storage-dependent parts of a card it wrote.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -75,6 +77,7 @@ def _body(
     s = plan.settings
     base_ref = f"[`{base}`](https://huggingface.co/{base})" if base_is_repo else f"`{base}`"
     dq = "with double quantization" if s.double_quant else "without double quantization"
+    fused = plan.fused_experts_note()
     lines = [
         f"# {name}",
         "",
@@ -91,7 +94,7 @@ def _body(
         f"| `bnb_4bit_use_double_quant` | `{s.double_quant}` |",
         f"| block size | {s.blocksize} |",
         f"| `bnb_4bit_compute_dtype` | `{s.compute_dtype}` |",
-        f"| `bnb_4bit_quant_storage` | `{s.quant_storage}` |",
+        _storage_row(s.quant_storage),
         f"| `llm_int8_skip_modules` | {_skip_text(plan.skip_modules)} |",
         (f"| tensors quantized / kept | {sum(st.quantize for st in plan.steps)} / "
         f"{sum(not st.quantize for st in plan.steps)} |"),
@@ -100,16 +103,8 @@ def _body(
         "",
         *[f"- {n:,} parameters: {why}" for why, n in plan.unquantized().items()],
         "",
-        "## How to load",
-        "",
-        *([] if known else [f"`{name}` stands for this checkpoint's Hub repo id or local folder.", ""]),
-        "```python",
-        "from transformers import AutoModelForCausalLM",
-        "",
-        f'model = AutoModelForCausalLM.from_pretrained("{name}", device_map="auto")',
-        "```",
-        "",
-        *_fsdp_section(name, s.quant_storage),
+        *([f"**{fused[0].upper()}{fused[1:]}.**", ""] if fused else []),
+        *loading_section(name, known, s.quant_storage, s.compute_dtype, fused is not None),
         "## Verification",
         "",
         ("`prequant.json` lists the size and sha256 of every file, the source, the versions and options used, "
@@ -135,26 +130,70 @@ def _skip_text(skip: list[str] | None) -> str:
     return ", ".join(f"`{m}`" for m in skip) or "none"
 
 
-def _fsdp_section(name: str, storage: str) -> list[str]:
+def _storage_row(storage: str) -> str:
+    return f"| `bnb_4bit_quant_storage` | `{storage}` |"
+
+
+_LOADING = "## How to load"
+_STANDS_FOR = "stands for this checkpoint's Hub repo id or local folder."
+_FUSED_ONLY = "With its experts unquantized, this checkpoint loads in transformers 5 only"
+
+
+def loading_section(name: str, known: bool, storage: str, compute: str, fused: bool) -> list[str]:
+    """"How to load" for each consumer; what each needs depends on the quant storage (and fused MoE experts)."""
+    lines = [_LOADING, ""]
+    if not known:
+        lines += [f"`{name}` {_STANDS_FOR}", ""]
+    lines += ["**transformers 5**:", "", *_snippet(name, None)]
+    if fused:
+        lines += [(f"{_FUSED_ONLY}: transformers 4.x builds those experts as 4-bit `Linear4bit` layers and vLLM "
+                   "and SGLang as 4-bit fused experts, and none of them finds 4-bit weights for them here."), ""]
     if storage == "uint8":
-        return [
-            ("FSDP+QLoRA: the packed weights are stored as `uint8`, which FSDP cannot shard; convert again with "
-            "`--quant-storage bfloat16` (your training dtype) for FSDP."),
-            "",
-        ]
-    return [
-        (f"For FSDP+QLoRA, load with `torch_dtype` equal to the quant storage (`{storage}`, already set as "
-        "`bnb_4bit_quant_storage` in `config.json`), so that FSDP shards the packed 4-bit weights together "
-        "with the other parameters:"),
-        "",
-        "```python",
-        "import torch",
-        "from transformers import AutoModelForCausalLM",
-        "",
-        f'model = AutoModelForCausalLM.from_pretrained("{name}", torch_dtype=torch.{storage})',
-        "```",
-        "",
-    ]
+        if not fused:
+            lines += [(f"**transformers 4.x** (tested with 4.57): give the dtype to compute in (`{compute}`); the "
+                       "packed weights are `uint8`, which no dtype casts:"), "", *_snippet(name, compute)]
+        lines += [("**FSDP+QLoRA**: FSDP shards the packed weights together with the other parameters only when "
+                   "they are stored as the training dtype; make a copy stored that way, with the same packed bytes: "
+                   "`prequant change-storage DIR DIR-bf16 --quant-storage bfloat16`."), ""]
+        if not fused:
+            lines += ["**vLLM** (and SGLang, whose bitsandbytes support is adapted from vLLM's) read this checkpoint "
+                      "as it is (`bnb_4bit_quant_storage` is `uint8`, which both require):", "", "```python",
+                      "from vllm import LLM", "", f'llm = LLM(model="{name}", quantization="bitsandbytes")', "```",
+                      "", f"or `vllm serve {name} --quantization bitsandbytes`.", ""]
+        return lines
+    who = "FSDP+QLoRA" if fused else "transformers 4.x** (tested with 4.57) **and FSDP+QLoRA"
+    lines += [(f"**{who}**: pass `dtype` equal to the quant storage (`{storage}`, as `bnb_4bit_quant_storage` in "
+               "`config.json` says), so that FSDP shards the packed 4-bit weights together with the other parameters"
+               + ("" if fused else f"; without it transformers 4.x loads the model in float16 and casts the "
+                  f"{storage}-stored packed weights as numbers, which corrupts them") + ":"), "",
+              *_snippet(name, storage)]
+    if not fused:
+        lines += [("**vLLM and SGLang** read bitsandbytes checkpoints only with `uint8` storage; make a copy stored "
+                   "that way, with the same packed bytes: `prequant change-storage DIR DIR-uint8 --quant-storage "
+                   "uint8`."), ""]
+    return lines
+
+
+def _snippet(name: str, dtype: str | None) -> list[str]:
+    imports = ["import torch"] if dtype else []
+    dtype_arg = f", dtype=torch.{dtype}" if dtype else ""
+    return ["```python", *imports, "from transformers import AutoModelForCausalLM", "",
+            f'model = AutoModelForCausalLM.from_pretrained("{name}", device_map="auto"{dtype_arg})', "```", ""]
+
+
+def change_storage(text: str, old: str, new: str, compute: str) -> str | None:
+    """A card this module wrote, for the same checkpoint stored as `new` instead of `old`: the storage row and the
+    "How to load" section rewritten, the rest unchanged. None when the card is not one of ours as written (edited)."""
+    row = _storage_row(old)
+    heading = re.search(r"^# (.+)$", text, re.MULTILINE)
+    start = text.find("\n" + _LOADING + "\n")
+    end = text.find("\n## ", start + 1) if start >= 0 else -1
+    if text.count(row) != 1 or heading is None or end < 0:
+        return None
+    name = heading.group(1)
+    section = text[start + 1:end + 1]
+    lines = loading_section(name, _STANDS_FOR not in section, new, compute, _FUSED_ONLY in section)
+    return text[:start + 1].replace(row, _storage_row(new)) + "\n".join(lines) + text[end:]
 
 
 def _stats_lines(summary: dict | None, expected: float, quant_type: str) -> list[str]:

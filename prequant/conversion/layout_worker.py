@@ -108,7 +108,9 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _layout_to_dict(layout: Layout) -> dict:
     return {
-        "decisions": {name: [d.quantize, d.reason, d.transpose, d.dtype] for name, d in layout.decisions.items()},
+        "decisions": {
+            name: [d.quantize, d.reason, d.transpose, d.dtype, d.fused] for name, d in layout.decisions.items()
+        },
         "skip_modules": layout.skip_modules,
         "method": layout.method,
         "notes": layout.notes,
@@ -119,8 +121,8 @@ def _layout_to_dict(layout: Layout) -> dict:
 def _layout_from_dict(data: dict) -> Layout:
     from ..bnb.layout import Decision, Layout
 
-    decisions = {name: Decision(bool(q), str(reason), bool(t), dtype) for name, (q, reason, t, dtype)
-                 in data["decisions"].items()}
+    decisions = {name: Decision(bool(q), str(reason), bool(t), dtype, bool(f))
+                 for name, (q, reason, t, dtype, f) in data["decisions"].items()}
     return Layout(decisions, data["skip_modules"], data["method"], list(data["notes"]), list(data["warnings"]))
 
 

@@ -3,6 +3,7 @@ by a library caller through `convert(..., **options)`."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -11,6 +12,8 @@ from ..bnb.format import Settings
 from ..bnb.loading import skip_problem
 from ..errors import UsageError
 from .plan import parse_size
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +39,12 @@ class ConvertOptions:
     push_to_hub: str | None = None
     delete_source_shards: bool = False
     allow_nan: bool = False  # copy a kept tensor holding NaN as it is (recorded in prequant.json) instead of refusing
+    base_model: str | None = None  # the card's base_model (a Hub repo id) for a local source; a Hub source's own
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip", tuple(self.skip or ()))
+        if self.base_model is not None and not _REPO_ID.match(self.base_model):
+            raise UsageError(f"--base-model {self.base_model!r} is not a Hub repo id; write it as org/name")
         self.settings  # noqa: B018 - checks the quantization settings
         self.shard_limit  # noqa: B018 - checks the size
         for pattern in self.skip:  # transformers compiles each as a regex when it loads the output

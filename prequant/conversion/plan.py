@@ -18,6 +18,7 @@ from ..checkpoint.dtypes import itemsize
 from ..checkpoint.hf_files import shard_name
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
+from .shard_layout import ShardLayout
 
 QUANT_STATE_ESTIMATE = 170  # bytes of quant-state JSON, typical; the exact length is known only after quantizing
 
@@ -73,13 +74,16 @@ class Plan:
 
     @property
     def output_bytes(self) -> int:
-        return sum(s.out_bytes for s in self.steps)
+        """The predicted size of all shards (see `shard_bytes`)."""
+        return sum(self.shard_bytes().values())
 
     def shard_bytes(self) -> dict[str, int]:
-        sizes = dict.fromkeys(self.shards, 0)
+        """Each shard's predicted file size: its header, exact (the writer's layout is fixed by the plan: 400 KB
+        for 5,000 small tensors), plus its tensors, exact but for the quant-state JSON (estimated)."""
+        outputs: dict[str, list[OutTensor]] = {name: [] for name in self.shards}
         for s in self.steps:
-            sizes[s.shard] += s.out_bytes
-        return sizes
+            outputs[s.shard] += s.outputs
+        return {name: ShardLayout(outs).data_start + sum(o.nbytes for o in outs) for name, outs in outputs.items()}
 
     def unquantized(self) -> dict[str, int]:
         """Parameters left unquantized, counted by reason."""
@@ -90,11 +94,27 @@ class Plan:
                 counts[reason] = counts.get(reason, 0) + s.source.numel
         return counts
 
+    def all_notes(self) -> list[str]:
+        """The layout's notes, and the fused-experts sentence when it applies."""
+        note = self.fused_experts_note()
+        return [*self.notes, *([note] if note else [])]
+
+    def fused_experts_note(self) -> str | None:
+        """The one sentence saying that most of the model stays unquantized because transformers 5 fuses its MoE
+        experts, with the figure and the reason (None when fused experts are not most of the parameters)."""
+        total = sum(s.source.numel for s in self.steps)
+        fused = sum(s.source.numel for s in self.steps if s.decision.fused)
+        if not total or fused * 2 <= total:
+            return None
+        return (f"{fused / total:.0%} of the parameters ({fused:,} of {total:,}) stay unquantized: transformers 5 "
+                "fuses this model's MoE experts into 3-D parameters and bitsandbytes quantizes only nn.Linear "
+                "layers, so transformers keeps them in their original dtype too (bitsandbytes#1849)")
+
     def to_dict(self) -> dict:
         return {
             "settings": vars(self.settings),
             "method": self.method,
-            "notes": self.notes,
+            "notes": self.all_notes(),
             **({"warnings": self.warnings} if self.warnings else {}),
             "llm_int8_skip_modules": self.skip_modules,
             "tensors": [
@@ -125,7 +145,7 @@ class Plan:
         lines = [
             f"plan: {s.quant_type}, blocksize {s.blocksize}, double quant {'on' if s.double_quant else 'off'}, "
             f"storage {s.quant_storage}, compute {s.compute_dtype}; decided by {self.method}",
-            *(f"note: {n}" for n in self.notes),
+            *(f"note: {n}" for n in self.all_notes()),
             *(f"warning: {w}" for w in self.warnings),
         ]
         width = max((len(st.source.name) for st in self.steps), default=10)

@@ -85,17 +85,20 @@ class Recorder:
             except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
                 future.set_exception(e)
 
-    def finish(self, staging: Path, side_files: list[Path], *, device: str, repo_id: str | None = None) -> dict:
-        """Write README.md (the model card) and prequant.json into `staging`; return the manifest."""
+    def finish(self, staging: Path, side_files: list[Path], *, device: str, repo_id: str | None = None,
+               base: str | None = None) -> dict:
+        """Write README.md (the model card) and prequant.json into `staging`; return the manifest. `base`: the
+        base model's Hub repo id, when the user named it (--base-model)."""
         source = source_identity(self.source)
         if self.stats is not None:
             self._backfill_stats(staging)
         summary = summarize(self.stats.tensors) if self.stats is not None else None
+        base_id = base or hub_repo_id(source)
         write_card(
             staging,
             source_dir=self.source.path,
-            base_model=base_model(source),
-            base_model_is_repo="repo_id" in source,
+            base_model=base_id or Path(source["path"]).resolve().name,
+            base_model_is_repo=base_id is not None,
             plan=self.plan,
             stats_summary=summary,
             repo_id=repo_id,
@@ -153,8 +156,6 @@ class Recorder:
         return manifest
 
 
-
-
 def source_identity(src: Source) -> dict:
     """Where the weights came from: the Hub repo and commit when known, else the local path as given.
 
@@ -171,6 +172,13 @@ def source_identity(src: Source) -> dict:
     return ident
 
 
-def base_model(source: dict) -> str:
-    """The base model's name for the card: the Hub repo id when known, else the source directory's name."""
-    return source.get("repo_id") or Path(source["path"]).resolve().name
+def hub_repo_id(source: dict) -> str | None:
+    """The source's Hub repo id when known: a Hub source's, or that of a snapshot folder of the Hugging Face
+    cache given as a local path (`.../models--org--name/snapshots/<commit>`)."""
+    if source.get("repo_id"):
+        return source["repo_id"]
+    parts = Path(source["path"]).absolute().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        org, sep, name = parts[-3].removeprefix("models--").partition("--")
+        return f"{org}/{name}" if sep and org and name else None
+    return None

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._version import __version__
 from ..bnb.layout import analyze, require_known
-from ..bnb.quantize import Quantizer, pick_device
+from ..bnb.quantize import Quantizer, check_device, pick_device
 from ..checkpoint import manifest
 from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.tensors import TensorRef
@@ -62,6 +62,7 @@ def convert(
         check_index(src.index_file, tensors)
     config = read_config(src.path)
     # The GPU and bitsandbytes start up while a child process started by the CLI decides the layout.
+    check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device))
     trace.mark("quantizer-ready")
     plan = _plan(src, tensors, config, opts)
@@ -90,7 +91,8 @@ def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Q
             copy_side_files(src.path, staging, side)
             write_index(staging, plan, shard_sizes)
             write_config(staging, config, plan)
-            written = record.finish(staging, side, device=str(quantizer.device), repo_id=opts.push_to_hub)
+            written = record.finish(staging, side, device=str(quantizer.device), repo_id=opts.push_to_hub,
+                                    base=opts.base_model)
             trace.mark("manifest-written")
         output.publish(out, staging)
         trace.mark("published")
@@ -163,6 +165,7 @@ def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer, started: 
         seconds=time.monotonic() - started,
         peak_gpu_bytes=_peak_gpu_bytes(quantizer.device),
         unquantized_parameters=plan.unquantized(),
+        notes=plan.all_notes(),
         copied_files=[p.as_posix() for p in side],
         stats=written["stats"]["summary"],
         hub_commit_url=hub_url,

@@ -25,6 +25,7 @@ class Summary:
     hub_commit_url: str | None = None  # with push_to_hub
     already_complete: bool = False  # --resume found this conversion finished in OUTPUT_DIR: nothing was written
     non_finite: dict[str, dict[str, int]] = field(default_factory=dict)  # kept tensors with NaN / Inf: the counts
+    notes: list[str] = field(default_factory=list)  # the plan's notes (e.g. most parameters kept: fused experts)
 
     @property
     def gb_per_s(self) -> float:
@@ -44,9 +45,11 @@ class Summary:
             if self.already_complete else f"wrote {self.output_dir}: {counts}",
             f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
             f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
-            f"time: {self.seconds:.1f} s on {self.device}, {self.gb_per_s:.2f} GB/s of input",
+            f"time: {self.seconds:.1f} s on {self.device}, {_rate(self.input_bytes / self.seconds if self.seconds else 0)} "
+            "of input",
         ]
         lines += [f"unquantized: {n:,} parameters ({why})" for why, n in self.unquantized_parameters.items()]
+        lines += [f"note: {n}" for n in self.notes]
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
                          f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")
@@ -61,3 +64,11 @@ class Summary:
 def _counts(counts: dict[str, int]) -> str:
     """'3 NaN, 12 Inf'"""
     return ", ".join(f"{counts[kind]:,} {label}" for kind, label in (("nan", "NaN"), ("inf", "Inf")) if counts.get(kind))
+
+
+def _rate(bytes_per_s: float) -> str:
+    """A read rate with three significant digits in a unit that shows them (a tiny input is not "0.00 GB/s")."""
+    for unit, size in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= size:
+            return f"{bytes_per_s / size:.3g} {unit}"
+    return f"{bytes_per_s:.0f} B/s"

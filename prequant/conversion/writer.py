@@ -1,17 +1,13 @@
 """Streaming safetensors writer: the layout is fixed from the plan, tensors land in place as they come.
 
-A shard's header is computed before any data: every tensor's size follows from its shape. The only
-entries whose size is unknown up front are the quant-state JSON blobs (their text holds a float), so
-they go at the end of the data section and the header is given reserved room, padded with spaces as
-the safetensors format allows. Data is ordered by element size, then name, as safetensors' own writer
-orders it, which keeps every tensor aligned.
+A shard's layout (`shard_layout.ShardLayout`: every offset and the header's reserved room) is fixed before any
+data; the quant-state JSON blobs, whose length is known only once quantized, are written last, then the header.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
 import threading
 from collections.abc import Callable
@@ -20,14 +16,11 @@ from typing import BinaryIO
 
 import torch
 
-from ..checkpoint.dtypes import itemsize
 from ..errors import PrequantError
 from ..util import failpoints, trace
 from ..util.fsio import FULL, disk_full, write_error
 from .plan import OutTensor
-
-_PLACEHOLDER_LEN = 9_999_999  # longer than any quant-state JSON: makes the reserved header big enough
-
+from .shard_layout import ShardLayout
 
 class ShardWriter:
     """Writes one output shard; `write` may be called from any thread, in any order."""
@@ -37,21 +30,14 @@ class ShardWriter:
     ) -> None:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
-        self.metadata = metadata or {"format": "pt"}
-        self._fixed = sorted((e for e in entries if e.shape is not None), key=lambda e: (-itemsize(e.dtype), e.key))
-        self._variable = sorted((e for e in entries if e.shape is None), key=lambda e: e.key)
-        self._offsets: dict[str, tuple[int, int]] = {}
-        pos = 0
-        for e in self._fixed:
-            self._offsets[e.key] = (pos, pos + e.nbytes)
-            pos += e.nbytes
-        self._fixed_end = pos
+        self.layout = ShardLayout(entries, metadata)
+        self.metadata = self.layout.metadata
+        self._fixed, self._variable = self.layout.fixed, self.layout.variable
+        self._offsets, self._fixed_end = self.layout.offsets, self.layout.fixed_end
         self._blobs: dict[str, bytes] = {}
         self._pending = {e.key for e in entries}
         self._lock = threading.Lock()
-        longest = self._header({e.key: _PLACEHOLDER_LEN for e in self._variable})
-        self._reserved = _round8(len(longest))
-        self._data_start = 8 + self._reserved
+        self._reserved, self._data_start = self.layout.reserved, self.layout.data_start
         # Resuming keeps the bytes already written; the layout is the same, since the plan is.
         self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
         try:
@@ -59,17 +45,6 @@ class ShardWriter:
         except BaseException:
             os.close(self._fd)
             raise
-
-    def _header(self, variable_sizes: dict[str, int]) -> bytes:
-        header: dict[str, object] = {"__metadata__": self.metadata}
-        for e in self._fixed:
-            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape or ()), "data_offsets": list(self._offsets[e.key])}
-        pos = self._fixed_end
-        for e in self._variable:
-            size = variable_sizes[e.key]
-            header[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
-            pos += size
-        return json.dumps(header, separators=(",", ":")).encode()
 
     def copy_range(self, key: str, src_fd: int, src_offset: int, nbytes: int) -> None:
         """Store a tensor straight from another file (a tensor kept as it is): the kernel copies the bytes,
@@ -123,7 +98,7 @@ class ShardWriter:
             _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
             pos += len(self._blobs[e.key])
         failpoints.hit("shard-finalize")
-        header = self._header({k: len(v) for k, v in self._blobs.items()})
+        header = self.layout.header({k: len(v) for k, v in self._blobs.items()})
         padded = header + b" " * (self._reserved - len(header))
         _pwrite_all(self._fd, memoryview(len(padded).to_bytes(8, "little") + padded), 0, self.partial)
         self.data_bytes = pos - self._data_start
@@ -235,7 +210,4 @@ def _copy_chunk(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: in
         _pwrite_all(dst, memoryview(data), dst_offset, path)
     return len(data)
 
-
-def _round8(n: int) -> int:
-    return (n + 7) // 8 * 8
 

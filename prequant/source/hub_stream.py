@@ -25,8 +25,8 @@ from pathlib import Path
 from ..checkpoint.hf_files import CONFIG, WEIGHT_LAYOUTS, WEIGHT_SUFFIXES, shard_names
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError, UsageError
-from ..hub import cache, client
+from ..errors import PrequantError
+from ..hub import client
 from . import remote_headers
 from .spec import Source
 
@@ -45,11 +45,12 @@ def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> So
         repo_id, revision = client.parse_repo_spec(repo_spec)
         listing = client.resolve(repo_id, revision, alias=alias)
     except PrequantError as e:
-        # "org/name" may also have been meant as a local path: when no such repo is found, say so.
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+        # "org/name" may also have been a mistyped local path: unless the repo plainly exists (gated, or only the
+        # revision is unknown), say both (the Hub cannot be reached, no such repo, offline and not cached).
+        from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
 
-        missing = isinstance(e.__cause__, RepositoryNotFoundError) and not isinstance(e.__cause__, GatedRepoError)
-        if alias is None and (isinstance(e, UsageError) or missing or cache.offline()):
+        exists = isinstance(e.__cause__, (GatedRepoError, RevisionNotFoundError))
+        if alias is None and not exists:
             raise e.within(f"source {spec!r} is not a local directory, and ") from e
         raise
     label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"

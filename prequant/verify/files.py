@@ -7,7 +7,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
-from ..checkpoint.hf_files import CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
+from ..checkpoint.hf_files import CARD, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
 from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
 from ..checkpoint.safetensors import read_header
 from ..checkpoint.tensors import TensorRef
@@ -17,6 +17,9 @@ from ..util.progress import Progress
 from .report import Report
 
 HASH_WORKERS = 4
+# The model card is the one file users edit before publishing (and the Hub's editor rewrites): it is text for
+# people, no loader reads it, so a changed card is said, not failed; upload sends it as it is.
+EDITED_CARD = "edited since the conversion (its sha256 differs from prequant.json); upload sends it as it is"
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -45,6 +48,8 @@ def check_files(out: Path, manifest: dict, report: Report, progress: bool) -> se
         elif not path.is_file():
             report.fail(name, "missing (listed in prequant.json); the output is incomplete: copy it again or reconvert")
             bad.add(name)
+        elif name == CARD and path.stat().st_size != entry["size"]:
+            report.warn(name, EDITED_CARD)
         elif (size := path.stat().st_size) != entry["size"]:
             report.fail(
                 name, f"{size:,} bytes but prequant.json says {entry['size']:,}: the file was truncated, edited or replaced"
@@ -60,7 +65,9 @@ def check_files(out: Path, manifest: dict, report: Report, progress: bool) -> se
             digests = pool.map(lambda item: sha256_file(item[1], bar.advance), to_hash)
             for (name, _, expected), digest in zip(to_hash, digests):
                 failpoints.hit("verify-hashed")
-                if digest != expected:
+                if digest != expected and name == CARD:
+                    report.warn(name, EDITED_CARD)
+                elif digest != expected:
                     report.fail(name, "sha256 differs from prequant.json: the file was modified or corrupted; "
                                 "re-download it or reconvert")
                     bad.add(name)

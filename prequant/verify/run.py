@@ -21,6 +21,7 @@ than converting it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..errors import UsageError
@@ -40,6 +41,8 @@ def verify(
     """Check OUTPUT_DIR (and, with `source`, its error against the original weights); never raises for
     a bad output: problems are in the returned Report. Raises UsageError when OUTPUT_DIR is not a folder."""
     out = Path(output_dir)
+    if max_rel_error is not None and not (math.isfinite(max_rel_error) and max_rel_error > 0):
+        raise UsageError(f"--max-rel-error {max_rel_error} must be a number above 0 (a relative L2 error, e.g. 0.2)")
     if not out.is_dir():
         raise UsageError(f"OUTPUT_DIR {out} is not a directory; pass the folder prequant convert wrote")
     report = Report(str(out))

@@ -21,7 +21,7 @@ def test_card_metadata_and_original_card(carded_converted):
     assert data["extra_gated_prompt"] == "Accept the tiny licence first." and data["language"] == "en"
     text = card.text
     assert "## Original model card" in text and "Trained on nothing; for tests only." in text
-    assert 'from_pretrained("tiny-llama-bnb-4bit-nf4", torch_dtype=torch.bfloat16)' in text  # FSDP+QLoRA
+    assert 'from_pretrained("tiny-llama-bnb-4bit-nf4", device_map="auto", dtype=torch.bfloat16)' in text  # 4.x, FSDP
     assert "`lm_head`" in text or "output embedding" in text  # what stayed unquantized
     # ... exactly: the tiny Llama's lm_head (256 x 64) is left out as the output embedding, and its token
     # embedding (256 x 64) and five RMSNorm weights (64 each) are not linear weights.
@@ -52,3 +52,58 @@ def test_card_without_original_and_with_broken_yaml(checkpoints, tmp_path):
     card = (tmp_path / "b" / "README.md").read_text()
     assert "license: [unclosed" in card and "Still the original words." in card  # kept verbatim, not dropped
     assert ModelCard.load(tmp_path / "b" / "README.md").data.base_model == "src"
+
+
+def _card(out):
+    return ModelCard.load(out / "README.md")
+
+
+def test_base_model_from_a_hub_cache_snapshot_path(checkpoints, tmp_path):
+    """A Hub download passed by its path (the Hugging Face cache's snapshot folder) names the repo, not `<sha>`."""
+    snapshot = tmp_path / "hub" / "models--my-org--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(checkpoints("llama"), snapshot)
+    prequant.convert(snapshot, tmp_path / "out", device="cpu", progress=False, stats=False)
+    card = _card(tmp_path / "out")
+    assert card.data.base_model == "my-org/tiny-llama"
+    assert "[`my-org/tiny-llama`](https://huggingface.co/my-org/tiny-llama)" in card.text
+
+
+def test_base_model_option_names_the_repo_of_a_local_source(checkpoints, tmp_path):
+    prequant.convert(checkpoints("llama"), tmp_path / "out", device="cpu", progress=False, stats=False,
+                     base_model="meta-llama/Llama-3.1-8B")
+    card = _card(tmp_path / "out")
+    assert card.data.base_model == "meta-llama/Llama-3.1-8B"
+    assert 'from_pretrained("Llama-3.1-8B-bnb-4bit-nf4", device_map="auto")' in card.text
+
+
+def test_uint8_card_shows_vllm_and_bf16_card_says_how_to_get_there(checkpoints, tmp_path):
+    prequant.convert(checkpoints("llama"), tmp_path / "u8", device="cpu", progress=False, stats=False,
+                     quant_storage="uint8")
+    text = _card(tmp_path / "u8").text
+    assert 'quantization="bitsandbytes")' in text and "vllm serve" in text
+    assert "--quant-storage bfloat16" in text  # FSDP needs the training dtype
+    prequant.convert(checkpoints("llama"), tmp_path / "bf16", device="cpu", progress=False, stats=False)
+    text = _card(tmp_path / "bf16").text
+    assert "vllm serve" not in text and "prequant change-storage DIR DIR-uint8 --quant-storage uint8" in text
+    assert "torch_dtype" not in text
+
+
+def test_fused_moe_card_plan_and_summary_say_it_in_one_sentence(checkpoints, tmp_path):
+    """Tiny Mixtral: transformers 5 fuses its experts, which bitsandbytes does not quantize: most parameters stay."""
+    src = checkpoints("mixtral")
+    plan = prequant.convert(src, tmp_path / "unused", dry_run=True)
+    note = plan.fused_experts_note()
+    assert note.startswith("77% of the parameters (196,608 of 254,784) stay unquantized: transformers 5 fuses")
+    assert note.count(". ") == 0 and "bitsandbytes quantizes only nn.Linear" in note
+    assert f"note: {note}" in plan.to_text() and note in plan.to_dict()["notes"]
+    summary = prequant.convert(src, tmp_path / "out", device="cpu", progress=False, stats=False)
+    assert f"note: {note}" in summary.to_text()
+    text = _card(tmp_path / "out").text
+    assert f"**{note[0].upper()}{note[1:]}.**" in text and "loads in transformers 5 only" in text
+
+
+def test_remote_code_moe_has_no_fused_experts_note(tmp_path):
+    from conftest import build_grok
+
+    plan = prequant.convert(build_grok(tmp_path / "grok", "keyfan", shards=1), tmp_path / "unused", dry_run=True)
+    assert plan.fused_experts_note() is None and not any("fuses" in n for n in plan.to_dict()["notes"])

@@ -460,6 +460,17 @@ def test_malicious_pickle_on_the_hub_is_refused_while_planning(
     assert not list(cache_repo("org/evil").rglob("*.bin"))  # refused from its pickle, never downloaded
 
 
+def test_a_mistyped_path_without_network_says_both(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    proc = run_cli("convert", "data/llama-8b", str(tmp_path / "out"), "--dry-run",
+                   env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("Error: source 'data/llama-8b' is not a local directory, and cannot reach the "
+                                  f"Hugging Face Hub at {endpoint}")
+
+
 def test_grok_1_without_network_says_the_hub_cannot_be_reached(tmp_path: Path) -> None:
     with socket.socket() as probe:  # a port nobody listens on once closed: no network to reach
         probe.bind(("127.0.0.1", 0))

@@ -148,3 +148,10 @@ def test_workflow_is_valid_yaml_using_existing_commands_and_options():
         assert code == 0, f"prequant {argv[1]} --help: {stderr}"
         for option in (a for a in argv[2:] if a.startswith("--")):
             assert option in help_text, f"prequant {argv[1]} has no option {option}"
+
+
+def test_an_edited_card_is_uploaded_as_edited(logged_in: HubServer, out: Path):
+    (out / "README.md").write_text((out / "README.md").read_text() + "\nEdited before publishing.\n")
+    code, stdout, stderr = run_main("upload", str(out), "me/edited", "--json")
+    assert code == 0, stderr
+    assert logged_in.files("me/edited")["README.md"].endswith(b"Edited before publishing.\n")

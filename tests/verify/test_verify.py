@@ -279,3 +279,12 @@ def test_weights_near_1e30_verify_against_their_source(checkpoints, tmp_path):
     report = verification.verify(out, src, progress=False)
     assert report.ok, report.to_text()
     assert report.source["tensors"][name]["rel_error"] == recorded["rel_error"]
+
+
+def test_an_edited_card_is_a_warning_not_a_failure(out):
+    (out / "README.md").write_text((out / "README.md").read_text().replace("# ", "# My ", 1))
+    report = verification.verify(out, progress=False)
+    assert report.ok, report.to_text()
+    assert [(w.where, w.message.split(" (")[0]) for w in report.warnings] == [("README.md", "edited since the conversion")]
+    (out / "README.md").write_text((out / "README.md").read_text() + "more")  # a size change too
+    assert verification.verify(out, progress=False).ok

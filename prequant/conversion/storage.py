@@ -1,0 +1,209 @@
+"""`prequant change-storage`: a converted checkpoint with its packed 4-bit weights stored as another dtype.
+
+bitsandbytes' 4-bit codes are bytes; `bnb_4bit_quant_storage` only says which dtype the tensor holding them
+claims to be: the training dtype for FSDP (which shards them with the other parameters), uint8 for vLLM and
+SGLang (which refuse anything else). So one conversion serves both: this rewrites each shard's header (the
+packed weights' dtype and shape, laid out as the writer lays out a conversion with that storage), config.json's
+quantization_config, the storage-dependent part of the card and prequant.json, and copies every tensor's bytes
+with copy_file_range, in the kernel, never through this process' memory. The result is what `convert
+--quant-storage X` writes, byte for byte; bf16 -> uint8 -> bf16 gives back the original files.
+
+The input is verified first (as `upload` does: sizes, sha256, structure). The output is assembled in
+DEST/.prequant-staging and published with config.json last, as a conversion is: nothing half-written looks
+complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..bnb.format import STORAGE_CODES, STORAGE_NAMES, decode_quant_state, packed_bytes, packed_length, split_state_key
+from ..checkpoint.dtypes import itemsize
+from ..checkpoint.hf_files import CARD, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
+from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
+from ..checkpoint.safetensors import read_header
+from ..checkpoint.tensors import TensorRef
+from ..errors import PrequantError, UsageError
+from ..util.fsio import write_json
+from ..util.progress import Progress
+from ..verify.report import VerificationFailed
+from ..verify.run import verify
+from . import card, output
+from .plan import OutTensor
+from .writer import ShardWriter
+
+
+@dataclass
+class StorageChange:
+    """What `change_storage` did; printed on stdout (text or JSON)."""
+
+    output_dir: str
+    source: str
+    old_storage: str
+    new_storage: str
+    shards: int
+    packed_weights: int
+    bytes_copied: int
+    seconds: float
+    card: str  # "rewritten", or "kept as edited" (a card edited after the conversion is left alone)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        lines = [f"wrote {self.output_dir}: {self.packed_weights} packed weights stored as {self.new_storage} "
+                 f"(were {self.old_storage}), {self.shards} shard(s), {self.bytes_copied / 1e9:.3f} GB copied in "
+                 f"{self.seconds:.1f} s", f"card: {self.card}"]
+        return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
+
+
+def change_storage(
+    output_dir: str | Path, dest: str | Path, quant_storage: str, *, overwrite: bool = False, progress: bool = True
+) -> StorageChange:
+    """Write into `dest` the checkpoint of `output_dir` (a prequant output) with its packed weights stored as
+    `quant_storage` (bfloat16, float16, float32 or uint8). Raises PrequantError when the input does not verify
+    or a packed weight's codes do not fit the new storage exactly (named, with the fix)."""
+    started = time.monotonic()
+    src, out = Path(output_dir), Path(dest)
+    if quant_storage not in STORAGE_NAMES:
+        raise UsageError(f"--quant-storage {quant_storage!r} is not supported; use {', '.join(STORAGE_NAMES)}")
+    report = verify(src, progress=progress)
+    if not report.ok:
+        raise VerificationFailed(report, f"refusing to change the storage of {src}, it does not verify")
+    manifest = load_manifest(src)
+    config = json.loads((src / CONFIG).read_text())
+    old = config["quantization_config"].get("bnb_4bit_quant_storage", "uint8")
+    if old == quant_storage:
+        raise UsageError(f"{src} is already stored as {quant_storage}; nothing to change")
+    output.check_not_source(out, src)
+    output.check(out, overwrite)
+    shards = _shard_names(src)
+    code = STORAGE_CODES[quant_storage]
+    plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
+    staging = output.staging_dir(out)
+    digests: dict[str, str] = {}
+    total = sum((src / name).stat().st_size for name in shards)
+    with Progress(total, enabled=progress, label="copying") as bar:
+        for name in shards:
+            digests[name] = _write_shard(src / name, staging / name, *plans[name], code)
+            bar.advance((src / name).stat().st_size)
+    config["quantization_config"] = {**config["quantization_config"], "bnb_4bit_quant_storage": quant_storage}
+    write_json(staging / CONFIG, config)
+    card_state, warnings = _card(src, staging, manifest, old, quant_storage, config)
+    for name in manifest["files"]:
+        if name not in shards and name not in (CONFIG, CARD):
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / name, staging / name)  # copy_file_range / sendfile under the hood on Linux
+    _write_manifest(staging, manifest, quant_storage, digests, card_state)
+    output.publish(out, staging)
+    return StorageChange(str(out), str(src), old, quant_storage, len(shards),
+                         sum(len(packed) for _, _, packed in plans.values()), total, time.monotonic() - started,
+                         card_state, warnings)
+
+
+def _shard_names(src: Path) -> list[str]:
+    if (src / SAFETENSORS_INDEX).is_file():
+        return sorted(set(read_weight_map(src / SAFETENSORS_INDEX).values()))
+    return [SAFETENSORS_SINGLE]
+
+
+def _rewritten(path: Path, code: str, storage: str) -> tuple[list[TensorRef], dict[str, str], set[str]]:
+    """The shard's tensors, its metadata, and the keys of its packed weights, checked to fit `code` exactly."""
+    refs, metadata = read_header(path)
+    by_key = {r.name: r for r in refs}
+    packed: set[str] = set()
+    with open(path, "rb", buffering=0) as f:
+        for ref in refs:
+            if (split := split_state_key(ref.name)) is None:
+                continue
+            weight = by_key[split[0]]
+            n = _elements(decode_quant_state(os.pread(f.fileno(), ref.nbytes, ref.offset)))
+            need = packed_bytes(n)
+            if weight.nbytes != need:
+                raise PrequantError(
+                    f"its {n:,} 4-bit codes need {need:,} bytes but its {weight.dtype} storage holds {weight.nbytes:,}: "
+                    "bitsandbytes sizes wide storage as (n + 1) // (2 * itemsize) elements, which dropped the last "
+                    "byte; convert the original again with --quant-storage uint8", where=weight.name)
+            if packed_length(n, code) * itemsize(code) != need:
+                raise PrequantError(
+                    f"its {n:,} 4-bit codes take {need:,} bytes, which {storage} storage cannot hold whole "
+                    f"(bitsandbytes sizes it as (n + 1) // (2 * itemsize) elements and would drop the last byte); "
+                    "keep this checkpoint's storage, or convert the original again with that module in --skip",
+                    where=weight.name)
+            packed.add(weight.name)
+    return refs, metadata, packed
+
+
+def _elements(state: object) -> int:
+    shape = state.get("shape") if isinstance(state, dict) else None  # verified above: a list of positive ints
+    n = 1
+    for d in shape or ():
+        n *= d
+    return n
+
+
+def _write_shard(src: Path, dst: Path, refs: list[TensorRef], metadata: dict[str, str], packed: set[str],
+                 code: str) -> str:
+    """The shard with its packed weights stored as `code`, laid out as the writer lays out a conversion with that
+    storage; return its sha256. Every tensor's bytes are copied by the kernel; the quant-state JSON (a few hundred
+    bytes each) goes through the writer as a conversion's does."""
+    entries = [_entry(r, packed, code) for r in refs]
+    writer = ShardWriter(dst, entries, metadata)
+    digest: list[str] = []
+    try:
+        with open(src, "rb", buffering=0) as f:
+            for r in refs:
+                if split_state_key(r.name) is not None:
+                    writer.restore(r.name, os.pread(f.fileno(), r.nbytes, r.offset))
+                else:
+                    writer.copy_range(r.name, f.fileno(), r.offset, r.nbytes)
+            writer.finalize(on_sealed=lambda sealed: digest.append(sha256_file(sealed, mapped=True)))
+    except BaseException:
+        writer.abort()
+        raise
+    return digest[0]
+
+
+def _entry(r: TensorRef, packed: set[str], code: str) -> OutTensor:
+    if r.name in packed:  # the same bytes, as `bnb.format` shapes a packed weight: [count, 1] of the storage dtype
+        return OutTensor(r.name, code, (r.nbytes // itemsize(code), 1))
+    if split_state_key(r.name) is not None:
+        return OutTensor(r.name, "U8", None)  # the writer puts quant states last, as a conversion does
+    return OutTensor(r.name, r.dtype, r.shape)
+
+
+def _card(src: Path, staging: Path, manifest: dict, old: str, new: str, config: dict) -> tuple[str, list[str]]:
+    """The card with its storage-dependent part rewritten; an edited card is kept as it is, with a warning."""
+    path = src / CARD
+    listed = manifest["files"].get(CARD)
+    if not path.is_file():
+        return "none", []
+    text = path.read_text(encoding="utf-8")
+    edited = listed is None or sha256_file(path) != listed["sha256"]
+    changed = None if edited else card.change_storage(text, old, new, config["quantization_config"].get(
+        "bnb_4bit_compute_dtype", "float32"))
+    if changed is None:
+        shutil.copyfile(path, staging / CARD)
+        return "kept as edited", [f"{CARD} was edited after the conversion and is kept as it is; its loading "
+                                  f"instructions may still describe {old} storage: update them for {new}"]
+    (staging / CARD).write_text(changed, encoding="utf-8")
+    return "rewritten", []
+
+
+def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[str, str], card_state: str) -> None:
+    """prequant.json of the new files: the conversion's record, with the storage and the files' hashes changed (an
+    edited card keeps its recorded hash, so that verify still says it was edited)."""
+    new = copy.deepcopy(manifest)
+    new["options"]["quant_storage"] = storage
+    changed = [*digests, CONFIG, *([CARD] if card_state == "rewritten" else [])]
+    for name in changed:
+        path = staging / name
+        new["files"][name] = {"size": path.stat().st_size, "sha256": digests.get(name) or sha256_file(path)}
+    write_json(staging / MANIFEST, new, sort_keys=False)

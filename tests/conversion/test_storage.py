@@ -1,0 +1,134 @@
+"""prequant change-storage: one conversion, two storages (bf16 for FSDP, uint8 for vLLM/SGLang), same packed bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_checkpoint, run_main
+from safetensors.torch import save_file
+
+import prequant
+from prequant.conversion.storage import change_storage
+from prequant.errors import PrequantError, UsageError
+from prequant.verify.run import verify
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def both(checkpoints, tmp_path_factory):
+    """(source, bf16 output, uint8 output) of the same tiny Llama, two shards each, converted directly."""
+    src = checkpoints("llama")
+    root = tmp_path_factory.mktemp("storages")
+    for storage in ("bfloat16", "uint8"):
+        prequant.convert(src, root / storage, device="cpu", progress=False, max_shard_size="100KB",
+                         quant_storage=storage)
+    return src, root / "bfloat16", root / "uint8"
+
+
+def test_result_is_what_convert_writes_with_that_storage(both, tmp_path):
+    _, bf16, uint8 = both
+    change_storage(bf16, tmp_path / "out", "uint8", progress=False)
+    assert _files(tmp_path / "out") == _files(uint8)  # shards, config, index, card, manifest: byte for byte
+
+
+def test_bf16_to_uint8_to_bf16_gives_back_every_byte_and_verifies(both, tmp_path):
+    _, bf16, _ = both
+    change_storage(bf16, tmp_path / "u8", "uint8", progress=False)
+    assert verify(tmp_path / "u8", progress=False).ok
+    change_storage(tmp_path / "u8", tmp_path / "back", "bfloat16", progress=False)
+    report = verify(tmp_path / "back", progress=False)
+    assert report.ok and not report.warnings, report.to_text()
+    assert _files(tmp_path / "back") == _files(bf16)
+
+
+def test_verify_against_the_source_passes_and_values_are_the_same(both, tmp_path):
+    import bitsandbytes.functional as bnbf
+    from bitsandbytes.functional import QuantState
+
+    src, bf16, _ = both
+    change_storage(bf16, tmp_path / "u8", "uint8", progress=False)
+    assert verify(tmp_path / "u8", src, progress=False).ok
+    a, b = read_checkpoint(bf16), read_checkpoint(tmp_path / "u8")
+    weights = [k.split(".quant_state.")[0] for k in a if ".quant_state." in k]
+    assert len(weights) == 14
+    for w in weights:
+        assert b[w].dtype == torch.uint8 and a[w].dtype == torch.bfloat16
+        values = []
+        for ckpt in (a, b):
+            state = QuantState.from_dict({k: v for k, v in ckpt.items() if k.startswith(w + ".")}, device="cpu")
+            values.append(bnbf.dequantize_4bit(ckpt[w].view(torch.uint8).reshape(-1, 1), state))
+        assert torch.equal(values[0], values[1]), w
+
+
+def test_cli_prints_what_it_did_and_refuses_the_same_storage(both, tmp_path):
+    _, bf16, _ = both
+    code, out, err = run_main("change-storage", str(bf16), str(tmp_path / "u8"), "--quant-storage", "uint8", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert (result["old_storage"], result["new_storage"], result["packed_weights"], result["card"]) == (
+        "bfloat16", "uint8", 14, "rewritten")
+    code, _, err = run_main("change-storage", str(bf16), str(tmp_path / "again"), "--quant-storage", "bfloat16")
+    assert code == 2 and "already stored as bfloat16" in err and not (tmp_path / "again").exists()
+
+
+def test_an_input_that_does_not_verify_is_refused(both, tmp_path):
+    _, bf16, _ = both
+    damaged = Path(shutil.copytree(bf16, tmp_path / "damaged"))
+    shard = damaged / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-2000] ^= 0x10
+    shard.write_bytes(data)
+    with pytest.raises(PrequantError, match="refusing to change the storage.*model-00002-of-00002.safetensors"):
+        change_storage(damaged, tmp_path / "out", "uint8", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_edited_card_is_kept_and_said(both, tmp_path):
+    _, bf16, _ = both
+    edited = Path(shutil.copytree(bf16, tmp_path / "edited"))
+    (edited / "README.md").write_text((edited / "README.md").read_text() + "\nMy own notes.\n")
+    result = change_storage(edited, tmp_path / "out", "uint8", progress=False)
+    assert result.card == "kept as edited" and "README.md was edited" in result.warnings[0]
+    assert (tmp_path / "out" / "README.md").read_text().endswith("My own notes.\n")
+    report = verify(tmp_path / "out", progress=False)
+    assert report.ok and [w.where for w in report.warnings] == ["README.md"]  # still said to be edited
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory):
+    """A source whose one linear weight has 5 x 65 = 325 elements: 163 bytes of codes, which bfloat16 storage
+    (bitsandbytes sizes it (n + 1) // 4 elements: 162 bytes) cannot hold."""
+    src = tmp_path_factory.mktemp("odd") / "src"
+    src.mkdir()
+    save_file({"blocks.0.proj.weight": torch.randn(5, 65).bfloat16(), "blocks.0.norm.weight": torch.ones(65).bfloat16()},
+              src / "model.safetensors", metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps({"architectures": ["Unknown"], "model_type": "unknown"}))
+    return src
+
+
+def test_wider_storage_that_would_drop_a_byte_is_refused_by_name(odd, tmp_path):
+    prequant.convert(odd, tmp_path / "u8", device="cpu", progress=False, quant_storage="uint8")
+    with pytest.raises(PrequantError) as error:
+        change_storage(tmp_path / "u8", tmp_path / "out", "bfloat16", progress=False)
+    assert str(error.value).startswith("blocks.0.proj.weight: its 325 4-bit codes take 163 bytes, which bfloat16")
+    assert "--skip" in str(error.value) and not (tmp_path / "out").exists()
+
+
+def test_a_wide_storage_that_already_dropped_a_byte_cannot_become_uint8(odd, tmp_path):
+    prequant.convert(odd, tmp_path / "bf16", device="cpu", progress=False)
+    with pytest.raises(PrequantError) as error:
+        change_storage(tmp_path / "bf16", tmp_path / "out", "uint8", progress=False)
+    assert str(error.value).startswith("blocks.0.proj.weight: its 325 4-bit codes need 163 bytes but its BF16")
+    assert "--quant-storage uint8" in str(error.value)
+
+
+def test_unknown_storage_is_a_usage_error(both, tmp_path):
+    with pytest.raises(UsageError, match="int4"):
+        change_storage(both[1], tmp_path / "out", "int4", progress=False)
