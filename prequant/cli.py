@@ -157,7 +157,8 @@ def upload(
         "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
         "Examples:\n\n"
         "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2\n\n"
-        "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant --steps 20 --report check.json"
+        "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant --steps 20 --report check.json\n\n"
+        "  prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant --loader trainer"
     ),
 )
 def check_fsdp(
@@ -165,8 +166,9 @@ def check_fsdp(
     nproc: Annotated[int, typer.Option("--nproc", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")] = 2,
     loader: Annotated[
         list[str] | None,
-        typer.Option("--loader", help="transformers (HF's FSDP-QLoRA path) or prequant (load_for_fsdp); repeatable; "
-                     "default: both, compared."),
+        typer.Option("--loader", help="transformers (HF's FSDP-QLoRA path), prequant (load_for_fsdp) or trainer "
+                     "(load_for_fsdp trained by TRL's SFTTrainer); repeatable; default: transformers and prequant. "
+                     "The first-step losses of all loaders run are compared."),
     ] = None,
     steps: Annotated[int, typer.Option(help="Training steps on the fixed batch.")] = 10,
     seed: Annotated[int, typer.Option(help="Seed of the batch and of the LoRA init.")] = 0,

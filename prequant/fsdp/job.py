@@ -21,7 +21,7 @@ import torch
 from ..errors import PrequantError
 from .check import JobRequest
 from .checkpoint import Checkpoint
-from .distributed import init_distributed
+from .distributed import default_device, ensure_process_group, init_distributed
 from .loader import load_for_fsdp
 from .lora import init_lora_weights, lora_config
 from .report import RSS_ANON_LIMIT, MemorySampler, gpu_peaks, largest_layer_bytes, prefixed, summarize
@@ -64,7 +64,7 @@ def load_transformers(req: JobRequest, device: torch.device) -> torch.nn.Module:
 
 
 def load_prequant(req: JobRequest, device: torch.device) -> torch.nn.Module:
-    """`load_for_fsdp` with the request's LoRA settings."""
+    """`load_for_fsdp` with the request's LoRA settings (also the `trainer` loader's model)."""
     o = req.options
     return load_for_fsdp(req.checkpoint, lora_r=o.lora_r, lora_alpha=o.lora_alpha, seed=o.seed, device=device,
                          buffer_dtype=_buffer_dtype(o), packed_storage=o.packed_storage)
@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     sampler = MemorySampler()
-    device = init_distributed()
+    if req.loader == "trainer":  # as a user's script: the process group comes the way Trainer sets it up
+        device = default_device()
+        ensure_process_group(device)
+    else:
+        device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = Checkpoint(req.checkpoint)
     vocab = int(ckpt.config.get("vocab_size") or ckpt.config.get("text_config", {}).get("vocab_size"))
@@ -223,7 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     gpu_peaks(device)
 
     t0 = time.monotonic()
-    losses, grads_finite = _train(model, batch, opts.steps, opts.lr)
+    if req.loader == "trainer":
+        from .job_sft import train_sft
+
+        losses, grads_finite = train_sft(model, batch, opts)
+    else:
+        losses, grads_finite = _train(model, batch, opts.steps, opts.lr)
     dist.barrier()
     train = {"seconds": time.monotonic() - t0, **gpu_peaks(device), **prefixed(sampler.reset(), "peak_")}
     sampler.stop()
