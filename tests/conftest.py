@@ -81,8 +81,9 @@ SENTINEL_LINE = (
 )
 
 
-def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0) -> Path:
-    """A tiny Grok-1 checkpoint as `pytorch_model-*.bin` shards with its model code beside it."""
+def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0, experts_per_token: int = 2) -> Path:
+    """A tiny Grok-1 checkpoint as `pytorch_model-*.bin` shards with its model code beside it. (Untrained, its routers
+    send every token of a layer to the same experts: `experts_per_token=4` uses all four.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True)
@@ -104,7 +105,7 @@ def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0) -> Path:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "num_experts": 4,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": experts_per_token,
         "torch_dtype": "bfloat16",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))

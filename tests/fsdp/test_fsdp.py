@@ -125,11 +125,15 @@ def test_checkpoint_without_4bit_config_is_refused(tmp_path):
         Checkpoint(src)
 
 
-def test_load_for_fsdp_needs_a_process_group(tiny):
+def test_load_for_fsdp_outside_a_launcher_says_how_to_run_it(tiny, monkeypatch):
     from prequant.errors import UsageError
     from prequant.fsdp import load_for_fsdp
+    from prequant.fsdp.distributed import LAUNCHER_ENV
 
-    with pytest.raises(UsageError, match="init_process_group"):
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(UsageError, match=r"run the script under torchrun or accelerate launch \(also for one GPU: "
+                       r"torchrun --nproc_per_node 1\), or call init_process_group first"):
         load_for_fsdp(tiny)
 
 
