@@ -161,6 +161,17 @@ def _gather_bytes(param: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)[: rows * row_bytes]
 
 
+def _checkpoint_bytes_held(model: torch.nn.Module, loader: str) -> int | None:
+    """Bytes of this rank's shards of the checkpoint's parameters (LoRA aside): what load_for_fsdp read for it.
+    None for transformers' path (FSDP1 flattens the parameters)."""
+    if loader == "transformers":
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for n, p in model.named_parameters()
+               if ".lora_" not in n)
+
+
 def _train(model: torch.nn.Module, batch: torch.Tensor, steps: int, lr: float) -> tuple[list[float], bool]:
     from torch.distributed.tensor import DTensor
 
@@ -211,10 +222,12 @@ def main(argv: list[str] | None = None) -> None:
 
     sampler.reset()
     gpu_peaks(device)
+    before = MemorySampler.read()  # libraries are mapped already: what RssFile adds from here is the checkpoint
     t0 = time.monotonic()
     model = (load_transformers if req.loader == "transformers" else load_prequant)(req, device)
     dist.barrier()
-    load = {"seconds": time.monotonic() - t0, **gpu_peaks(device), **prefixed(sampler.reset(), "peak_")}
+    load = {"seconds": time.monotonic() - t0, **gpu_peaks(device), **prefixed(sampler.reset(), "peak_"),
+            **prefixed(before, "at_start_"), "checkpoint_bytes_held": _checkpoint_bytes_held(model, req.loader)}
 
     batch = torch.randint(0, vocab, (opts.batch_size, opts.seq_len), generator=torch.Generator().manual_seed(opts.seed))
     batch = batch.to(device)

@@ -23,8 +23,10 @@ of the script's arguments with the FSDP settings that make Trainer and accelerat
   there (`compat.ensure_accelerate_cpu_fsdp`).
 
 Refused, with the reason: FSDP1, SHARDED_STATE_DICT, FSDP's own activation checkpointing (accelerate wraps layers
-by the auto-wrap policy; `gradient_checkpointing=True` works with the FSDP2 units instead) and CPU offload (the model
-is sharded without it). `reshard_after_forward` belongs to `load_for_fsdp`, which shards.
+by the auto-wrap policy; `gradient_checkpointing=True` works with the FSDP2 units instead), CPU offload (the model
+is sharded without it), and checkpoints on more than one rank with accelerate before 1.15, whose FSDP2 adapter-only
+checkpoints hold rank 0's shards of the adapter alone (resuming would restore wrong LoRA weights on every other
+rank); `trainer.save_model()` is not affected. `reshard_after_forward` belongs to `load_for_fsdp`, which shards.
 """
 
 from __future__ import annotations
@@ -55,11 +57,36 @@ def trainer_args(args: Args) -> Args:
     if not dataclasses.is_dataclass(args) or not hasattr(args, "fsdp_config"):
         raise UsageError(f"trainer_args takes TrainingArguments or SFTConfig, not {type(args).__name__}")
     config = _fsdp_config(args)
+    if str(getattr(args, "save_strategy", "no")).rpartition(".")[2].lower() != "no" and _ranks() > 1:
+        import accelerate
+
+        if not accelerate_gathers_adapter_checkpoints():
+            raise UsageError(f"accelerate {accelerate.__version__} writes Trainer checkpoints of a sharded peft adapter "
+                             "from rank 0's shards alone, so resuming would be wrong (fixed in accelerate 1.15): "
+                             "upgrade accelerate, or set save_strategy='no' (trainer.save_model() is not affected)")
     changes: dict[str, Any] = {"fsdp": True, "fsdp_config": {**config, **FSDP_CONFIG}}
     if default_device().type == "cpu":
         changes["use_cpu"] = True
         ensure_accelerate_cpu_fsdp()
     return dataclasses.replace(args, **changes)
+
+
+def accelerate_gathers_adapter_checkpoints() -> bool:
+    """Whether accelerate's FSDP2 adapter-only checkpoints gather the adapter under FULL_STATE_DICT (1.15 and later,
+    read from its code): earlier releases pickle rank 0's shards of it, and restore them on rank 0 alone."""
+    import inspect
+
+    from accelerate.utils import fsdp_utils
+
+    try:
+        return "full_state_dict" in inspect.getsource(fsdp_utils._get_model_state_dict)
+    except (AttributeError, OSError, TypeError):  # no such function, or no source: assume the old behaviour
+        return False
+
+
+def _ranks() -> int:
+    """The world size the launcher announced (arguments may be built before the process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _fsdp_config(args: Any) -> dict[str, Any]:

@@ -295,30 +295,66 @@ def test_accelerate_takes_its_fsdp_path_on_gloo_ranks(tmp_path):
         assert types["accelerate"] == "MULTI_CPU"
 
 
-@pytest.mark.slow
-def test_sft_example_script_trains_on_chat_jsonl(converted_llama, tokenizer, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+@pytest.fixture(scope="module")
+def script_runs(converted_llama, tokenizer, tmp_path_factory) -> dict:
+    """scripts/sft_trl.py on a JSONL of conversations, 2 ranks: under torchrun, and under accelerate launch with
+    TRL's own FSDP2 config (accelerate_configs/fsdp2.yaml)."""
+    import trl
 
-    ckpt = tmp_path / "nf4"
+    tmp = tmp_path_factory.mktemp("sft-script")
+    ckpt = tmp / "nf4"
     shutil.copytree(converted_llama[1], ckpt)
     for f in tokenizer.iterdir():  # what prequant convert copies from a source that has a tokenizer
         shutil.copy(f, ckpt)
-    data = tmp_path / "chats.jsonl"
+    data = tmp / "chats.jsonl"
     chats = [[{"role": "user", "content": "what is two plus four"}, {"role": "assistant", "content": "six"}],
              [{"role": "user", "content": "hello how are you"}, {"role": "assistant", "content": "fine thanks"}]]
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats * 8))
-    out = tmp_path / "lora"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "scripts" / "sft_trl.py"), str(ckpt), "--data", str(data), "--steps", "3",
-                           "--max-seq-length", "32", "--save-steps", "2", "--lora-r", "4", "--output", str(out)],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert f"saved the LoRA adapter to {out}" in proc.stdout + proc.stderr
+    script = [str(ROOT / "scripts" / "sft_trl.py"), str(ckpt), "--data", str(data), "--steps", "3",
+              "--max-seq-length", "32", "--save-steps", "2", "--lora-r", "4"]
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(Path(trl.__file__).parent / "accelerate_configs" / "fsdp2.yaml"), "--num_processes", "2",
+                       "--main_process_port", str(_free_port())],
+    }
+    runs = {"checkpoint": ckpt}
+    for name, launcher in launchers.items():
+        out = tmp / name
+        proc = subprocess.run([*launcher, *script, "--output", str(out)], capture_output=True, text=True, env=_env(),
+                              cwd=ROOT, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        runs[name] = (out, proc.stdout + proc.stderr)
+    return runs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sft_example_script_trains_on_chat_jsonl(script_runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, log = script_runs["torchrun"]
+    assert f"saved the LoRA adapter to {out}" in log
     assert (out / "checkpoint-2" / "optimizer.bin").is_file() and (out / "chat_template.jinja").is_file()
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16), out)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(script_runs["checkpoint"],
+                                                                           dtype=torch.bfloat16), out)
     b = [p for n, p in model.named_parameters() if ".lora_B." in n]
     assert b and any(p.abs().sum() > 0 for p in b)  # trained
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_trls_fsdp2_config_trains_the_same(script_runs):
+    torchrun, accelerate_launch = script_runs["torchrun"][0], script_runs["accelerate"][0]
+    for name in ("adapter_model.safetensors", "checkpoint-2/adapter_model.safetensors"):
+        assert (accelerate_launch / name).read_bytes() == (torchrun / name).read_bytes(), name
 
 
 # ----------------------------------------------------------------------------------------- the workers
