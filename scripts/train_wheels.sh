@@ -15,8 +15,9 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
-SPECS=("trl==${TRL_VERSION:-1.16.0}" "datasets==${DATASETS_VERSION:-5.2.0}" "accelerate==1.15.0" "pyarrow==26.0.1" "dill==0.4.1"
-       "multiprocess==0.70.19" "xxhash==4.1.0")
+# huggingface_hub 1.33: datasets 5.2 needs 1.31 or later, transformers 5.17 a 1.x (the combination tested).
+SPECS=("trl==${TRL_VERSION:-1.16.0}" "datasets==${DATASETS_VERSION:-5.2.0}" "accelerate==1.15.0" "pyarrow==26.0.1"
+       "dill==0.4.1" "multiprocess==0.70.19" "xxhash==4.1.0" "huggingface_hub==1.33.0")
 [ "${SKIP_PANDAS:-0}" = 1 ] || SPECS+=("pandas==3.1.1" "python-dateutil==4.0.0" "tzdata==2026.6")
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \

@@ -57,13 +57,7 @@ def trainer_args(args: Args) -> Args:
     if not dataclasses.is_dataclass(args) or not hasattr(args, "fsdp_config"):
         raise UsageError(f"trainer_args takes TrainingArguments or SFTConfig, not {type(args).__name__}")
     config = _fsdp_config(args)
-    if str(getattr(args, "save_strategy", "no")).rpartition(".")[2].lower() != "no" and _ranks() > 1:
-        import accelerate
-
-        if not accelerate_gathers_adapter_checkpoints():
-            raise UsageError(f"accelerate {accelerate.__version__} writes Trainer checkpoints of a sharded peft adapter "
-                             "from rank 0's shards alone, so resuming would be wrong (fixed in accelerate 1.15): "
-                             "upgrade accelerate, or set save_strategy='no' (trainer.save_model() is not affected)")
+    check_checkpoints(args, int(os.environ.get("WORLD_SIZE", "1")))  # the launcher's: there may be no group yet
     changes: dict[str, Any] = {"fsdp": True, "fsdp_config": {**config, **FSDP_CONFIG}}
     if default_device().type == "cpu":
         changes["use_cpu"] = True
@@ -84,9 +78,17 @@ def accelerate_gathers_adapter_checkpoints() -> bool:
         return False
 
 
-def _ranks() -> int:
-    """The world size the launcher announced (arguments may be built before the process group exists)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def check_checkpoints(args: Any, ranks: int) -> None:
+    """Raise UsageError when Trainer would write checkpoints that resume wrongly: `ranks` > 1 and an accelerate whose
+    adapter checkpoints do not gather the adapter (`accelerate_gathers_adapter_checkpoints`)."""
+    if str(getattr(args, "save_strategy", "no")).rpartition(".")[2].lower() == "no" or ranks < 2:
+        return
+    import accelerate
+
+    if not accelerate_gathers_adapter_checkpoints():
+        raise UsageError(f"accelerate {accelerate.__version__} writes Trainer checkpoints of a sharded peft adapter "
+                         "from rank 0's shards alone, so resuming would be wrong (fixed in accelerate 1.15): "
+                         "upgrade accelerate, or set save_strategy='no' (trainer.save_model() is not affected)")
 
 
 def _fsdp_config(args: Any) -> dict[str, Any]:

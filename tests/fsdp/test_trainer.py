@@ -254,6 +254,21 @@ def test_trainer_args_refuse_what_a_sharded_model_cannot_do(tmp_path, fields, me
         trainer_args(config)
 
 
+def test_checkpoints_on_several_ranks_need_an_accelerate_that_gathers_the_adapter(tmp_path):
+    from prequant.fsdp.trainer import accelerate_gathers_adapter_checkpoints, check_checkpoints
+
+    capable = accelerate_gathers_adapter_checkpoints()  # read from accelerate's code
+    assert capable == (Version(accelerate.__version__) >= Version("1.15.0"))
+    saving = _sft_config(tmp_path, save_steps=5)
+    if capable:
+        check_checkpoints(saving, ranks=2)
+    else:
+        with pytest.raises(UsageError, match="from rank 0's shards alone, so resuming would be wrong"):
+            check_checkpoints(saving, ranks=2)
+    check_checkpoints(saving, ranks=1)  # one rank: its shards are the whole adapter
+    check_checkpoints(_sft_config(tmp_path, save_strategy="no"), ranks=2)  # no checkpoints: nothing to refuse
+
+
 def test_trainer_args_refuse_other_objects():
     from prequant.fsdp import trainer_args
 
