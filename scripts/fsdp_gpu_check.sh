@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8 on a 2-GPU machine, in one run of under 10 minutes (it stops itself at 9): make an 8B-shaped random
 # Llama (16 GB bf16), convert it with prequant on the GPU, then `prequant check-fsdp --nproc 2` with
-# transformers' FSDP-QLoRA path and with load_for_fsdp, side by side; then the GPU tests of tests/test_fsdp.py;
+# transformers' FSDP-QLoRA path and with load_for_fsdp, side by side; then the GPU tests of tests/fsdp/test_fsdp.py;
 # then, if time is left, load_for_fsdp with bf16 packed storage (bitsandbytes #1945 diagnosis).
 #
 #   OUT=/some/dir bash scripts/fsdp_gpu_check.sh        # from the repository root, prequant importable
@@ -80,7 +80,7 @@ step check-fsdp 330 python3 -m prequant check-fsdp "$CKPT" --nproc 2 --steps "$S
   --report "$OUT/check-fsdp.json"
 
 if python3 -c "import pytest" 2>/dev/null; then
-  step pytest-gpu 150 bash -c 'python3 -m pytest -q -p no:cacheprovider -rxXs -m gpu tests/test_fsdp.py 2>&1 |
+  step pytest-gpu 150 bash -c 'python3 -m pytest -q -p no:cacheprovider -rxXs -m gpu tests/fsdp/test_fsdp.py 2>&1 |
     tee "$0/pytest-gpu.txt"; exit "${PIPESTATUS[0]}"' "$OUT"
 else
   echo "=== pytest-gpu: skipped, pytest is not installed here"

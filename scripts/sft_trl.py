@@ -71,7 +71,8 @@ def main() -> None:
     # Change 1 of TRL's recipe: the model, sharded while it loads (also sets up the process group, as Trainer would).
     model = load_for_fsdp(args.checkpoint, lora_r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r,
                           lora_dropout=args.lora_dropout, seed=args.seed, trust_remote_code=args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.checkpoint, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.checkpoint,
+                                              trust_remote_code=args.trust_remote_code)
     dataset = load_dataset("json", data_files=args.data, split="train")
     config = SFTConfig(
         output_dir=args.output, max_steps=args.steps, max_length=args.max_seq_length,

@@ -13,7 +13,9 @@
 # SKIP_PANDAS=1 when the image has it.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude)   # also in a worktree, where .git is a file
+mkdir -p "$(dirname "$EXCLUDE")"
+grep -qx '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 mkdir -p .whl
 # huggingface_hub 1.33: datasets 5.2 needs 1.31 or later, transformers 5.17 a 1.x (the combination tested).
 SPECS=("trl==${TRL_VERSION:-1.16.0}" "datasets==${DATASETS_VERSION:-5.2.0}" "accelerate==1.15.0" "pyarrow==26.0.1"

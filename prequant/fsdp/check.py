@@ -120,7 +120,8 @@ class CheckReport:
             verdict = "equal" if c["first_loss_equal"] else "DIFFERENT"
             if c["first_loss_agree"] and not c["first_loss_equal"]:
                 verdict = f"agree (trainer within {SFT_LOSS_RTOL:g} relative: TRL computes the loss its own way)"
-            lines.append(f"first-step loss: {verdict} ({', '.join(f'{k} {v:.8f}' for k, v in c['first_loss'].items())})")
+            losses = ", ".join(f"{k} {v:.8f}" for k, v in c["first_loss"].items())
+            lines.append(f"first-step loss: {verdict} ({losses})")
         lines.append("result: " + ("ok" if self.ok else "FAILED"))
         return "\n".join(lines)
 

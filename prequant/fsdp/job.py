@@ -1,4 +1,5 @@
 """check-fsdp's job on one torchrun rank: load, check the packed bytes, train, report (see `prequant.fsdp.check`).
+The `trainer` loader trains with TRL's SFTTrainer (`prequant.fsdp.job_sft`), the others with a plain loop.
 
 `prequant check-fsdp` (`prequant.fsdp.check.check_fsdp`) launches it once per loader, with one JSON request
 (`check.JobRequest`):

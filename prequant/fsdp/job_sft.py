@@ -53,7 +53,8 @@ def train_sft(model: torch.nn.Module, batch: torch.Tensor, options: Any) -> tupl
             max_grad_norm=0.0, optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none",
             bf16=True, use_cpu=batch.device.type == "cpu", gradient_checkpointing=False,
             train_sampling_strategy="sequential", max_length=batch.shape[1], seed=options.seed, disable_tqdm=True)
-        trainer = SFTTrainer(model=model, args=trainer_args(config), train_dataset=Dataset.from_dict({"input_ids": rows}),
+        dataset = Dataset.from_dict({"input_ids": rows})
+        trainer = SFTTrainer(model=model, args=trainer_args(config), train_dataset=dataset,
                              processing_class=_pad_tokenizer(), callbacks=[Probe()])
         trainer.train()
     losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]

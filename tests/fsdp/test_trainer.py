@@ -45,14 +45,15 @@ def tokenizer(tmp_path_factory) -> Path:
 
 def _env() -> dict:
     """The checkout and the tests' helpers (conftest) importable in a subprocess (the worker is this file)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _torchrun(config: dict, nproc: int = 2, timeout: float = 600) -> dict:
     """Run the worker on `nproc` ranks with `config`; return what rank 0 recorded."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           __file__, "--worker", json.dumps(config)], capture_output=True, text=True, env=_env(), cwd=ROOT,
-                          timeout=timeout, check=False)
+                           __file__, "--worker", json.dumps(config)], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return torch.load(Path(config["out"]) / "record.pt", weights_only=False)
 
@@ -61,7 +62,8 @@ def _runs(ckpt: Path, tokenizer: Path, tmp: Path, remote: bool) -> dict:
     """The uninterrupted run (model created first, 3 steps, checkpoint at step 2) and the one resumed from that
     checkpoint (model created after the arguments)."""
     full = _torchrun({"checkpoint": str(ckpt), "tokenizer": str(tokenizer), "out": str(tmp / "full"), "remote": remote,
-                      "order": "model", "steps": 3, "batch": 2, "accumulate": 1, "checkpointing": True, "save_steps": 2})
+                      "order": "model", "steps": 3, "batch": 2, "accumulate": 1, "checkpointing": True,
+                      "save_steps": 2})
     (tmp / "resumed").mkdir()
     shutil.copytree(tmp / "full" / "checkpoint-2", tmp / "resumed" / "checkpoint-2")
     resumed = _torchrun({"checkpoint": str(ckpt), "tokenizer": str(tokenizer), "out": str(tmp / "resumed"),
@@ -96,7 +98,8 @@ def _unsharded(runs: dict, adapter: Path | None = None, adapter_in_fp32: bool = 
 
     from prequant.fsdp import init_lora_weights, lora_config
 
-    base = AutoModelForCausalLM.from_pretrained(runs["checkpoint"], dtype=torch.bfloat16, trust_remote_code=runs["remote"])
+    base = AutoModelForCausalLM.from_pretrained(runs["checkpoint"], dtype=torch.bfloat16,
+                                                trust_remote_code=runs["remote"])
     if adapter is None:
         model = get_peft_model(base, lora_config(LORA["lora_r"], LORA["lora_alpha"], 0.0, "all-linear"))
         init_lora_weights(model, LORA["seed"])
@@ -226,9 +229,9 @@ def test_trainer_args_ask_accelerate_for_fsdp2_without_rewrapping(tmp_path):
     config = _sft_config(tmp_path, learning_rate=3e-4)
     args = trainer_args(config)
     assert type(args) is SFTConfig and args is not config and not config.fsdp  # a copy; the original unchanged
-    assert args.fsdp_plugin_args == {"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP", "cpu_ram_efficient_loading": False,
-                                     "state_dict_type": "FULL_STATE_DICT", "activation_checkpointing": False,
-                                     "reshard_after_forward": True}
+    assert args.fsdp_plugin_args == {"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP",
+                                     "cpu_ram_efficient_loading": False, "state_dict_type": "FULL_STATE_DICT",
+                                     "activation_checkpointing": False, "reshard_after_forward": True}
     assert args.use_cpu and args.bf16 and args.max_steps == 7 and args.learning_rate == 3e-4
 
 
@@ -300,8 +303,8 @@ def test_accelerate_takes_its_fsdp_path_on_gloo_ranks(tmp_path):
     with prequant's accommodation it is FSDP, as on GPUs. Checked in a 1-rank torchrun."""
     out = tmp_path / "types.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           __file__, "--accelerate-types", str(out)], capture_output=True, text=True, env=_env(), cwd=ROOT,
-                          timeout=300, check=False)
+                           __file__, "--accelerate-types", str(out)], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     types = json.loads(out.read_text())
     assert types["with prequant"] == "FSDP" and types["fsdp2"] and types["partial state"] == "FSDP"
@@ -416,7 +419,8 @@ def _worker(config: dict) -> None:
               "first_batch": first.tolist(), "probe_logits": logits, "lora": lora,
               "state_dict_sizes": {k: v.numel() for k, v in model.state_dict().items()},
               "group_before_model": group_before_model, "backend": dist.get_backend(),
-              "distributed_type": trainer.accelerator.distributed_type.value, "is_fsdp_enabled": trainer.is_fsdp_enabled,
+              "distributed_type": trainer.accelerator.distributed_type.value,
+              "is_fsdp_enabled": trainer.is_fsdp_enabled,
               "checkpointing": any(getattr(m, "gradient_checkpointing", False) for m in model.modules())}
     if dist.get_rank() == 0:
         torch.save(record, out / "record.pt")
@@ -439,7 +443,8 @@ def _accelerate_types(out: str) -> None:
     types = {"accelerate": accelerator().distributed_type.value, "applied": ensure_accelerate_cpu_fsdp()}
     acc = accelerator()
     types.update({"with prequant": acc.distributed_type.value, "fsdp2": acc.is_fsdp2,
-                  "partial state": PartialState().distributed_type.value, "applied twice": ensure_accelerate_cpu_fsdp()})
+                  "partial state": PartialState().distributed_type.value,
+                  "applied twice": ensure_accelerate_cpu_fsdp()})
     Path(out).write_text(json.dumps(types))
 
 
