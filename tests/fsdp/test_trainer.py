@@ -194,6 +194,20 @@ def test_gradient_accumulation_and_checkpointing_train_the_same(llama, tokenizer
         assert math.isclose(a, b, rel_tol=ACCUMULATION_RTOL), (run["losses"], llama["full"]["losses"])
 
 
+@pytest.mark.slow
+def test_transformers_trainer_trains_the_model_too(llama, tokenizer, tmp_path):
+    """transformers' own Trainer (the model's loss, a language-modeling collator), arguments from trainer_args: its
+    first loss is the plain loop's, and save_model writes an adapter that gives the sharded model's logits."""
+    run = _torchrun({"checkpoint": str(llama["checkpoint"]), "tokenizer": str(tokenizer), "out": str(tmp_path),
+                     "remote": False, "order": "model", "steps": 3, "batch": 2, "accumulate": 1,
+                     "checkpointing": True, "save_steps": 0, "trainer": "transformers"})
+    assert len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"])
+    assert math.isclose(run["losses"][0], run["plain_loss"], rel_tol=SFT_LOSS_RTOL)
+    with torch.no_grad():
+        logits = _unsharded(llama, tmp_path / "final", adapter_in_fp32=False)(input_ids=torch.tensor(PROBE)).logits
+    assert torch.equal(logits, run["probe_logits"])
+
+
 # ----------------------------------------------------------------------------------------- tiny Grok-1 (remote code)
 
 
@@ -390,27 +404,39 @@ def _worker(config: dict) -> None:
 
     out = Path(config["out"])
 
+    plain_trainer = config.get("trainer") == "transformers"  # transformers.Trainer: the model's loss, a collator
+
     def arguments():
+        from transformers import TrainingArguments
+
         saves = {"save_steps": config["save_steps"]} if config["save_steps"] else {"save_strategy": "no"}
-        return trainer_args(SFTConfig(
+        cls, extra = (TrainingArguments, {}) if plain_trainer else (SFTConfig, {"max_length": 32})
+        return trainer_args(cls(
             output_dir=str(out), max_steps=config["steps"], per_device_train_batch_size=config["batch"],
             gradient_accumulation_steps=config["accumulate"], gradient_checkpointing=config["checkpointing"],
-            learning_rate=1e-3, logging_steps=1, bf16=True, use_cpu=True, max_length=32, report_to="none", seed=0,
-            disable_tqdm=True, **saves))
+            learning_rate=1e-3, logging_steps=1, bf16=True, use_cpu=True, report_to="none", seed=0,
+            disable_tqdm=True, **extra, **saves))
 
     args = arguments() if config["order"] == "args" else None
     group_before_model = dist.is_initialized()
     model = prequant.load_for_fsdp(config["checkpoint"], **LORA, trust_remote_code=config["remote"])
     args = args or arguments()
     tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"])
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([{"text": TEXT}] * 32),
-                         processing_class=tokenizer)
+    if plain_trainer:
+        from transformers import DataCollatorForLanguageModeling, Trainer
+
+        ids = tokenizer(TEXT)["input_ids"] + [tokenizer.eos_token_id]
+        trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list([{"input_ids": ids}] * 32),
+                          processing_class=tokenizer, data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    else:
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([{"text": TEXT}] * 32),
+                             processing_class=tokenizer)
     # Every example is TEXT, so every rank's first batch is `batch` copies of its tokens: what the plain loop sees.
     first = torch.tensor([trainer.train_dataset[0]["input_ids"]] * config["batch"] * config["accumulate"])
     with torch.no_grad():
         plain = model(input_ids=first, labels=first).loss.item()
     trainer.train(resume_from_checkpoint=config.get("resume"))
-    if config["save_steps"]:
+    if config["save_steps"] or config.get("trainer"):
         trainer.save_model(str(out / "final"))
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE)).logits
