@@ -17,9 +17,11 @@ EXCLUDE=$(git rev-parse --git-path info/exclude)   # also in a worktree, where .
 mkdir -p "$(dirname "$EXCLUDE")"
 grep -qx '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 mkdir -p .whl
-# huggingface_hub 1.33: datasets 5.2 needs 1.31 or later, transformers 5.17 a 1.x (the combination tested).
 SPECS=("trl==${TRL_VERSION:-1.16.0}" "datasets==${DATASETS_VERSION:-5.2.0}" "accelerate==1.15.0" "pyarrow==26.0.1"
-       "dill==0.4.1" "multiprocess==0.70.19" "xxhash==4.1.0" "huggingface_hub==1.33.0")
+       "dill==0.4.1" "multiprocess==0.70.19" "xxhash==4.1.0")
+# huggingface_hub 1.33: datasets 5.2 needs 1.31 or later, transformers 5.17 a 1.x (the combination tested); its
+# own dependencies (httpx, hf-xet, click) are the image's. SKIP_HUB=1 when the image has 1.31 or later.
+[ "${SKIP_HUB:-0}" = 1 ] || SPECS+=("huggingface_hub==1.33.0")
 [ "${SKIP_PANDAS:-0}" = 1 ] || SPECS+=("pandas==3.1.1" "python-dateutil==4.0.0" "tzdata==2026.6")
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
