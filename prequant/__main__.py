@@ -46,7 +46,7 @@ def _run(cli: ModuleType) -> None:
             print(e.code, file=sys.stderr)
             code = 1
     except KeyboardInterrupt as e:  # a signal while main() was reporting how the command ended
-        code = cli.interrupted(signals.of(e))
+        code = cli.exits.interrupted(signals.of(e))
     signals.hold()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sys
 from typing import Annotated
 
 from .util import trace  # first, so a trace's "start" is the process' own start (standard library only)
-from .util import signals
+from . import exits
 
 import typer
 
 from .conversion import layout_worker, readahead
-from .errors import PrequantError
 from .util.helptext import Command as _Command, examples as _examples
 
 app = typer.Typer(
@@ -202,7 +198,9 @@ def upload(
     "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
     + _examples("prequant check-fsdp ./llama3-8b-nf4 --nproc 2",
                 "prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant \\",
-                "    --steps 20 --report check.json"),
+                "    --steps 20 --report check.json",
+                "prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant \\",
+                "    --loader trainer"),
 )
 def check_fsdp(
     output_dir: OutputArg,
@@ -210,8 +208,9 @@ def check_fsdp(
         "--nproc", metavar="N", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")] = 2,
     loader: Annotated[
         list[str] | None,
-        typer.Option("--loader", metavar="NAME", help="transformers (HF's FSDP-QLoRA path) or prequant "
-                     "(load_for_fsdp); repeatable; default: both, compared."),
+        typer.Option("--loader", metavar="NAME", help="transformers (HF's FSDP-QLoRA path), prequant "
+                     "(load_for_fsdp) or trainer (load_for_fsdp trained by TRL's SFTTrainer); repeatable; default: "
+                     "transformers and prequant. The first-step losses of all loaders run are compared."),
     ] = None,
     steps: Annotated[int, typer.Option(metavar="N", help="Training steps on the fixed batch.")] = 10,
     seed: Annotated[int, typer.Option(metavar="N", help="Seed of the batch and of the LoRA init.")] = 0,
@@ -272,49 +271,5 @@ def version() -> None:
 
 
 def main() -> None:
-    """Run the app. A PrequantError becomes `Error: ...` on stderr with its exit code; SIGINT and SIGTERM one
-    line and 130 / 143; any other exception one line and exit 1 (PREQUANT_DEBUG=1: the traceback instead)."""
-    try:
-        code = app(standalone_mode=False)
-    except PrequantError as e:
-        if os.environ.get("PREQUANT_DEBUG"):
-            raise
-        # One line whatever the message holds: names taken from a corrupt file may contain newlines.
-        print("Error: " + _one_line(e.message), file=sys.stderr)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt as e:
-        sys.exit(interrupted(signals.of(e)))
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except Exception as e:
-        # typer raises the click it runs on: the click package, or (typer >= 0.2x) its own vendored copy.
-        click_exceptions = sys.modules[typer.BadParameter.__module__]
-        if isinstance(e, click_exceptions.ClickException):  # usage errors and the like
-            e.show()
-            sys.exit(e.exit_code)
-        if os.environ.get("PREQUANT_DEBUG"):
-            raise
-        what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        print(f"Error: {_one_line(what)} (PREQUANT_DEBUG=1 shows the traceback)", file=sys.stderr)
-        sys.exit(1)
-    if code == _TYPER_INTERRUPTED:
-        # typer turns a KeyboardInterrupt inside a command into this exit code, and returns it.
-        sys.exit(interrupted(signals.received() or signal.SIGINT))
-    if isinstance(code, int) and code:
-        sys.exit(code)
-
-
-_TYPER_INTERRUPTED = 130
-
-
-def interrupted(signum: int) -> int:
-    """Say that a signal stopped the command; return its exit status."""
-    print(f"Error: interrupted by {signals.name(signum)}", file=sys.stderr)
-    return signals.exit_code(signum)
-
-
-def _one_line(text: str, limit: int = 1000) -> str:
-    line = " ".join(text.splitlines())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+    """Run the app; how it ended becomes one line and an exit status (`prequant.exits`)."""
+    exits.run(app)

@@ -16,7 +16,7 @@ case "${1:-main}" in
   main)
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q "$TORCH" -e '.[test]'
+    .venv/bin/python -m pip install -q "$TORCH" -e '.[test,train]'
     ;;
   floor)
     [ -x .venv-floor/bin/python ] || "$PY" -m venv .venv-floor

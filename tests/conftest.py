@@ -81,8 +81,9 @@ SENTINEL_LINE = (
 )
 
 
-def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0) -> Path:
-    """A tiny Grok-1 checkpoint as `pytorch_model-*.bin` shards with its model code beside it."""
+def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0, experts_per_token: int = 2) -> Path:
+    """A tiny Grok-1 checkpoint as `pytorch_model-*.bin` shards with its model code beside it. (Untrained, its routers
+    send every token of a layer to the same experts: `experts_per_token=4` uses all four.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True)
@@ -104,7 +105,7 @@ def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0) -> Path:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "num_experts": 4,
-        "num_experts_per_tok": 2,
+        "num_experts_per_tok": experts_per_token,
         "torch_dtype": "bfloat16",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -126,6 +127,31 @@ def build_grok(path: Path, naming: str, shards: int = 3, seed: int = 0) -> Path:
         torch.save(part, path / fname)
         weight_map.update(dict.fromkeys(part, fname))
     (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+TOKENIZER_WORDS = ("the a cat dog sat on mat ran to park it was sunny day and night hello world how are you fine "
+                   "thanks what is two plus four six").split()
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' </s> ' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
+
+
+def build_tokenizer(path: Path) -> Path:
+    """A small word-level tokenizer (ids below the tiny models' vocab of 256) with a chat template, saved at `path`:
+    the tiny checkpoints have none, and tests download nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for word in TOKENIZER_WORDS:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=64)
+    fast.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
     return path
 
 

@@ -1,8 +1,9 @@
-"""Frozen uint8 parameters under FSDP2 on torch releases that predate upstream support for them.
+"""Workarounds for releases of the libraries under `load_for_fsdp`, each applied only where the installed release
+needs it, and each tested.
 
-`load_for_fsdp` holds packed 4-bit weights as frozen uint8 parameters (see `prequant.fsdp` for why). torch
-gained support for non-floating-point FSDP2 parameters in pytorch/pytorch#178075 (issues #177844, #185239);
-releases before it (2.11, for one) have two faults with them:
+**torch: frozen uint8 parameters under FSDP2.** `load_for_fsdp` holds packed 4-bit weights as frozen uint8
+parameters (see `prequant.fsdp` for why). torch gained support for non-floating-point FSDP2 parameters in
+pytorch/pytorch#178075 (issues #177844, #185239); releases before it (2.11, for one) have two faults with them:
 
 1. `fully_shard` wraps the local shard as `nn.Parameter(dtensor)` and only afterwards copies the original
    `requires_grad`; the constructor's default `requires_grad=True` raises "only Tensors of floating point
@@ -12,6 +13,11 @@ releases before it (2.11, for one) have two faults with them:
 
 `ensure_nonfloat_params()` fixes exactly these two places, and only on a torch that lacks the fix (detected
 from the code itself, not a version number, so backports count). Float parameters behave exactly as before.
+
+**accelerate: FSDP on the CPU.** `ensure_accelerate_cpu_fsdp()`: accelerate (1.15 and earlier) makes a run FSDP
+only on accelerators; on gloo ranks it stays MULTI_CPU, and Trainer then wraps an FSDP2 model in DDP, which fails
+on its DTensor parameters. prequant's tests and `check-fsdp` without GPUs run Trainer on gloo, so there the state
+gets what it would get on a GPU, and only when accelerate left it MULTI_CPU with an FSDP plugin configured.
 """
 
 from __future__ import annotations
@@ -100,3 +106,35 @@ def _nn_with_nonfloat_parameters(nn: types.ModuleType) -> types.ModuleType:
     proxy = _NN(nn.__name__, nn.__doc__)
     proxy.Parameter = _Parameter  # type: ignore[attr-defined]
     return proxy
+
+
+def ensure_accelerate_cpu_fsdp() -> bool:
+    """Let accelerate take its FSDP path on gloo (CPU) ranks, as it does on GPUs. Idempotent; True when applied now.
+
+    `AcceleratorState.__init__` promotes MULTI_GPU (and other accelerator) runs with an FSDP plugin to FSDP: it
+    sets the plugin's mixed precision, `fsdp_plugin` and the distributed type, on itself and on `PartialState`.
+    Wrapped here: after the original, a state it left MULTI_CPU although a plugin came (Accelerator passes one
+    whenever FSDP is asked for, by `TrainingArguments(fsdp=...)` or `ACCELERATE_USE_FSDP`) gets the same. A
+    release that does it itself never meets that condition, and nothing changes for GPU runs."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    if getattr(original, _PATCHED, False):
+        return False
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        plugin = signature.bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            if self.mixed_precision != "no":
+                plugin.set_mixed_precision(self.mixed_precision)
+            self.fsdp_plugin = plugin
+            self.distributed_type = DistributedType.FSDP
+            PartialState().distributed_type = DistributedType.FSDP  # what AcceleratorState() copies back on each call
+
+    setattr(__init__, _PATCHED, True)
+    AcceleratorState.__init__ = __init__
+    return True

@@ -1,4 +1,5 @@
 """check-fsdp's job on one torchrun rank: load, check the packed bytes, train, report (see `prequant.fsdp.check`).
+The `trainer` loader trains with TRL's SFTTrainer (`prequant.fsdp.job_sft`), the others with a plain loop.
 
 `prequant check-fsdp` (`prequant.fsdp.check.check_fsdp`) launches it once per loader, with one JSON request
 (`check.JobRequest`):
@@ -21,7 +22,7 @@ import torch
 from ..errors import PrequantError
 from .check import JobRequest
 from .checkpoint import Checkpoint
-from .distributed import init_distributed
+from .distributed import default_device, ensure_process_group, init_distributed
 from .loader import load_for_fsdp
 from .lora import init_lora_weights, lora_config
 from .report import RSS_ANON_LIMIT, MemorySampler, gpu_peaks, largest_layer_bytes, prefixed, summarize
@@ -64,7 +65,7 @@ def load_transformers(req: JobRequest, device: torch.device) -> torch.nn.Module:
 
 
 def load_prequant(req: JobRequest, device: torch.device) -> torch.nn.Module:
-    """`load_for_fsdp` with the request's LoRA settings."""
+    """`load_for_fsdp` with the request's LoRA settings (also the `trainer` loader's model)."""
     o = req.options
     return load_for_fsdp(req.checkpoint, lora_r=o.lora_r, lora_alpha=o.lora_alpha, seed=o.seed, device=device,
                          buffer_dtype=_buffer_dtype(o), packed_storage=o.packed_storage)
@@ -161,6 +162,17 @@ def _gather_bytes(param: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)[: rows * row_bytes]
 
 
+def _checkpoint_bytes_held(model: torch.nn.Module, loader: str) -> int | None:
+    """Bytes of this rank's shards of the checkpoint's parameters (LoRA aside): what load_for_fsdp read for it.
+    None for transformers' path (FSDP1 flattens the parameters)."""
+    if loader == "transformers":
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for n, p in model.named_parameters()
+               if ".lora_" not in n)
+
+
 def _train(model: torch.nn.Module, batch: torch.Tensor, steps: int, lr: float) -> tuple[list[float], bool]:
     from torch.distributed.tensor import DTensor
 
@@ -194,7 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     sampler = MemorySampler()
-    device = init_distributed()
+    if req.loader == "trainer":  # as a user's script: the process group comes the way Trainer sets it up
+        device = default_device()
+        ensure_process_group(device)
+    else:
+        device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = Checkpoint(req.checkpoint)
     vocab = int(ckpt.config.get("vocab_size") or ckpt.config.get("text_config", {}).get("vocab_size"))
@@ -207,10 +223,12 @@ def main(argv: list[str] | None = None) -> None:
 
     sampler.reset()
     gpu_peaks(device)
+    before = MemorySampler.read()  # libraries are mapped already: what RssFile adds from here is the checkpoint
     t0 = time.monotonic()
     model = (load_transformers if req.loader == "transformers" else load_prequant)(req, device)
     dist.barrier()
-    load = {"seconds": time.monotonic() - t0, **gpu_peaks(device), **prefixed(sampler.reset(), "peak_")}
+    load = {"seconds": time.monotonic() - t0, **gpu_peaks(device), **prefixed(sampler.reset(), "peak_"),
+            **prefixed(before, "at_start_"), "checkpoint_bytes_held": _checkpoint_bytes_held(model, req.loader)}
 
     batch = torch.randint(0, vocab, (opts.batch_size, opts.seq_len), generator=torch.Generator().manual_seed(opts.seed))
     batch = batch.to(device)
@@ -223,7 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     gpu_peaks(device)
 
     t0 = time.monotonic()
-    losses, grads_finite = _train(model, batch, opts.steps, opts.lr)
+    if req.loader == "trainer":
+        from .job_sft import train_sft
+
+        losses, grads_finite = train_sft(model, batch, opts)
+    else:
+        losses, grads_finite = _train(model, batch, opts.steps, opts.lr)
     dist.barrier()
     train = {"seconds": time.monotonic() - t0, **gpu_peaks(device), **prefixed(sampler.reset(), "peak_")}
     sampler.stop()

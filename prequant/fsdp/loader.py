@@ -31,8 +31,8 @@ import torch
 from ..bnb.format import decode_quant_state, state_key
 from ..errors import PrequantError, UsageError
 from .checkpoint import Checkpoint
-from .distributed import default_device
-from .lora import apply_lora, lora_init_value
+from .distributed import default_device, ensure_process_group
+from .lora import apply_lora, keep_frozen_weights_out_of_state_dict, lora_init_value
 from .sharding import decoder_layers, local_rows
 
 if TYPE_CHECKING:
@@ -62,9 +62,13 @@ def load_for_fsdp(
 ) -> Any:
     """Build a LoRA-wrapped, FSDP2-sharded model from a 4-bit checkpoint, reading only this rank's shards.
 
-    Call it on every rank after `torch.distributed.init_process_group` (e.g. under torchrun). Returns the
-    peft model with `fully_shard` applied to each decoder layer, the input embedding and the root; only
-    the LoRA parameters require grad. Arguments:
+    Call it on every rank under torchrun or `accelerate launch`. Without a process group it sets one up the way
+    the Hugging Face Trainer does (`prequant.fsdp.distributed.ensure_process_group`), so `TrainingArguments` may
+    be created before or after it. Returns the peft model with `fully_shard` applied to each decoder layer, the
+    input embedding and the root; only the LoRA parameters require grad, and `state_dict()` holds them alone
+    (frozen weights as empty tensors: `lora.keep_frozen_weights_out_of_state_dict`), so saving gathers the
+    adapter, not the checkpoint. For `transformers.Trainer` and TRL's `SFTTrainer`, build the arguments with
+    `prequant.fsdp.trainer_args`. Arguments:
 
     - `lora_r`, `lora_alpha`, `lora_dropout`, `target_modules`: the peft `LoraConfig` ("all-linear" as in
       the Hugging Face QLoRA recipes: every linear layer but the output head).
@@ -83,14 +87,13 @@ def load_for_fsdp(
     """
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise UsageError("load_for_fsdp needs torch.distributed: call init_process_group first (run under torchrun)")
     if packed_storage not in ("uint8", "checkpoint"):
         raise UsageError(f"packed_storage {packed_storage!r} is not supported; use 'uint8' or 'checkpoint'")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = torch.device(device) if device is not None else default_device()
+    ensure_process_group(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device_mesh is None:
@@ -109,6 +112,12 @@ def load_for_fsdp(
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = apply_lora(model, lora_r, lora_alpha, lora_dropout, target_modules)
+        # peft needed the 4-bit mark to build its LoRA layers on bitsandbytes'; past this point it would only make
+        # TRL's SFTTrainer cast the LoRA weights to bf16 through `param.data = ...`, which on FSDP2's DTensor
+        # parameters changes the outer dtype and not the local shard (the optimizer then fails on mixed dtypes).
+        # Without it the LoRA weights stay fp32 masters that `mp_policy` computes in `dtype`, under any loop.
+        del model.get_base_model().is_loaded_in_4bit
+        keep_frozen_weights_out_of_state_dict(model)
         keys = _rename(model, keys)
 
         for module in decoder_layers(model):

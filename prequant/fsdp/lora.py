@@ -1,5 +1,6 @@
-"""LoRA on a 4-bit model: peft's config as both loaders use it, and an initialization that gives the same weights
-on any number of ranks (seeded by name, not by the order of random draws)."""
+"""LoRA on a 4-bit model: peft's config as both loaders use it, an initialization that gives the same weights on
+any number of ranks (seeded by name, not by the order of random draws), and a state dict that holds what
+training changes (the adapter), not the frozen checkpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import zlib
 from typing import Any
 
 import torch
+
+from ..bnb.format import COMPANIONS, entry_key, split_state_key
 
 
 def lora_init_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -42,3 +45,25 @@ def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, targe
     from peft import get_peft_model
 
     return get_peft_model(model, lora_config(r, alpha, dropout, target_modules))
+
+
+def keep_frozen_weights_out_of_state_dict(model: torch.nn.Module) -> None:
+    """Make `model.state_dict()` hold its trainable weights and buffers, and each frozen weight as an empty tensor.
+
+    The frozen weights are the checkpoint's own, which training never changes; but whatever saves a state dict
+    under FSDP gathers every tensor in it first: `Trainer.save_model` (accelerate's FULL_STATE_DICT) would put
+    the whole 4-bit model on rank 0 (Grok-1: 165 GB) to write a LoRA adapter of a few MB. The keys stay, with an
+    empty value, because torch's `get_model_state_dict(ignore_frozen_params=True)` (accelerate's adapter-only
+    checkpoints) pops frozen weights by name; bitsandbytes' entries of a frozen 4-bit weight (absmax, code
+    tables, quant-state JSON) are left out."""
+
+    def hook(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        frozen = {prefix + n: p.dtype for n, p in module.named_parameters() if not p.requires_grad}
+        companions = {entry_key(w, c) for w in frozen for c in COMPANIONS}
+        for key in list(state_dict):
+            if key in frozen:
+                state_dict[key] = torch.empty(0, dtype=frozen[key])
+            elif key in companions or (split_state_key(key) or ("",))[0] in frozen:
+                del state_dict[key]
+
+    model.register_state_dict_post_hook(hook)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, build_checkpoint, read_checkpoint, run_cli
+
+from prequant.fsdp.check import SFT_LOSS_RTOL
 
 LORA = {"lora_r": 4, "lora_alpha": 8, "seed": 0}
 BATCH = {"batch": 2, "seq": 16, "seed": 0}
@@ -122,11 +125,15 @@ def test_checkpoint_without_4bit_config_is_refused(tmp_path):
         Checkpoint(src)
 
 
-def test_load_for_fsdp_needs_a_process_group(tiny):
+def test_load_for_fsdp_outside_a_launcher_says_how_to_run_it(tiny, monkeypatch):
     from prequant.errors import UsageError
     from prequant.fsdp import load_for_fsdp
+    from prequant.fsdp.distributed import LAUNCHER_ENV
 
-    with pytest.raises(UsageError, match="init_process_group"):
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(UsageError, match=r"run the script under torchrun or accelerate launch \(also for one GPU: "
+                       r"torchrun --nproc_per_node 1\), or call init_process_group first"):
         load_for_fsdp(tiny)
 
 
@@ -256,18 +263,24 @@ def test_forced_compat_fixes_change_nothing_on_a_torch_that_has_them(tiny, ranks
 
 
 @pytest.mark.slow
-def test_check_fsdp_both_loaders_agree_on_cpu(tiny, tmp_path):
+def test_check_fsdp_all_loaders_agree_on_cpu(tiny, tmp_path):
     report = tmp_path / "report.json"
-    proc = run_cli("check-fsdp", str(tiny), "--nproc", "2", "--steps", "3", "--seq-len", "32", "--report", str(report))
+    proc = run_cli("check-fsdp", str(tiny), "--nproc", "2", "--steps", "3", "--seq-len", "32", "--report", str(report),
+                   "--loader", "transformers", "--loader", "prequant", "--loader", "trainer")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "first-step loss: equal" in proc.stdout and "result: ok" in proc.stdout
+    assert "first-step loss: " in proc.stdout and "result: ok" in proc.stdout
     r = json.loads(report.read_text())
-    assert r["ok"] and r["comparison"]["first_loss_equal"]
-    for loader in ("transformers", "prequant"):
+    c = r["comparison"]
+    assert r["ok"] and c["first_loss_agree"] and set(c["first_loss"]) == {"transformers", "prequant", "trainer"}
+    assert c["first_loss"]["transformers"] == c["first_loss"]["prequant"]  # the model's own loss, to the bit
+    for loader in ("transformers", "prequant", "trainer"):
         s = r["runs"][loader]["summary"]
         assert s["packed_intact"] and s["decreasing"] and s["grads_finite"] and s["ranks_agree"], (loader, s)
-        assert s["packed_tensors"] == 14 and s["mismatched_in_forward"] == 0
+        assert s["packed_tensors"] == 14 and s["mismatched_in_forward"] == 0 and len(s["losses"]) == 3
         assert all(rank["load"]["peak_rss_anon"] > 0 for rank in r["runs"][loader]["ranks"])
+    # SFTTrainer trained what the plain loop trains: the same optimizer on the same batch, each step's loss alike.
+    for a, b in zip(r["runs"]["trainer"]["summary"]["losses"], r["runs"]["prequant"]["summary"]["losses"], strict=True):
+        assert math.isclose(a, b, rel_tol=SFT_LOSS_RTOL), (a, b)
 
 
 def test_check_fsdp_usage_errors(tiny, tmp_path):
@@ -277,8 +290,42 @@ def test_check_fsdp_usage_errors(tiny, tmp_path):
     assert proc.stdout == ""
     proc = run_cli("check-fsdp", str(tiny), "--nproc", "2", "--loader", "deepspeed")
     assert proc.returncode == 2 and "--loader 'deepspeed'" in proc.stderr
-    assert proc.stderr == "Error: --loader 'deepspeed': use one of transformers, prequant\n"
+    assert proc.stderr == "Error: --loader 'deepspeed': use one of transformers, prequant, trainer\n"
     assert proc.stdout == ""
+
+
+def test_check_fsdp_runs_transformers_and_prequant_by_default():
+    from prequant.fsdp.check import CheckOptions
+
+    assert CheckOptions().loaders == ("transformers", "prequant")  # trainer needs the train extra: asked by name
+    assert CheckOptions(loaders=("trainer",)).loaders == ("trainer",)
+
+
+def _report(**first_losses: float):
+    from prequant.fsdp.check import CheckReport
+
+    runs = {k: {"summary": {"losses": [v, v / 2], "ok": True, "problems": []}} for k, v in first_losses.items()}
+    return CheckReport("ckpt", 2, runs)
+
+
+def test_first_losses_are_compared_across_all_loaders():
+    from prequant.fsdp.check import CheckFailed
+
+    same = _report(transformers=5.5, prequant=5.5, trainer=5.5)
+    assert same.ok and same.comparison["first_loss_equal"] and same.comparison["first_loss_agree"]
+    third = _report(transformers=5.5, prequant=5.5, trainer=5.6)  # only the third differs: a pairwise check misses it
+    assert not third.ok and third.comparison["first_loss_abs_diff"] == pytest.approx(0.1)
+    assert "first-step losses differ by 0.1 between the loaders" in CheckFailed(third).message
+    own = _report(transformers=5.5, prequant=5.5 * (1 + 1e-7))  # the model's own loss: equal to the bit, or not
+    assert not own.ok and not own.comparison["first_loss_agree"]
+
+
+def test_sft_first_loss_may_differ_by_float32_rounding_only():
+    from prequant.fsdp.check import SFT_LOSS_RTOL
+
+    rounding = _report(prequant=5.51758003, trainer=5.51758003 * (1 + SFT_LOSS_RTOL / 2))
+    assert rounding.ok and not rounding.comparison["first_loss_equal"] and rounding.comparison["first_loss_agree"]
+    assert not _report(prequant=5.51758003, trainer=5.51758003 * (1 + 2 * SFT_LOSS_RTOL)).ok
 
 
 @pytest.mark.slow

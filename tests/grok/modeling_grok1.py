@@ -1,12 +1,16 @@
 """A tiny Grok-1-style MoE model for tests: 8-expert-style top-k routing, nn.Linear experts, and the
 parameter names of either published port (keyfan/grok-1-hf or hpcai-tech/grok-1). Written for prequant's
-tests, not a faithful Grok-1 (no rotary embeddings, no attention/logit soft-capping)."""
+tests, not a faithful Grok-1 (no rotary embeddings, no attention/logit soft-capping, no padding mask: batches are
+unpadded). Its interface is a transformers causal LM's, as both ports' is: a body (`base_model`) returning
+`last_hidden_state`, forwards taking the usual keyword arguments, `generate`, activation checkpointing per decoder
+layer; so peft, Trainer and TRL can drive it."""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from .configuration_grok1 import Grok1Config
 
@@ -92,7 +96,7 @@ class MoEBlock(nn.Module):  # hpcai naming: moe_block.gate + moe_block.experts.E
         return moe(x, self.gate, self.experts, self.k)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, c, names):
         super().__init__()
         self.naming, self.k = c.naming, c.num_experts_per_tok
@@ -123,17 +127,18 @@ class Body(nn.Module):
         setattr(self, names["layers"], nn.ModuleList(DecoderLayer(c, names) for _ in range(c.num_hidden_layers)))
         setattr(self, names["norm"], RMSNorm(c.hidden_size, c.rms_norm_eps))
 
-    def forward(self, ids):
-        x = getattr(self, self.names["embed"])(ids)
+    def forward(self, input_ids=None, **kwargs):
+        x = getattr(self, self.names["embed"])(input_ids)
         for layer in getattr(self, self.names["layers"]):
             x = layer(x)
-        return getattr(self, self.names["norm"])(x)
+        return BaseModelOutput(last_hidden_state=getattr(self, self.names["norm"])(x))
 
 
-class Grok1ModelForCausalLM(PreTrainedModel):
+class Grok1ModelForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = Grok1Config
     base_model_prefix = "transformer"
     _no_split_modules = ["DecoderLayer"]
+    supports_gradient_checkpointing = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -147,6 +152,10 @@ class Grok1ModelForCausalLM(PreTrainedModel):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.data.normal_(0.0, 0.02)
 
+    @property
+    def base_model(self):  # the body under either naming (hpcai's is `model`, not the class's prefix)
+        return getattr(self, getattr(self, "body_name", ""), self)
+
     def get_input_embeddings(self):
         body = getattr(self, self.body_name)
         return getattr(body, body.names["embed"])
@@ -154,8 +163,8 @@ class Grok1ModelForCausalLM(PreTrainedModel):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids=None, labels=None, **kwargs):
-        logits = self.lm_head(getattr(self, self.body_name)(input_ids)).float()
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        logits = self.lm_head(self.base_model(input_ids).last_hidden_state).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Issue 16 on the GPU machine, in one run of under 10 minutes (it stops itself at 9): make an 8B-shaped random Llama
+# (16 GB bf16) and convert it with prequant on the GPU; then
+#   1. world size 1 on the GPU: `prequant check-fsdp --nproc 1 --steps 20` with transformers' own FSDP-QLoRA path,
+#      load_for_fsdp and load_for_fsdp trained by TRL's SFTTrainer (`--loader trainer`), side by side: peak GPU
+#      memory for load and training, RssAnon/RssFile, the 20 losses;
+#   2. 8 gloo ranks on the machine's CPU (CUDA hidden): `check-fsdp --loader trainer --nproc 8`, 2 steps of 16 tokens,
+#      per-rank RssFile/RssAnon and the bytes of the checkpoint each rank's shards hold.
+#
+#   bash scripts/train_wheels.sh                     # where PyPI is reachable: ./.whl with TRL, datasets, pyarrow...
+#   OUT=/some/dir bash scripts/trainer_gpu_check.sh   # on the GPU machine, from the repository root, .whl carried
+#
+# The wheels in .whl (bitsandbytes' too) are installed into a directory named site-packages, first on PYTHONPATH:
+# datasets fingerprints with dill, and dill pickles by value any module that is neither under the interpreter's
+# prefix nor in a "site-packages" directory, which pyarrow's module cannot be (`Dataset.from_dict` would fail).
+# Files in $OUT: log.txt (everything), check-fsdp-gpu.json, check-fsdp-cpu8.json, summary.md.
+set -euo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+export PYTHONPYCACHEPREFIX=/tmp/pycache   # the GPU image keeps no bytecode between processes
+unset PYTHONDONTWRITEBYTECODE
+OUT=${OUT:-/tmp/prequant-trainer-out}
+WORK=${PREQUANT_WORK:-/tmp/prequant-fsdp}      # the same checkpoint as scripts/fsdp_gpu_check.sh
+SITE=${PREQUANT_SITE:-/tmp/prequant-train/site-packages}
+DEADLINE=${PREQUANT_DEADLINE:-540}             # seconds from start: the device tool kills a command at 600
+SIZE_GB=${PREQUANT_SIZE_GB:-16}
+SHAPE=${PREQUANT_SHAPE:-llama}                 # for a smoke test without GPUs: uniform, 0.3 GB, DEVICE=cpu, 2 ranks
+DEVICE=${PREQUANT_DEVICE:-cuda}
+GPU_STEPS=${PREQUANT_GPU_STEPS:-20}
+GPU_ARGS=${PREQUANT_GPU_ARGS:-}                # more check-fsdp options for the one-GPU run (e.g. --seq-len 32)
+CPU_RANKS=${PREQUANT_CPU_RANKS:-8}
+mkdir -p "$OUT" "$WORK"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+TEE_PID=$!
+SRC=$WORK/$SHAPE-${SIZE_GB}gb-bf16
+CKPT=$WORK/$SHAPE-${SIZE_GB}gb-nf4
+START=$(date +%s)
+FAILED=()
+
+left() { echo $((DEADLINE - ($(date +%s) - START))); }
+
+# step NAME LIMIT CMD...: run CMD under min(LIMIT, time left); log its time and status; never abort the script.
+step() {
+  local name=$1 limit=$2 rc=0 t0
+  shift 2
+  t0=$(date +%s)
+  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
+  if [ "$limit" -lt 20 ]; then
+    echo "=== $name: skipped, $(left)s left"
+    FAILED+=("$name:skipped")
+    return 0
+  fi
+  echo "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
+  timeout --kill-after=10 "$limit" "$@" || rc=$?
+  echo "=== $name: exit $rc after $(($(date +%s) - t0))s"
+  if [ "$rc" -ne 0 ]; then FAILED+=("$name:$rc"); fi
+  return 0
+}
+
+finish() {
+  echo "=== done after $(($(date +%s) - START))s; failed steps: ${FAILED[*]:-none}"
+  ls -la "$OUT"
+  exec 1>&- 2>&-
+  wait "$TEE_PID" 2>/dev/null || true  # let tee finish log.txt before $OUT is collected
+}
+trap finish EXIT
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+fi
+export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv || true
+nproc; free -g | head -2; df -h "$WORK" | tail -1
+step env 90 python3 -c "import sys, torch, transformers, peft, accelerate, bitsandbytes, trl, datasets, pyarrow
+print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())
+for m in (transformers, peft, accelerate, bitsandbytes, trl, datasets, pyarrow): print(m.__name__, m.__version__, m.__file__)"
+
+if [ ! -f "$SRC/config.json" ]; then
+  step generate 180 python3 -c "
+import sys, time; sys.path.insert(0, 'scripts')
+from pathlib import Path
+from bench import generate
+t = time.monotonic(); p = generate('$SHAPE', $SIZE_GB, Path('$SRC'))
+print(f'generated {sum(f.stat().st_size for f in p.glob(\"*.safetensors\")) / 1e9:.2f} GB in {time.monotonic() - t:.0f}s')"
+fi
+[ -f "$SRC/config.json" ] || { echo "no source checkpoint: stopping"; exit 1; }
+if [ ! -f "$CKPT/prequant.json" ]; then
+  step convert 150 python3 -m prequant convert "$SRC" "$CKPT" --device "$DEVICE" --overwrite --no-stats
+fi
+[ -f "$CKPT/config.json" ] || { echo "no converted checkpoint: stopping"; exit 1; }
+du -sh "$CKPT"
+
+# 1. One GPU: transformers' path, load_for_fsdp with the plain loop, load_for_fsdp with SFTTrainer. What is left after
+# it goes to the CPU run, which needs a few minutes: this one gets at most 260 s, each loader 80 s (check-fsdp records
+# a loader that runs out of time and goes on with the next; the report is written once all have run).
+step check-fsdp-gpu 260 python3 -m prequant check-fsdp "$CKPT" --nproc 1 --steps "$GPU_STEPS" --timeout 80 \
+  --loader transformers --loader prequant --loader trainer --report "$OUT/check-fsdp-gpu.json" $GPU_ARGS
+
+# 2. The machine's CPU, CUDA hidden: 8 gloo ranks, the trainer loader, 2 short steps (CPU 4-bit matmuls are slow).
+CPU_LIMIT=$(( $(left) - 45 ))
+THREADS=$(( $(nproc) / CPU_RANKS > 0 ? $(nproc) / CPU_RANKS : 1 ))   # torchrun would give each rank one
+step check-fsdp-cpu8 "$CPU_LIMIT" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS python3 -m prequant check-fsdp "$CKPT" --nproc "$CPU_RANKS" \
+  --loader trainer --steps 2 --seq-len 16 --batch-size 1 --timeout $((CPU_LIMIT - 15)) --report "$OUT/check-fsdp-cpu8.json"
+
+echo "=== summary"  # always, however little time is left: it only reads the reports
+timeout 30 python3 - "$OUT" <<'EOF' || echo "=== summary: failed"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); G = 2**30
+lines = []
+for name, title in (("check-fsdp-gpu.json", "one GPU (--nproc 1)"), ("check-fsdp-cpu8.json", "CPU, gloo ranks")):
+    p = out / name
+    if not p.is_file():
+        lines.append(f"{title}: no report")
+        continue
+    r = json.loads(p.read_text())
+    lines += [f"\n{title}: {r['checkpoint']} on {r['nproc']} ranks; ok: {r['ok']}; comparison: {json.dumps(r['comparison'])}",
+              "| loader | rank | load s | peak GPU load GiB | peak GPU train GiB | peak RssAnon load / train GiB | "
+              "peak RssFile load GiB | RssFile at start GiB | checkpoint bytes in its shards GB | first loss | last loss |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for loader, run in r["runs"].items():
+        s = run.get("summary")
+        if not s:
+            lines.append(f"| {loader} | failed: {run.get('error')} |")
+            continue
+        for x in run["ranks"]:
+            ld, tr = x["load"], x["train"]
+            shard = ld.get("checkpoint_bytes_held")
+            lines.append(f"| {loader} | {x['rank']} | {ld['seconds']:.1f} | {ld['peak_gpu_allocated'] / G:.2f} | "
+                         f"{tr['peak_gpu_allocated'] / G:.2f} | {ld['peak_rss_anon'] / G:.2f} / {tr['peak_rss_anon'] / G:.2f} | "
+                         f"{ld['peak_rss_file'] / G:.2f} | {ld.get('at_start_rss_file', 0) / G:.2f} | "
+                         f"{'-' if shard is None else f'{shard / 1e9:.3f}'} | {x['losses'][0]:.6f} | {x['losses'][-1]:.6f} |")
+        lines.append(f"{loader}: problems {s['problems'] or 'none'}; packed intact {s['packed_intact']} "
+                     f"({s['packed_tensors']} tensors); losses {s['losses']}")
+    lim = next(iter(r["runs"].values())).get("limits", {})
+    if lim:
+        lines.append(f"checkpoint {lim['checkpoint'] / 1e9:.2f} GB, largest layer {lim['largest_layer'] / G:.2f} GiB; "
+                     f"load_for_fsdp's GPU load limit {lim['gpu_load'] / G:.2f} GiB, RssAnon 2 GiB")
+text = "\n".join(lines)
+(out / "summary.md").write_text(text + "\n")
+print(text)
+EOF
