@@ -1,10 +1,11 @@
 """The lowest versions pyproject.toml declares, as pip constraints: the floor environment of `.ci/run`.
 
-    python3 scripts/floors.py > floors.txt && pip install -c floors.txt torch==2.13.0 -e '.[test]'
+    python3 scripts/floors.py > floors.txt && pip install -c floors.txt torch==2.13.0 -e '.[transformers,fsdp,testtools]'
 
 Each `name>=X` of the runtime dependencies and of the `transformers` and `fsdp` extras becomes `name==X` (the
-highest floor when a name appears twice); the `test` extra's tools are not part of the range users install, so
-they are left free. torch is the one exception: PyPI's Linux wheels of torch are CUDA builds (several GB with
+highest floor when a name appears twice); the `testtools` extra's tools are not part of the range users install, so
+they are left free, and the `train` extra (TRL's path, tested at transformers 5.17 and accelerate 1.15,
+above these floors) is not part of this environment. torch is the one exception: PyPI's Linux wheels of torch are CUDA builds (several GB with
 their nvidia-* dependencies), so the floor environment takes the oldest CPU build within reach, `CPU_TORCH`, and
 the declared floor is the torch of the GPU machine, where the GPU suite runs.
 """

@@ -16,14 +16,14 @@ case "${1:-main}" in
   main)
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q "$TORCH" -e '.[test,train]'
+    .venv/bin/python -m pip install -q "$TORCH" -e '.[test]'
     ;;
   floor)
     [ -x .venv-floor/bin/python ] || "$PY" -m venv .venv-floor
     "$PY" scripts/floors.py > .venv-floor/floors.txt
     .venv-floor/bin/python -m pip install -q --upgrade pip
     # -c: every dependency exactly at its floor; pip refuses if the floors do not install together.
-    .venv-floor/bin/python -m pip install -q -c .venv-floor/floors.txt -e '.[test]'
+    .venv-floor/bin/python -m pip install -q -c .venv-floor/floors.txt -e '.[transformers,fsdp,testtools]'
     ;;
   tf4)
     [ -x .venv-tf4/bin/python ] || "$PY" -m venv .venv-tf4
