@@ -106,7 +106,13 @@ def claim(output_dir: Path, job_id: str, *, overwrite: bool, resume: bool) -> It
         check_contents(output_dir, overwrite=overwrite, resume=resume)
         complete = False
         if resume and not interrupted(output_dir) and (output_dir / MANIFEST).is_file():
-            if _job_of(output_dir) != job_id:
+            if (found := _job_of(output_dir)) != job_id:
+                if found is None:
+                    raise UsageError(
+                        f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options wrote "
+                        "(e.g. the result of prequant change-storage), not an interrupted one; pass --overwrite to "
+                        "replace it, or choose an empty directory"
+                    )
                 raise UsageError(
                     f"OUTPUT_DIR {output_dir} holds a finished conversion of another source or with other options, "
                     "not an interrupted one (--resume only continues an interrupted conversion); pass --overwrite to "

@@ -82,27 +82,28 @@ def change_storage(
     old = config["quantization_config"].get("bnb_4bit_quant_storage", "uint8")
     if old == quant_storage:
         raise UsageError(f"{src} is already stored as {quant_storage}; nothing to change")
-    output.check_not_source(out, src)
-    output.check(out, overwrite)
+    out = output.target(out, src, overwrite=overwrite, resume=False)  # refused as convert refuses it
     shards = _shard_names(src)
     code = STORAGE_CODES[quant_storage]
     plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
-    staging = output.staging_dir(out)
-    digests: dict[str, str] = {}
-    total = sum((src / name).stat().st_size for name in shards)
-    with Progress(total, enabled=progress, label="copying") as bar:
-        for name in shards:
-            digests[name] = _write_shard(src / name, staging / name, *plans[name], code)
-            bar.advance((src / name).stat().st_size)
-    config["quantization_config"] = {**config["quantization_config"], "bnb_4bit_quant_storage": quant_storage}
-    write_json(staging / CONFIG, config)
-    card_state, warnings = _card(src, staging, manifest, old, quant_storage, config)
-    for name in manifest["files"]:
-        if name not in shards and name not in (CONFIG, CARD):
-            (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / name, staging / name)  # copy_file_range / sendfile under the hood on Linux
-    _write_manifest(staging, manifest, quant_storage, digests, card_state)
-    output.publish(out, staging)
+    # One writer per OUTPUT_DIR, as for convert (the lock is not a job: no --resume here).
+    with output.claim(out, "", overwrite=overwrite, resume=False):
+        staging = output.staging_dir(out)
+        digests: dict[str, str] = {}
+        total = sum((src / name).stat().st_size for name in shards)
+        with Progress(total, enabled=progress, label="copying") as bar:
+            for name in shards:
+                digests[name] = _write_shard(src / name, staging / name, *plans[name], code)
+                bar.advance((src / name).stat().st_size)
+        config["quantization_config"] = {**config["quantization_config"], "bnb_4bit_quant_storage": quant_storage}
+        write_json(staging / CONFIG, config)
+        card_state, warnings = _card(src, staging, manifest, old, quant_storage, config)
+        for name in manifest["files"]:
+            if name not in shards and name not in (CONFIG, CARD):
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src / name, staging / name)  # copy_file_range / sendfile under the hood on Linux
+        _write_manifest(staging, manifest, quant_storage, digests, card_state)
+        output.publish(out, staging)
     return StorageChange(str(out), str(src), old, quant_storage, len(shards),
                          sum(len(packed) for _, _, packed in plans.values()), total, time.monotonic() - started,
                          card_state, warnings)
@@ -202,6 +203,11 @@ def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[s
     edited card keeps its recorded hash, so that verify still says it was edited)."""
     new = copy.deepcopy(manifest)
     new["options"]["quant_storage"] = storage
+    # The job fingerprint (what `convert --resume` compares) covers a conversion's plan, storage included, which this
+    # cannot recompute without the source; the old one would make `convert --resume` of the old options call this
+    # output complete. None: --resume refuses it as a checkpoint it did not write.
+    if "job" in new:
+        new["job"] = None
     changed = [*digests, CONFIG, *([CARD] if card_state == "rewritten" else [])]
     for name in changed:
         path = staging / name

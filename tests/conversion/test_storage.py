@@ -32,10 +32,32 @@ def both(checkpoints, tmp_path_factory):
     return src, root / "bfloat16", root / "uint8"
 
 
+def _but_the_job(folder: Path) -> tuple[dict[str, bytes], dict, object]:
+    """The files byte for byte, except prequant.json: parsed, without its "job" fingerprint, which is returned
+    apart (change-storage cannot recompute a conversion's job: it records none)."""
+    files = _files(folder)
+    manifest = json.loads(files.pop("prequant.json"))
+    return files, manifest, manifest.pop("job")
+
+
 def test_result_is_what_convert_writes_with_that_storage(both, tmp_path):
     _, bf16, uint8 = both
     change_storage(bf16, tmp_path / "out", "uint8", progress=False)
-    assert _files(tmp_path / "out") == _files(uint8)  # shards, config, index, card, manifest: byte for byte
+    files, manifest, job = _but_the_job(tmp_path / "out")
+    want_files, want_manifest, want_job = _but_the_job(uint8)
+    assert files == want_files  # shards, config, index, card: byte for byte
+    assert manifest == want_manifest and job is None and isinstance(want_job, str)
+
+
+def test_convert_resume_does_not_take_a_changed_storage_for_its_own_finished_job(both, tmp_path):
+    """With the bf16 conversion's job kept, `convert --resume` of those options would call a uint8 output complete."""
+    src, bf16, _ = both
+    out = tmp_path / "out"
+    change_storage(bf16, out, "uint8", progress=False)
+    before = _files(out)
+    with pytest.raises(UsageError, match="no conversion of these options wrote"):
+        prequant.convert(src, out, device="cpu", progress=False, max_shard_size="100KB", resume=True)
+    assert _files(out) == before
 
 
 def test_bf16_to_uint8_to_bf16_gives_back_every_byte_and_verifies(both, tmp_path):
@@ -45,7 +67,9 @@ def test_bf16_to_uint8_to_bf16_gives_back_every_byte_and_verifies(both, tmp_path
     change_storage(tmp_path / "u8", tmp_path / "back", "bfloat16", progress=False)
     report = verify(tmp_path / "back", progress=False)
     assert report.ok and not report.warnings, report.to_text()
-    assert _files(tmp_path / "back") == _files(bf16)
+    files, manifest, job = _but_the_job(tmp_path / "back")
+    want_files, want_manifest, _ = _but_the_job(bf16)
+    assert files == want_files and manifest == want_manifest and job is None
 
 
 def test_verify_against_the_source_passes_and_values_are_the_same(both, tmp_path):
@@ -121,8 +145,36 @@ def test_wider_storage_that_would_drop_a_byte_is_refused_by_name(odd, tmp_path):
     assert "--skip" in str(error.value) and not (tmp_path / "out").exists()
 
 
+def _as_bnb_stores_it_in_bf16(u8: Path) -> Path:
+    """A uint8-storage output rewritten as bitsandbytes (and prequant before it refused such counts) stores it in
+    bfloat16: (n + 1) // 4 words per packed weight, so an odd code count loses its last byte; config and manifest
+    updated so that the folder verifies as such a checkpoint would."""
+    from safetensors.torch import load_file
+
+    from prequant.checkpoint.manifest import sha256_file
+
+    shard = u8 / "model.safetensors"
+    tensors = load_file(shard)
+    config = json.loads((u8 / "config.json").read_text())
+    for name, t in list(tensors.items()):
+        if t.dtype == torch.uint8 and name.endswith(".weight") and f"{name}.quant_state.bitsandbytes__nf4" in tensors:
+            n = len(t) * 2 - 1  # 325 codes in 163 bytes
+            words = (n + 1) // 4
+            tensors[name] = t.reshape(-1)[: 2 * words].view(torch.bfloat16).reshape(words, 1).clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    config["quantization_config"]["bnb_4bit_quant_storage"] = "bfloat16"
+    (u8 / "config.json").write_text(json.dumps(config, indent=2))
+    manifest = json.loads((u8 / "prequant.json").read_text())
+    manifest["options"]["quant_storage"] = "bfloat16"
+    for name in ("model.safetensors", "config.json"):
+        manifest["files"][name] = {"size": (u8 / name).stat().st_size, "sha256": sha256_file(u8 / name)}
+    (u8 / "prequant.json").write_text(json.dumps(manifest, indent=2))
+    return u8
+
+
 def test_a_wide_storage_that_already_dropped_a_byte_cannot_become_uint8(odd, tmp_path):
-    prequant.convert(odd, tmp_path / "bf16", device="cpu", progress=False)
+    prequant.convert(odd, tmp_path / "bf16", device="cpu", progress=False, quant_storage="uint8")
+    _as_bnb_stores_it_in_bf16(tmp_path / "bf16")
     with pytest.raises(PrequantError) as error:
         change_storage(tmp_path / "bf16", tmp_path / "out", "uint8", progress=False)
     assert str(error.value).startswith("blocks.0.proj.weight: its 325 4-bit codes need 163 bytes but its BF16")
