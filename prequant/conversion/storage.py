@@ -64,6 +64,9 @@ class StorageChange:
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
 
+JOBS_BY_STORAGE = "job_by_storage"  # prequant.json: storage -> the job fingerprint of the conversion to it
+
+
 def change_storage(
     output_dir: str | Path, dest: str | Path, quant_storage: str, *, overwrite: bool = False, progress: bool = True
 ) -> StorageChange:
@@ -202,12 +205,19 @@ def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[s
     """prequant.json of the new files: the conversion's record, with the storage and the files' hashes changed (an
     edited card keeps its recorded hash, so that verify still says it was edited)."""
     new = copy.deepcopy(manifest)
+    old_storage = new["options"]["quant_storage"]
     new["options"]["quant_storage"] = storage
     # The job fingerprint (what `convert --resume` compares) covers a conversion's plan, storage included, which this
     # cannot recompute without the source; the old one would make `convert --resume` of the old options call this
-    # output complete. None: --resume refuses it as a checkpoint it did not write.
+    # output complete. So it is remembered under its storage and the new one is null (--resume refuses the folder),
+    # unless this storage's job is remembered: changing back gives the conversion's own prequant.json.
     if "job" in new:
-        new["job"] = None
+        jobs = new.pop(JOBS_BY_STORAGE, {})
+        if new["job"] is not None:
+            jobs[old_storage] = new["job"]
+        new["job"] = jobs.pop(storage, None)
+        if jobs:
+            new[JOBS_BY_STORAGE] = jobs
     changed = [*digests, CONFIG, *([CARD] if card_state == "rewritten" else [])]
     for name in changed:
         path = staging / name

@@ -46,6 +46,8 @@ def test_result_is_what_convert_writes_with_that_storage(both, tmp_path):
     files, manifest, job = _but_the_job(tmp_path / "out")
     want_files, want_manifest, want_job = _but_the_job(uint8)
     assert files == want_files  # shards, config, index, card: byte for byte
+    bf16_job = json.loads((bf16 / "prequant.json").read_text())["job"]
+    assert manifest.pop("job_by_storage") == {"bfloat16": bf16_job}  # restored by a change back
     assert manifest == want_manifest and job is None and isinstance(want_job, str)
 
 
@@ -67,9 +69,8 @@ def test_bf16_to_uint8_to_bf16_gives_back_every_byte_and_verifies(both, tmp_path
     change_storage(tmp_path / "u8", tmp_path / "back", "bfloat16", progress=False)
     report = verify(tmp_path / "back", progress=False)
     assert report.ok and not report.warnings, report.to_text()
-    files, manifest, job = _but_the_job(tmp_path / "back")
-    want_files, want_manifest, _ = _but_the_job(bf16)
-    assert files == want_files and manifest == want_manifest and job is None
+    assert json.loads((tmp_path / "u8" / "prequant.json").read_text())["job"] is None
+    assert _files(tmp_path / "back") == _files(bf16)  # the conversion's own job fingerprint back too
 
 
 def test_verify_against_the_source_passes_and_values_are_the_same(both, tmp_path):
