@@ -164,6 +164,9 @@ fi
 MORE=$(steps_fitting $(( $(left) - 40 )) "$OUT/check-prequant.json" "$WALL")
 if [ "$MORE" -ge $((2 * FIRST_STEPS)) ]; then  # worth a second run: it replaces the first only if it completes
   check prequant "$MORE" "$OUT/check-prequant-more.json" $(( $(left) - 40 ))
-  [ -f "$OUT/check-prequant-more.json" ] && mv "$OUT/check-prequant.json" "$OUT/check-prequant-first.json" \
-    && mv "$OUT/check-prequant-more.json" "$OUT/check-prequant.json"
+  if python3 -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['runs']['prequant'].get('summary') else 1)" \
+      "$OUT/check-prequant-more.json" 2>/dev/null; then
+    mv "$OUT/check-prequant.json" "$OUT/check-prequant-first.json"
+    mv "$OUT/check-prequant-more.json" "$OUT/check-prequant.json"
+  fi
 fi
