@@ -27,7 +27,7 @@ SITE=${PREQUANT_SITE:-/tmp/prequant-train/site-packages}
 DEADLINE=${PREQUANT_DEADLINE:-560}             # seconds from start: the device tool kills a command at 600
 DEVICE=${PREQUANT_DEVICE:-cuda}                # where convert quantizes (and the generator draws)
 CPU_RANKS=${PREQUANT_CPU_RANKS:-8}
-LAYERS=${PREQUANT_LAYERS:-}                    # default: 4, fewer if the disk cannot hold source + output
+LAYERS=${PREQUANT_LAYERS:-}                    # default: 4, fewer if disk or RAM (8 training ranks) cannot hold them
 DIMS=${PREQUANT_DIMS:-}                        # JSON overriding bench_checkpoint.SHAPES["grok"] (smoke tests)
 STEPS=${PREQUANT_STEPS:-10}
 FIRST_STEPS=${PREQUANT_FIRST_STEPS:-3}
@@ -84,11 +84,15 @@ for m in (transformers, peft, accelerate, bitsandbytes, trl, datasets, pyarrow):
 
 # The plan: layers, and where the bf16 source goes. Both checkpoints must fit at once during conversion; the source
 # goes to /dev/shm (RAM, freed before the CPU ranks start) when it fits there, so the disk only holds the output.
-python3 - "$WORK" "$OUT/plan.json" "$LAYERS" "$DIMS" <<'EOF'
-import json, shutil, sys
+# RAM: training on the CPU took each rank's RssAnon to about the checkpoint's size plus 1.5 GiB (the 8B Llama on 8 gloo
+# ranks: 7.15 GiB for 5.6 GB, README), so without PREQUANT_LAYERS the layers are also limited to what 8 such ranks
+# fit in 90% of the RAM; an out-of-memory rank would leave no report at all.
+python3 - "$WORK" "$OUT/plan.json" "$LAYERS" "$DIMS" "$CPU_RANKS" <<'EOF'
+import json, os, shutil, sys
 sys.path.insert(0, "scripts")
 from bench_checkpoint import sizes
 work, plan_file, want, dims = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4] or "{}")
+ranks, ram = int(sys.argv[5]), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 layer, fixed = sizes("grok", dims)
 nf4_layer = layer / 4 * 1.03 + 4096  # packed 4-bit (a quarter of bf16) + double-quantized absmax; kept tensors as bf16
 margin = 2e9
@@ -97,12 +101,15 @@ shm = shutil.disk_usage("/dev/shm").free
 plan = None
 for n in range(int(want or 4), 0, -1):
     src, nf4 = fixed + n * layer, fixed + n * nf4_layer
+    if not want and ranks * (1.1 * nf4 + 2 * 2**30) > 0.9 * ram and n > 1:
+        continue
     if src + margin < shm and nf4 + margin < disk:
         plan = {"layers": n, "source_in": "/dev/shm"}
     elif src + nf4 + margin < disk:
         plan = {"layers": n, "source_in": work}
     if plan:
         plan.update(source_gb=src / 1e9, nf4_gb_estimate=nf4 / 1e9, disk_free_gb=disk / 1e9, shm_free_gb=shm / 1e9,
+                    ram_gb=ram / 1e9, ranks=ranks,
                     layers_wanted=int(want or 4), dims=dims)
         break
 if plan is None:
