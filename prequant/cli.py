@@ -226,6 +226,8 @@ def check_fsdp(
                           "bitsandbytes #1945).")
     ] = "uint8",
     timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds allowed per loader run.")] = 1800,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Allow running the checkpoint's own model code, on every rank.")] = False,
     report: Annotated[str | None, typer.Option("--report", metavar="FILE", help="Also write the JSON report here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:

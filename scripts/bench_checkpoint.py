@@ -1,11 +1,19 @@
 """The synthetic checkpoints of the benchmarks: Llama-8B-, Grok-1- or uniform 32 MiB-tensor shapes, random bf16,
-written shard by shard so that generating 30+ GB never holds more than one shard in memory."""
+written shard by shard so that generating 30+ GB never holds more than one shard in memory.
+
+`generate(..., model_code=True)` (Grok only) also writes the remote-code model of tests/grok/ beside the weights,
+with an auto_map pointing to it: a checkpoint that transformers (trust_remote_code=True), `load_for_fsdp` and
+check-fsdp can load, in keyfan/grok-1-hf naming, at Grok-1's real dimensions (or `dims` overrides).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
+
+GROK_CODE = Path(__file__).resolve().parents[1] / "tests" / "grok"  # configuration_grok1.py, modeling_grok1.py
 
 SHAPES = {
     # name: model dimensions; layer_tensors() and config_for() turn them into tensors and a config.json
@@ -15,8 +23,16 @@ SHAPES = {
 }
 
 
-def layer_tensors(shape: str, i: int) -> list[tuple[str, tuple[int, ...]]]:
-    c = SHAPES[shape]
+def dims_for(shape: str, dims: dict | None = None) -> dict:
+    """SHAPES[shape] with `dims` overriding some of its entries (kv follows hidden, heads and kv_heads)."""
+    c = {**SHAPES[shape], **(dims or {})}
+    if dims and "kv" not in dims:
+        c["kv"] = c["kv_heads"] * (c["hidden"] // c["heads"])
+    return c
+
+
+def layer_tensors(shape: str, i: int, dims: dict | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    c = dims_for(shape, dims)
     h, f, kv = c["hidden"], c["inter"], c["kv"]
     if shape == "grok":  # keyfan/grok-1-hf naming; quantized by prequant's name rules
         p = f"transformer.decoder_layer.{i}"
@@ -38,11 +54,13 @@ def layer_tensors(shape: str, i: int) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def config_for(shape: str, layers: int) -> dict:
-    c = SHAPES[shape]
+def config_for(shape: str, layers: int, dims: dict | None = None, model_code: bool = False) -> dict:
+    c = dims_for(shape, dims)
     if shape == "grok":
-        return {"architectures": ["Grok1ModelForCausalLM"], "model_type": "grok-1",
-                "auto_map": {"AutoModelForCausalLM": "modeling_grok1.Grok1ModelForCausalLM"},
+        auto_map = {"AutoModelForCausalLM": "modeling_grok1.Grok1ModelForCausalLM"}
+        code = {"auto_map": {"AutoConfig": "configuration_grok1.Grok1Config", **auto_map}, "naming": "keyfan",
+                "rms_norm_eps": 1e-5, "tie_word_embeddings": False} if model_code else {"auto_map": auto_map}
+        return {"architectures": ["Grok1ModelForCausalLM"], "model_type": "grok-1", **code,
                 "hidden_size": c["hidden"], "intermediate_size": c["inter"], "num_hidden_layers": layers,
                 "num_attention_heads": c["heads"], "num_key_value_heads": c["kv_heads"], "vocab_size": c["vocab"],
                 "num_experts": c["experts"], "num_experts_per_tok": 2, "torch_dtype": "bfloat16"}
@@ -53,20 +71,30 @@ def config_for(shape: str, layers: int) -> dict:
             "torch_dtype": "bfloat16", "hidden_act": "silu"}
 
 
-def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0) -> Path:
-    """Write a random bf16 checkpoint of about size_gb, shard by shard (one shard in memory at a time)."""
+def sizes(shape: str, dims: dict | None = None) -> tuple[int, int]:
+    """(bf16 bytes of one decoder layer, bf16 bytes of the rest: embedding, head, final norm)."""
+    c = dims_for(shape, dims)
+    per_layer = sum(2 * math.prod(s) for _, s in layer_tensors(shape, 0, dims))
+    return per_layer, 2 * (2 * c["vocab"] * c["hidden"] + c["hidden"])
+
+
+def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0, *, layers: int | None = None,
+             dims: dict | None = None, model_code: bool = False) -> Path:
+    """Write a random bf16 checkpoint of about size_gb (or of `layers` decoder layers), shard by shard (one shard in
+    memory at a time). `dims` overrides SHAPES[shape]'s entries; `model_code` (grok) adds the remote-code model."""
     import torch
     from safetensors.torch import save_file
 
-    c = SHAPES[shape]
+    if model_code and shape != "grok":
+        raise ValueError("model_code: only the grok shape has model code (tests/grok/)")
+    c = dims_for(shape, dims)
     embed = [("model.embed_tokens.weight" if shape != "grok" else "transformer.in_out_embed.weight",
               (c["vocab"], c["hidden"]))]
     head = [("lm_head.weight", (c["vocab"], c["hidden"])),
             ("model.norm.weight" if shape != "grok" else "transformer.rms_norm.weight", (c["hidden"],))]
-    per_layer = sum(2 * math.prod(s) for _, s in layer_tensors(shape, 0))
-    fixed = sum(2 * math.prod(s) for _, s in embed + head)
-    layers = max(1, round((size_gb * 1e9 - fixed) / per_layer))
-    tensors = embed + [t for i in range(layers) for t in layer_tensors(shape, i)] + head
+    per_layer, fixed = sizes(shape, dims)
+    layers = layers or max(1, round((size_gb * 1e9 - fixed) / per_layer))
+    tensors = embed + [t for i in range(layers) for t in layer_tensors(shape, i, dims)] + head
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
@@ -89,5 +117,8 @@ def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0) -> Pa
     total = sum(2 * math.prod(s) for _, s in tensors)
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(config_for(shape, layers), indent=2))
+    (out / "config.json").write_text(json.dumps(config_for(shape, layers, dims, model_code), indent=2))
+    if model_code:
+        for name in ("configuration_grok1.py", "modeling_grok1.py"):
+            shutil.copy(GROK_CODE / name, out / name)
     return out

@@ -96,3 +96,28 @@ def test_nvidia_smi_compute_apps_parse_per_process_bytes():
     from bench_memory import parse_compute_apps
 
     assert parse_compute_apps("1234, 1708\n99, [N/A]\n\n1234, 2\n") == {1234: 1710 * 2**20}
+
+
+def test_grok_checkpoint_with_model_code_loads_with_every_generated_tensor(tmp_path):
+    """scripts/grok_fsdp_check.sh's checkpoint: Grok shapes (here at reduced dimensions) in keyfan naming with the
+    model code of tests/grok/, whose auto_map transformers follows; the model's parameters are the files' tensors."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_checkpoint import generate
+
+    dims = {"hidden": 64, "inter": 128, "vocab": 256, "heads": 8}
+    ckpt = generate("grok", 0, tmp_path / "grok-bench", layers=2, dims=dims, model_code=True)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["auto_map"]["AutoConfig"] == "configuration_grok1.Grok1Config" and config["naming"] == "keyfan"
+    assert (config["num_key_value_heads"], config["num_hidden_layers"]) == (8, 2)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True, dtype=torch.bfloat16)
+    files = {}
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            files.update({k: sf.get_tensor(k) for k in sf.keys()})
+    state = model.state_dict()
+    assert set(state) == set(files)
+    assert all(torch.equal(state[k], v) for k, v in files.items())

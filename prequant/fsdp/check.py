@@ -160,6 +160,7 @@ class CheckOptions:
     buffer_dtype: str = "bfloat16"
     packed_storage: str = "uint8"
     timeout: float = 1800
+    trust_remote_code: bool = False  # run the checkpoint's own model code (auto_map), in every loader
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaders", tuple(self.loaders or DEFAULT_LOADERS))
@@ -220,6 +221,7 @@ def check_fsdp(output_dir: str | Path, options: CheckOptions | None = None, **ch
     if not (path / CONFIG).is_file():
         raise UsageError(f"{path}: no config.json; pass a directory written by prequant convert")
     opts.check()
+    _check_remote_code(path, opts.trust_remote_code)
     report = CheckReport(str(path), opts.nproc)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
@@ -239,6 +241,22 @@ def check_fsdp(output_dir: str | Path, options: CheckOptions | None = None, **ch
             else:
                 report.runs[loader] = {"loader": loader, "error": error or "the job wrote no report"}
     return report
+
+
+def _check_remote_code(path: Path, trusted: bool) -> None:
+    """Refuse, before any rank starts, a checkpoint whose model is its own code (config.json's auto_map for a model
+    type transformers does not know) unless --trust-remote-code: every rank would fail in from_pretrained/from_config
+    with transformers' multi-line refusal."""
+    config = json.loads((path / CONFIG).read_text())
+    auto_map = config.get("auto_map") or {}
+    if trusted or not any(k in auto_map for k in ("AutoConfig", "AutoModelForCausalLM")):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config.get("model_type") not in CONFIG_MAPPING_NAMES:
+        code = auto_map.get("AutoModelForCausalLM") or auto_map["AutoConfig"]
+        raise UsageError(f"{path}: its model is the checkpoint's own code ({code}); pass --trust-remote-code to "
+                         "run it")
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> str | None:

@@ -50,7 +50,8 @@ def load_transformers(req: JobRequest, device: torch.device) -> torch.nn.Module:
     # The recipe: dtype = bnb_4bit_quant_storage, and the Trainer's FSDP mixed precision uses it for all three.
     storage = getattr(torch, str(_quantization_config(req.checkpoint).get("bnb_4bit_quant_storage", "bfloat16")))
     storage = storage if storage.is_floating_point else torch.bfloat16  # uint8 storage cannot shard under FSDP1
-    model = AutoModelForCausalLM.from_pretrained(req.checkpoint, dtype=storage)
+    model = AutoModelForCausalLM.from_pretrained(req.checkpoint, dtype=storage,
+                                                 trust_remote_code=req.options.trust_remote_code)
     model.config.use_cache = False
     o = req.options
     model = get_peft_model(model, lora_config(o.lora_r, o.lora_alpha, 0.0, "all-linear"))
@@ -68,7 +69,8 @@ def load_prequant(req: JobRequest, device: torch.device) -> torch.nn.Module:
     """`load_for_fsdp` with the request's LoRA settings (also the `trainer` loader's model)."""
     o = req.options
     return load_for_fsdp(req.checkpoint, lora_r=o.lora_r, lora_alpha=o.lora_alpha, seed=o.seed, device=device,
-                         buffer_dtype=_buffer_dtype(o), packed_storage=o.packed_storage)
+                         buffer_dtype=_buffer_dtype(o), packed_storage=o.packed_storage,
+                         trust_remote_code=o.trust_remote_code)
 
 
 def _quantization_config(checkpoint: str) -> dict:
