@@ -7,7 +7,8 @@
 #   llama16      bench.py 16 GB Llama: cuda with libraries warm, and --device cpu (--also-device), one floor
 #   grok33       bench.py Grok shapes (3 layers, 32.7 GB), everything cold: cuda, then torch capped at 8 GiB,
 #                then from the local Hub server with --delete-source-shards (download alone measured beside it)
-#   startup      a tiny checkpoint's whole conversion and --dry-run, libraries warm
+#   startup      a tiny checkpoint's whole conversion and --dry-run, libraries warm, beside a baseline
+#                (bench_tiny_startup.py)
 #   gpu-tests    the CUDA-equality tests (bitsandbytes' kernel as the reference)
 # Disk (64 GB): one checkpoint at a time (16 GB, then 33 GB); outputs are deleted once hashed; the Hub path
 # holds the 33 GB source (served by hard links), at most 2 downloaded shards and the 11 GB output.
@@ -61,29 +62,12 @@ clear_checkpoints_except grok-33gb
 step grok33 300 python3 scripts/bench.py --size-gb 33 --shape grok --device cuda --memory-limit-gib 8 --hub \
   --dir "$WORK" --json "$OUT/bench-grok33.json"
 clear_checkpoints_except none
-cat > "$WORK/startup.py" <<'EOF'
-import json, os, subprocess, sys, time
-from pathlib import Path
-sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
-from bench import drop_caches
-work, out = Path(sys.argv[1]), Path(sys.argv[2])
-tiny = work / "tiny"
-import shutil; [shutil.rmtree(work / d, ignore_errors=True) for d in ("tiny", "tiny-out", "tiny-dry")]
-subprocess.run([sys.executable, "scripts/make_tiny_checkpoint.py", str(tiny)], check=True, capture_output=True)
-drop_caches(warm_libraries=True)
-result = {}
-for key, extra in (("convert_seconds", []), ("dry_run_seconds", ["--dry-run"])):
-    t = time.monotonic()
-    subprocess.run([sys.executable, "-m", "prequant", "convert", str(tiny), str(work / ("tiny-dry" if extra else "tiny-out")), *extra],
-                   check=True, capture_output=True)
-    result[key] = round(time.monotonic() - t, 2)
-out.write_text(json.dumps(result))
-print(result)
-EOF
-step startup 40 python3 "$WORK/startup.py" "$WORK" "$OUT/startup.json"
+# Best of 3 whole processes, interleaved with a baseline measured in the same run (the conversion waiting for
+# transformers' layout, PREQUANT_PREDICT_LAYOUT=0), and --dry-run.
+step startup 100 python3 scripts/bench_tiny_startup.py --repeats 3 --device cuda --json "$OUT/startup.json"
 python3 scripts/bench_summary.py "$OUT"
 step gpu-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bnb/test_quantize_gpu.py \
   tests/conversion/test_convert_gpu.py tests/conversion/test_grok.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
-rm -rf "$WORK"/*gb "$WORK"/tiny "$WORK"/tiny-out "$WORK"/tiny-dry "$WORK"/startup.py
+rm -rf "$WORK"/*gb
 printf '%s\n' "${STATUS[@]}" | tee "$OUT/steps.txt"
 echo "total $(( $(date +%s) - START ))s"

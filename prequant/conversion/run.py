@@ -17,19 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..bnb.layout import analyze, require_known
+from ..bnb.layout import Layout, require_known
 from ..bnb.quantize import Quantizer, check_device, pick_device
 from ..checkpoint import manifest
 from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.tensors import TensorRef
-from ..errors import Interrupted
+from ..errors import Interrupted, PrequantError
 from ..source.resolve import check_delete, reader, resolve, scan
 from ..source.spec import Source
 from ..util import signals, trace
 from ..util.progress import Progress
-from ..verify.publish import push_converted
-from . import layout_worker, output, pipeline, readahead
+from . import output, pipeline, readahead
 from .journal import Journal, fingerprint, job_id
+from .layouts import LayoutMismatch, Layouts
 from .options import ConvertOptions
 from .plan import Plan, Step, make_plan
 from .record import Recorder
@@ -65,22 +65,44 @@ def convert(
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device))
     trace.mark("quantizer-ready")
-    plan = _plan(src, tensors, config, opts)
-    trace.mark("planned")
-    if opts.dry_run:
-        return plan
-    job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
-    side = side_files(src.path)
-    with output.claim(out, job_id(job), overwrite=opts.overwrite, resume=opts.resume) as claim:  # locked till published
-        written = None if claim.complete else _convert_into(out, src, plan, config, quantizer, job, side, opts)
-    hub_url = push_converted(out, opts.push_to_hub, progress=opts.progress) if opts.push_to_hub else None
+    # Where the architecture is known, the pipeline starts on the layout predicted from names while transformers
+    # decides its own (a dry run prints, and a resume's journal fixes, transformers' plan: they wait for it).
+    layouts = Layouts(config, src.path, tensors, list(opts.skip), opts.trust_remote_code,
+                      predicted=not (opts.dry_run or opts.resume))
+    try:
+        return _run(out, src, tensors, config, quantizer, layouts.first, layouts, opts, started)
+    except LayoutMismatch:  # transformers decided otherwise: nothing was published; its layout wins, start again
+        return _run(out, src, tensors, config, quantizer, layouts.final(), None, opts, started)
+
+
+def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantizer: Quantizer | None, layout: Layout,
+         layouts: Layouts | None, opts: ConvertOptions, started: float) -> Summary | Plan:
+    """Plan on `layout` and convert (checked against transformers' by `layouts` before publishing, when it is a
+    prediction); return the Plan for a dry run, else the Summary."""
+    try:
+        plan = _plan(tensors, layout, opts)
+        trace.mark("planned")
+        if opts.dry_run:
+            return plan
+        job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
+        side = side_files(src.path)
+        with output.claim(out, job_id(job), overwrite=opts.overwrite, resume=opts.resume) as claim:  # locked till published
+            written = None if claim.complete else _convert_into(out, src, plan, config, quantizer, job, side, opts,
+                                                                layouts)
+    except PrequantError as e:
+        if layouts is None or not layouts.pending or isinstance(e, Interrupted):
+            raise
+        layouts.confirm()  # refused on a prediction: transformers' own refusal, or its other layout, comes first
+        raise
+    hub_url = _push(out, opts) if opts.push_to_hub else None
     return _summary(out, src, plan, quantizer, started, side, written or manifest.load(out), hub_url, claim.complete)
 
 
 def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Quantizer, job: dict,
-                  side: list[Path], opts: ConvertOptions) -> dict | None:
-    """Stream the shards, write config, index, side files and manifest into the staging folder, publish; return
-    the manifest (None when an earlier, interrupted run had written everything and was publishing)."""
+                  side: list[Path], opts: ConvertOptions, layouts: Layouts | None) -> dict | None:
+    """Stream the shards, check a predicted layout against transformers', write config, index, side files and
+    manifest into the staging folder, publish; return the manifest (None when an earlier, interrupted run had
+    written everything and was publishing)."""
     record = Recorder(src, plan, stats=opts.stats, job=job_id(job), allow_nan=opts.allow_nan,
                       options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit})
     staging = output.staging_dir(out, keep=opts.resume)
@@ -88,6 +110,8 @@ def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Q
     with _interruptible(), record:
         if not (opts.resume and output.publishing(staging)):
             shard_sizes = _write_shards(src, plan, quantizer, staging, record, job, opts)
+            if layouts is not None:
+                layouts.confirm()  # the layout transformers decides, before anything is published
             copy_side_files(src.path, staging, side)
             write_index(staging, plan, shard_sizes)
             write_config(staging, config, plan)
@@ -99,11 +123,8 @@ def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Q
     return written
 
 
-def _plan(src: Source, tensors: list[TensorRef], config: dict, opts: ConvertOptions) -> Plan:
-    """Decide which tensors become 4-bit (the CLI's child process may have already), then plan every output."""
-    skip = list(opts.skip)
-    layout = (layout_worker.take(src.path, tensors, skip, opts.trust_remote_code)
-              or analyze(config, src.path, tensors, skip, opts.trust_remote_code))
+def _plan(tensors: list[TensorRef], layout: Layout, opts: ConvertOptions) -> Plan:
+    """Plan every output from the layout (which tensors become 4-bit)."""
     require_known(layout)
     plan = make_plan(tensors, layout, opts.settings, opts.shard_limit)
     if opts.progress and not opts.dry_run:  # a dry run's plan says them
@@ -140,6 +161,13 @@ def _write_shards(
         if ahead is not None:
             ahead.stop()
         journal.close()
+
+
+def _push(out: Path, opts: ConvertOptions) -> str:
+    """Verify and upload (huggingface_hub is imported only then: a third of a second of start-up otherwise)."""
+    from ..verify.publish import push_converted
+
+    return push_converted(out, opts.push_to_hub, progress=opts.progress)
 
 
 def _each(hooks: list[Callable[[TensorRef], Any]]) -> Callable[[Step], None]:

@@ -1,0 +1,101 @@
+"""Benchmark: a tiny checkpoint's whole `prequant convert` process (and `--dry-run`), libraries warm, against a
+baseline measured in the same run, the runs interleaved so that a shared machine's load hits both alike.
+
+    python scripts/bench_tiny_startup.py [--repeats 5] [--device cpu] [--before DIR]
+
+Modes, each a fresh `python -m prequant convert` of `scripts/make_tiny_checkpoint.py`'s checkpoint:
+  predicted   this tree: the pipeline starts on the layout predicted from names, transformers' checked before
+              publishing
+  baseline    this tree with PREQUANT_PREDICT_LAYOUT=0 (the conversion waits for transformers' layout), or, with
+              --before DIR, the prequant in DIR (e.g. `git worktree add /tmp/before 288ae15`)
+  dry-run     `--dry-run` of each (which prints transformers' plan, so waits for it in both)
+Prints best-of-N wall and CPU seconds (user + system, children included: the layout child's too) per mode and
+the ratio to the baseline, and, from PREQUANT_TRACE, when the pipeline started in the best predicted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _run(tree: Path, args: list[str], env: dict, trace: Path) -> tuple[float, float, dict]:
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+           "PREQUANT_TRACE": str(trace)}
+    cpu, t = _cpu(), time.monotonic()
+    subprocess.run([sys.executable, "-m", "prequant", "convert", *args], check=True, capture_output=True, env=env,
+                   cwd=tree)
+    wall = time.monotonic() - t
+    events = json.loads(trace.read_text())["events"] if trace.exists() else []
+    start = events[0][1] if events else 0.0
+    return wall, _cpu() - cpu, {name: round(at - start, 2) for name, at in events}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--before", type=Path, help="a checkout of the prequant to compare with (default: this tree "
+                    "with PREQUANT_PREDICT_LAYOUT=0)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="prequant-tiny-startup-"))
+    try:
+        tiny = work / "tiny"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_checkpoint.py"), str(tiny)], check=True,
+                       capture_output=True)
+        before = (args.before or ROOT).resolve()
+        base_env = {} if args.before else {"PREQUANT_PREDICT_LAYOUT": "0"}
+        modes = {
+            "baseline": (before, base_env, []),
+            "predicted": (ROOT, {}, []),
+            "dry-run baseline": (before, base_env, ["--dry-run"]),
+            "dry-run": (ROOT, {}, ["--dry-run"]),
+        }
+        # One untimed run of each tree first: bytecode compiled, libraries in the page cache ("libraries warm").
+        for tree, env, extra in modes.values():
+            _run(tree, [str(tiny), str(work / "warm"), "--device", args.device, "--overwrite", *extra], env,
+                 work / "t.json")
+        results: dict[str, list[tuple[float, float, dict]]] = {m: [] for m in modes}
+        for i in range(args.repeats):
+            for mode, (tree, env, extra) in modes.items():
+                out = work / f"out-{i}-{mode.replace(' ', '-')}"
+                results[mode].append(_run(tree, [str(tiny), str(out), "--device", args.device, *extra], env,
+                                          work / "t.json"))
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = {}
+    for mode, runs in results.items():
+        wall, cpu, events = min(runs, key=lambda r: r[0])
+        report[mode] = {"best_wall_s": round(wall, 2), "best_cpu_s": round(min(r[1] for r in runs), 2),
+                        "walls": [round(r[0], 2) for r in runs], "events": events}
+    for mode, r in report.items():
+        base = report["dry-run baseline" if mode.startswith("dry-run") else "baseline"]
+        print(f"{mode:17} best wall {r['best_wall_s']:5.2f} s ({r['best_wall_s'] / base['best_wall_s']:.2f}x the "
+              f"baseline), best CPU {r['best_cpu_s']:5.2f} s; all: {r['walls']}")
+    ev = report["predicted"]["events"]
+    print("predicted, best run: " + ", ".join(f"{k} {v}" for k, v in ev.items()))
+    if args.json:  # the two keys scripts/bench_summary.py reads, beside every mode's figures
+        summary = {"convert_seconds": report["predicted"]["best_wall_s"],
+                   "dry_run_seconds": report["dry-run"]["best_wall_s"]}
+        args.json.write_text(json.dumps(summary | {"modes": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
