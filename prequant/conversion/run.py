@@ -66,9 +66,10 @@ def convert(
     quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device))
     trace.mark("quantizer-ready")
     # Where the architecture is known, the pipeline starts on the layout predicted from names while transformers
-    # decides its own (a dry run prints, and a resume's journal fixes, transformers' plan: they wait for it).
+    # decides its own (a dry run prints, and a resume's journal fixes, transformers' plan: they wait for it; so
+    # does a run that deletes its downloaded shards, which a restart on another layout would download again).
     layouts = Layouts(config, src.path, tensors, list(opts.skip), opts.trust_remote_code,
-                      predicted=not (opts.dry_run or opts.resume))
+                      predicted=not (opts.dry_run or opts.resume or opts.delete_source_shards))
     try:
         return _run(out, src, tensors, config, quantizer, layouts.first, layouts, opts, started)
     except LayoutMismatch:  # transformers decided otherwise: nothing was published; its layout wins, start again

@@ -119,7 +119,13 @@ def test_lossy_storage_is_what_bitsandbytes_allocates(n, storage):
     from prequant.bnb import format as fmt
     from prequant.checkpoint.dtypes import TORCH_TO_SAFETENSORS
 
-    packed, _ = F.quantize_4bit(torch.randn(n, device="cuda"), blocksize=64, quant_storage=storage)
     code = TORCH_TO_SAFETENSORS[storage]
+    if fmt.packed_length(n, code) == 0:
+        # bitsandbytes would allocate no storage at all and its kernel would write the codes to it anyway: an
+        # illegal address, which poisons the CUDA context for every later test of the session (seen on the H200,
+        # 2026-12-01). The formula is still checked: nothing stored, codes lost, and convert refuses such a tensor.
+        assert fmt.loses_codes(n, code) and fmt.packed_bytes(n) > 0
+        return
+    packed, _ = F.quantize_4bit(torch.randn(n, device="cuda"), blocksize=64, quant_storage=storage)
     assert packed.numel() == fmt.packed_length(n, code)
     assert fmt.loses_codes(n, code) == (packed.numel() * storage.itemsize < fmt.packed_bytes(n))
