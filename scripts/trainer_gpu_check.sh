@@ -36,25 +36,8 @@ CKPT=$WORK/$SHAPE-${SIZE_GB}gb-nf4
 START=$(date +%s)
 FAILED=()
 
-left() { echo $((DEADLINE - ($(date +%s) - START))); }
-
-# step NAME LIMIT CMD...: run CMD under min(LIMIT, time left); log its time and status; never abort the script.
-step() {
-  local name=$1 limit=$2 rc=0 t0
-  shift 2
-  t0=$(date +%s)
-  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
-  if [ "$limit" -lt 20 ]; then
-    echo "=== $name: skipped, $(left)s left"
-    FAILED+=("$name:skipped")
-    return 0
-  fi
-  echo "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
-  timeout --kill-after=10 "$limit" "$@" || rc=$?
-  echo "=== $name: exit $rc after $(($(date +%s) - t0))s"
-  if [ "$rc" -ne 0 ]; then FAILED+=("$name:$rc"); fi
-  return 0
-}
+# shellcheck source=scripts/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"  # left, step
 
 finish() {
   echo "=== done after $(($(date +%s) - START))s; failed steps: ${FAILED[*]:-none}"

@@ -1,0 +1,22 @@
+# Sourced by the GPU machine's check scripts (trainer_gpu_check.sh, fsdp_gpu_check.sh, grok_fsdp_check.sh), after
+# they set START (date +%s), DEADLINE (seconds from START) and FAILED=(): steps that share one time budget.
+
+left() { echo $((DEADLINE - ($(date +%s) - START))); }
+
+# step NAME LIMIT CMD...: run CMD under min(LIMIT, time left); log its time and status; never abort the script.
+step() {
+  local name=$1 limit=$2 rc=0 t0
+  shift 2
+  t0=$(date +%s)
+  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
+  if [ "$limit" -lt 20 ]; then
+    echo "=== $name: skipped, $(left)s left"
+    FAILED+=("$name:skipped")
+    return 0
+  fi
+  echo "=== $name (limit ${limit}s, at +$((t0 - START))s): $*"
+  timeout --kill-after=10 "$limit" "$@" || rc=$?
+  echo "=== $name: exit $rc after $(($(date +%s) - t0))s"
+  if [ "$rc" -ne 0 ]; then FAILED+=("$name:$rc"); fi
+  return 0
+}
