@@ -1,5 +1,6 @@
 # Sourced by the GPU machine's check scripts (trainer_gpu_check.sh, fsdp_gpu_check.sh, grok_fsdp_check.sh), after
-# they set START (date +%s), DEADLINE (seconds from START) and FAILED=(): steps that share one time budget.
+# they set OUT, TEE_PID (the tee of their log), START (date +%s), DEADLINE (seconds from START) and FAILED=():
+# steps that share one time budget, and one way to end (`trap finish EXIT`, or a finish() that calls finish_steps).
 
 left() { echo $((DEADLINE - ($(date +%s) - START))); }
 
@@ -20,3 +21,12 @@ step() {
   if [ "$rc" -ne 0 ]; then FAILED+=("$name:$rc"); fi
   return 0
 }
+
+# The last lines of the log, then close it so that tee has written all of log.txt before $OUT is collected.
+finish_steps() {
+  echo "=== done after $(($(date +%s) - START))s; failed steps: ${FAILED[*]:-none}"
+  ls -la "$OUT"
+  exec 1>&- 2>&-
+  wait "$TEE_PID" 2>/dev/null || true  # let tee finish log.txt before $OUT is collected
+}
+finish() { finish_steps; }

@@ -38,7 +38,7 @@ START=$(date +%s)
 FAILED=()
 
 # shellcheck source=scripts/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"  # left, step
+source "$(dirname "$0")/gpu_steps.sh"  # left, step, finish
 
 summary() {
   echo "=== summary"  # always, however little time is left: it only reads the reports
@@ -47,10 +47,7 @@ summary() {
 
 finish() {
   summary
-  echo "=== done after $(($(date +%s) - START))s; failed steps: ${FAILED[*]:-none}"
-  ls -la "$OUT"
-  exec 1>&- 2>&-
-  wait "$TEE_PID" 2>/dev/null || true  # let tee finish log.txt before $OUT is collected
+  finish_steps
 }
 trap finish EXIT
 

@@ -37,14 +37,8 @@ START=$(date +%s)
 FAILED=()
 
 # shellcheck source=scripts/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"  # left, step
+source "$(dirname "$0")/gpu_steps.sh"  # left, step, finish
 
-finish() {
-  echo "=== done after $(($(date +%s) - START))s; failed steps: ${FAILED[*]:-none}"
-  ls -la "$OUT"
-  exec 1>&- 2>&-
-  wait "$TEE_PID" 2>/dev/null || true  # let tee finish log.txt before $OUT is collected
-}
 trap finish EXIT
 
 if compgen -G ".whl/*.whl" > /dev/null; then
