@@ -95,13 +95,13 @@ def compare(
 ) -> TensorStats:
     """Dequantize `packed` chunk by chunk and compare it with `source` (flattened row-major).
 
-    Both are scaled by a power of two near the largest block scale first (exact: only exponents change), so
-    that no square, sum or difference overflows float32 (values near 1e30 square to 1e60) or underflows (tiny
-    weights): finite inputs always give finite figures. The ratio is scale-free; the largest error is scaled
-    back in float64. On the CPU the chunks go to the kernels' thread pool (`kernels._compare`); on a GPU they
+    Weights far from 1 are scaled by a power of two near the largest block scale first (exact: only exponents
+    change), so that no square, sum or difference overflows float32 (values near 1e30 square to 1e60) or
+    underflows (tiny weights): finite inputs always give finite figures (`_exponent`). The ratio is scale-free;
+    the largest error is scaled back in float64. On the CPU the chunks go to the kernels' thread pool (`kernels._compare`); on a GPU they
     are a few large torch operations on the quantizer's own tensors."""
     n = source.numel()
-    exponent = math.frexp(float(absmax.max()))[1] if absmax.numel() else 0
+    exponent = _exponent(absmax)
     if not packed.is_cuda:
         raw = packed.reshape(-1).view(torch.uint8)
         pairs = _pair_table(quant_map).view(torch.float64).view(-1)
@@ -113,8 +113,8 @@ def compare(
         err2 = ref2 = 0.0
         max_gpu = torch.zeros((), device=source.device)
         for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
-            x = _scaled(_flat_chunk(source, start, end).to(torch.float32, copy=True), exponent)
-            diff = _scaled(values, exponent).sub_(x)
+            x = _flat_chunk(source, start, end).to(torch.float32, copy=bool(exponent))  # scaled in place
+            diff = _scaled(values, exponent).sub_(_scaled(x, exponent))
             err2 += float(torch.dot(diff, diff))
             ref2 += float(torch.dot(x, x))
             max_gpu = torch.maximum(max_gpu, _absmax(diff))
@@ -124,8 +124,21 @@ def compare(
     return TensorStats(n, lo, hi, rel, math.ldexp(max_err, exponent))
 
 
+# Block scales within 2**±32 of 1 need no scaling: squares stay within 2**±64 and sums of up to 2**40 of them
+# within float32's range, and scaling by a power of two would change no figure, only cost two passes per chunk.
+SCALE_FREE_EXPONENT = 32
+
+
+def _exponent(absmax: torch.Tensor) -> int:
+    """The power of two to scale values by before comparing them: 0 unless the largest block scale is far from 1."""
+    exponent = math.frexp(float(absmax.max()))[1] if absmax.numel() else 0
+    return exponent if abs(exponent) > SCALE_FREE_EXPONENT else 0
+
+
 def _scaled(t: torch.Tensor, exponent: int) -> torch.Tensor:
     """t * 2**-exponent, in place, in two steps so that neither factor overflows float32 (|exponent| <= 149)."""
+    if not exponent:
+        return t
     half = exponent // 2
     return t.mul_(2.0 ** -half).mul_(2.0 ** -(exponent - half))
 
