@@ -460,6 +460,7 @@ def test_dequantize_roundtrip_error_is_bounded(quant_type, double_quant):
 def test_non_contiguous_input_equals_its_contiguous_copy(monkeypatch):
     """Transposed, permuted and strided views quantize as their row-major copies, across chunk edges."""
     monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(cpu, "TASK_ELEMENTS", 4 * 4096)
     g = torch.Generator().manual_seed(3)
     views = [
         torch.randn(37, 129, 5, generator=g).permute(2, 0, 1),

@@ -76,6 +76,7 @@ def test_a_nested_call_runs_inline(threads):
 def test_bytes_do_not_depend_on_the_thread_count(threads, monkeypatch):
     """Many tasks (small pieces), transposed input, odd length: 1 thread and 3 threads give the same bytes."""
     monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(cpu, "TASK_ELEMENTS", 4 * 4096)
     x = (torch.randn(301, 1777, generator=torch.Generator().manual_seed(2)) * 0.03).to(torch.bfloat16)
     results = {}
     for n in (1, 3):

@@ -1,7 +1,7 @@
 """One task of the 4-bit kernel: a block-aligned range of the flattened tensor, taken through every pass by
 one thread (see `_parallel`), in numpy on buffers that thread keeps.
 
-Per task (a few hundred thousand elements), as the CUDA kernel's two phases:
+Per task (a quarter million to a million elements), as the CUDA kernel's two phases:
 
 1. absmax of each block from the input's *bits*: ``|x|`` is the bits without the sign, and for finite
    floats the integer order of those is their order as numbers, so a masked integer max gives each
@@ -178,7 +178,8 @@ def _pack(ranks: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 class _Scratch:
-    """One thread's buffers for one task shape (a few MiB): allocated once, reused by every task."""
+    """One thread's buffers for one task shape (1 to 20 MiB, growing with the thread count): allocated once,
+    reused by every task."""
 
     def __init__(self, task: int, piece: int, bits: np.dtype, blocksize: int) -> None:
         self.xbits = np.empty(task, bits)

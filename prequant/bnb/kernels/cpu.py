@@ -11,8 +11,8 @@ An all-zero block has ``r = inf`` and ``0 * inf = NaN``, which every comparison 
 
 This module does the same with vectorized operations on block-aligned pieces of the flattened tensor,
 each piece taken through every pass by one thread of a pool (`_parallel`, `_quantize4`), so the extra
-memory is a few MiB per thread whatever the tensor size and the work scales with the cores. The pieces
-that make the bytes exact live beside it: `_fastmath` (flush-to-zero, the measured reciprocal), `_tables`
+memory is at most about 20 MiB per thread whatever the tensor size and the work scales with the cores.
+The pieces that make the bytes exact live beside it: `_fastmath` (flush-to-zero, the measured reciprocal), `_tables`
 (code tables, the decision tree as lookup tables), `_cuda_mean` (torch's CUDA mean, for double
 quantization), `_dynamic8` (its 8-bit step).
 """
@@ -32,17 +32,19 @@ __all__ = ["NonFiniteError", "code_table", "dynamic_map", "quantize_4bit", "quan
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 QUANT_TYPES = ("nf4", "fp4")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Elements a thread takes through the codes pass at once: its buffers (about 15 bytes per element) stay in
-# the core's L2 cache. A power of two >= 4096, so a multiple of every blocksize. Tests set CHUNK_ELEMENTS
-# (None: PIECE_ELEMENTS) to cross piece edges on small inputs.
+# Elements a thread takes through the codes pass at once, on one thread: its buffers (about 15 bytes per
+# element) stay in the core's L2 cache. With more threads the pieces grow up to PIECE_CAP, so that each
+# numpy call's loop outlasts the GIL hand-overs around it (`_parallel.task_elements` has the figures).
+# Powers of two >= 4096, so multiples of every blocksize. Tests set CHUNK_ELEMENTS (None: the rule above)
+# to cross piece edges on small inputs.
 PIECE_ELEMENTS = 1 << 16
+PIECE_CAP = 1 << 20
 CHUNK_ELEMENTS: int | None = None
-# Pieces per task: a task's block scales (the reciprocals' fixed cost) are computed together, and the task
-# is what one thread takes from the pool (about a millisecond of work).
-TASK_PIECES = 4
-# Absmax values per task of double quantization (a multiple of its blocksize, 256): its torch operations stay
-# under torch's grain of 32768 elements, so they run on the pool's thread and never fork.
-NESTED_TASK = 1 << 15
+# Elements per task, at least: a task's block scales (the reciprocals' fixed cost) are computed together,
+# and the task is what one thread takes from the pool (a millisecond or more of work).
+TASK_ELEMENTS = 1 << 18
+# Absmax values per step of double quantization (a multiple of its blocksize, 256; see `quantize_nested`).
+NESTED_CHUNK = 1 << 20
 
 
 class NonFiniteError(ValueError):
@@ -71,7 +73,8 @@ def quantize_4bit(x: torch.Tensor, *, quant_type: str, blocksize: int) -> tuple[
     n = x.numel()
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
     absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
-    job = _quantize4.Job(x, quant_type, blocksize, _chunk_elements(), TASK_PIECES, packed, absmax)
+    piece = _chunk_elements()
+    job = _quantize4.Job(x, quant_type, blocksize, piece, max(1, TASK_ELEMENTS // piece), packed, absmax)
     try:
         _parallel.run(job.tasks, job.run_task)
     except _quantize4.NonFinite as e:
@@ -99,23 +102,23 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
     n = values.numel()
     codes = torch.empty(n, dtype=torch.uint8)
     nested_absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
-    step = max(blocksize, NESTED_TASK // blocksize * blocksize)
-
-    def task(i: int) -> None:
-        start = i * step
+    # Steps of torch operations on the calling thread, not tasks on the pool: there are 64x fewer absmax
+    # values than weights, too few for tasks long enough to outlast the GIL's hand-overs, while torch spreads
+    # each operation of a large step over its own threads. For the 917 Ki values of a 14336x4096 weight, 1 Mi-value
+    # steps took 22 ms on one thread and 15 ms on two of the 2-core CPU machine (32 Ki-value pool tasks: 36 and
+    # 37 ms), and 12.9 ms on one and 4.9 ms on 16 threads of the GPU machine.
+    step = max(blocksize, NESTED_CHUNK // blocksize * blocksize)
+    for start in range(0, n, step):
         # bitsandbytes subtracts with a plain torch op (IEEE, no flush); the kernel then flushes.
-        shifted = values[start : start + step] - offset
-        chunk_codes, chunk_absmax = quantize_8bit(shifted, blocksize)
+        chunk_codes, chunk_absmax = quantize_8bit(values[start : start + step] - offset, blocksize)
         codes[start : start + chunk_codes.numel()] = chunk_codes
         nested_absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
-
-    _parallel.run(-(-n // step), task)
     return codes, nested_absmax, float(offset)
 
 
 def _chunk_elements() -> int:
     """Elements per piece of the codes pass: a multiple of every blocksize (and even)."""
-    return CHUNK_ELEMENTS if CHUNK_ELEMENTS is not None else PIECE_ELEMENTS
+    return CHUNK_ELEMENTS if CHUNK_ELEMENTS is not None else _parallel.task_elements(PIECE_ELEMENTS, PIECE_CAP)
 
 
 def _check_args(x: torch.Tensor, quant_type: str, blocksize: int) -> None:
