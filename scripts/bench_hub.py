@@ -99,7 +99,8 @@ def hub_path(src: Path, args, report: dict, drop_caches, run_prequant) -> dict:
         server.add_repo(repo, files, link=True, sha256s=hashes)
         env = {**os.environ, **server.env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0",
                "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
-        out: dict = {"repo": repo, "files": len(files), "largest_shard_bytes": max(p.stat().st_size for p in shards)}
+        out: dict = {"repo": repo, "files": len(files), "largest_shard_bytes": max(p.stat().st_size for p in shards),
+                     "filesystem": filesystem(args.dir)}
         shutil.rmtree(hf_home, ignore_errors=True)
         drop_caches()
         start = time.monotonic()
@@ -125,6 +126,14 @@ def hub_path(src: Path, args, report: dict, drop_caches, run_prequant) -> dict:
     return out
 
 
+def filesystem(path: Path) -> str:
+    """The file system type of `path` (stat -f): statvfs counts what it allocates, e.g. XFS's speculative
+    preallocation beyond the end of a file being extended (as much again as the file, up to 8 GiB, until it
+    is closed or truncated), so the peak disk figure is read with it."""
+    done = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def _server_throughput(server, repo: str, name: str) -> float:
     """GB/s of one file's body from the local server (page cache warm: the server's cost, not the disk's)."""
     url = f"{server.url}/{repo}/resolve/main/{name}"
@@ -143,5 +152,6 @@ def print_hub(h: dict) -> None:
     print(f"hub path ({h['repo']}, {h['files']} files): download alone {h['download_seconds']:.1f} s "
           f"({h['download_gbps']:.2f} GB/s), prequant convert --delete-source-shards {c['seconds']:.1f} s = "
           f"{h['ratio_to_max_download_local']:.2f}x max(download, local convert); peak extra disk "
-          f"{c['peak_disk_extra_bytes'] / 1e9:.2f} GB (bound: 2 shards + output = {c['disk_bound_bytes'] / 1e9:.2f} GB); "
+          f"{c['peak_disk_extra_bytes'] / 1e9:.2f} GB on {h.get('filesystem', '?')} (bound: 2 shards + output = "
+          f"{c['disk_bound_bytes'] / 1e9:.2f} GB); "
           f"same bytes as local: {c['same_bytes']}; local server alone {h['server_gbps']:.2f} GB/s", file=sys.stderr)

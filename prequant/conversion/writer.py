@@ -94,6 +94,12 @@ class ShardWriter:
         if self._pending:
             raise PrequantError(f"internal: {self.path.name} finalized with {len(self._pending)} tensors missing")
         pos = self._data_start + self._fixed_end
+        # The quant-state blobs go past the room reserved at the start: reserve theirs too before writing, so
+        # that no write extends the file. A write past the end is where XFS adds speculative preallocation (as
+        # much again as the file, up to 8 GiB), held until the file is closed, after the hashing and the fsync.
+        tail = sum(len(self._blobs[e.key]) for e in self._variable)
+        if tail:
+            _preallocate(self._fd, pos + tail, self.partial, start=pos)
         for e in self._variable:
             _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
             pos += len(self._blobs[e.key])
@@ -158,18 +164,19 @@ def _open_for_write(path: Path, truncate: bool = True) -> int:
         raise PrequantError(f"{path.parent}: permission denied; choose a writable OUTPUT_DIR") from e
 
 
-def _preallocate(fd: int, size: int, path: Path) -> None:
-    """Reserve the shard's space now, so a full disk fails at the start of the shard, not hours later."""
+def _preallocate(fd: int, size: int, path: Path, start: int = 0) -> None:
+    """Reserve the shard's space (bytes [start, size)) now, so a full disk fails at the start of the shard, not
+    hours later."""
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, start, size - start)
     except OSError as e:
         if e.errno in FULL:
-            raise disk_full(path, size) from e
+            raise disk_full(path, size - start) from e
         try:
             os.ftruncate(fd, size)  # filesystems without fallocate: a sparse file, space taken as written
         except OSError as e2:
             if e2.errno in FULL:
-                raise disk_full(path, size) from e2
+                raise disk_full(path, size - start) from e2
             raise PrequantError(f"{path}: cannot size the file ({e2.strerror}); choose another OUTPUT_DIR") from e2
 
 

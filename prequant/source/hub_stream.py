@@ -8,7 +8,7 @@ During conversion `HubShardReader` downloads the shards one by one in the order 
 next one while the current one converts. Reading a shard waits until it is complete and its header
 has been checked against the plan. With `delete`, a shard prequant downloaded is evicted from the cache
 once all its tensors are written, and at most `SLOTS` downloaded shards take disk space at any moment
-(counting one that was deleted but is still memory-mapped): one being converted, the next downloading.
+(counting one that was deleted but is still memory-mapped or open): one being converted, the next downloading.
 Shards that were in the cache before the run are never deleted.
 """
 
@@ -167,11 +167,12 @@ class HubShardReader(TensorReader):
             if self._left[path] > 0 or not self.delete:
                 return
             blob = self._owned.pop(path, None)
+            if blob is not None:  # counted as on disk from here on, until it is gone: never in neither
+                self._deleted[path] = blob
         self.release(path)
         if blob is not None:
             client.evict(self.src.hub, self._name(path))  # type: ignore[arg-type]
             with self._cond:
-                self._deleted[path] = blob
                 self.evicted.append(self._name(path))
                 self._cond.notify_all()
 
@@ -187,14 +188,12 @@ class HubShardReader(TensorReader):
         return path.relative_to(self.src.path).as_posix()
 
     def _on_disk(self) -> int:
-        """Shards of this run taking disk space: downloading, downloaded, or deleted but still mapped."""
+        """Shards of this run taking disk space: downloading, downloaded, or evicted but still there (being
+        deleted, or deleted and still mapped or open: its space is freed only once the last goes)."""
         if self._deleted:
-            try:
-                maps = Path("/proc/self/maps").read_text()
-            except OSError:
-                maps = ""
+            held = _held_files()
             for path, blob in list(self._deleted.items()):
-                if f"{blob} (deleted)" not in maps:
+                if not os.path.lexists(blob) and f"{blob} (deleted)\n" not in held:
                     del self._deleted[path]
         return self._downloading + len(self._owned) + len(self._deleted)
 
@@ -262,6 +261,21 @@ class HubShardReader(TensorReader):
                 client.evict(self.src.hub, name)  # never leave a bad file for the next run to trust
             raise
         return blob if owned else None
+
+
+def _held_files() -> str:
+    """The deleted files this process still maps or holds open, one per line as "PATH (deleted)"."""
+    held = []
+    try:
+        held = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(" (deleted)")]
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return "\n".join(held) + "\n"
 
 
 __all__ = ["HubShardReader", "resolve"]

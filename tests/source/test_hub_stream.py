@@ -248,6 +248,40 @@ def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
         data.close()
 
 
+def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    # A deleted file's space is freed only when its last descriptor or mapping goes: until then it is one of the
+    # two shards on disk, and the next download waits (it used to count mappings only, and not at all between
+    # taking the shard off the downloaded ones and deleting it).
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    src = sources.resolve(REPO, stream=True)
+    files = list(dict.fromkeys(step.source.file for step in plan.steps))
+    data = sources.reader(src, [step.source for step in plan.steps], delete=True)
+    try:
+        data.prepare(files[0])
+        downloader = data._thread
+        assert downloader is not None
+        data.prepare(files[1])
+        _wait_for(lambda: _blocked_in(downloader, "_wait_for_room") or not downloader.is_alive())
+        held = os.open(files[0], os.O_RDONLY)  # e.g. a library caller's handle, or a view's descriptor
+        try:
+            for step in plan.steps:
+                if step.source.file == files[0]:
+                    data.tensor_done(step.source)
+            assert not files[0].exists() and data.evicted == [files[0].name]
+            assert os.fstat(held).st_blocks > 0  # deleted, but its blocks still allocated
+            with data._cond:  # the download thread's own count, as it decides
+                assert (data._on_disk(), data._downloading) == (2, False)
+            assert data.downloaded == [f.name for f in files[:2]] and not files[2].exists()
+        finally:
+            os.close(held)
+        _wait_for(lambda: len(data.downloaded) == 3 or not downloader.is_alive())  # freed: the third comes
+        assert data.downloaded == [f.name for f in files[:3]]
+    finally:
+        data.close()
+
+
 def test_killed_hub_conversion_resumes_without_downloading_finished_shards(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
