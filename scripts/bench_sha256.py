@@ -35,7 +35,7 @@ def main() -> None:
     with open(path, "wb") as f:
         for start in range(0, size, len(block)):
             f.write(block[: min(len(block), size - start)])
-    memory = bytearray(block) * (min(size, 1 << 30) // len(block))
+    memory = bytearray(block) * max(1, min(size, 1 << 30) // len(block))
     ways = {
         "memory": (len(memory), lambda: hashlib.sha256(memory).hexdigest()),
         "mapped": (size, lambda: sha256_file(path, mapped=True)),

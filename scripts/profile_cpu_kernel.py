@@ -103,12 +103,12 @@ def ops(threads: list[int], seconds: float) -> list[dict]:
     return rows
 
 
-def kernel(threads: list[int], pieces: list[int], task_pieces: list[int], repeats: int) -> list[dict]:
+def kernel(shape: tuple[int, int], threads: list[int], pieces: list[int], task_pieces: list[int], repeats: int) -> list[dict]:
     import torch
 
     from prequant.bnb.kernels import _parallel, cpu
 
-    x = torch.randn(14336, 4096, dtype=torch.bfloat16)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
     rows = []
     task_default = cpu.TASK_ELEMENTS
     for piece in pieces:
@@ -138,14 +138,14 @@ def kernel(threads: list[int], pieces: list[int], task_pieces: list[int], repeat
     return rows
 
 
-def stats(threads: list[int], tasks: list[int], repeats: int) -> list[dict]:
+def stats(shape: tuple[int, int], threads: list[int], tasks: list[int], repeats: int) -> list[dict]:
     import torch
 
     import prequant
     from prequant.bnb import stats as bnb_stats
     from prequant.bnb.kernels import _compare, _parallel
 
-    x = (torch.randn(14336, 4096) * 0.02).to(torch.bfloat16)
+    x = (torch.randn(*shape) * 0.02).to(torch.bfloat16)
     entries = prequant.quantize_tensor(x)
     rows = []
     for task in tasks:
@@ -164,12 +164,12 @@ def stats(threads: list[int], tasks: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def nested(threads: list[int], repeats: int) -> list[dict]:
+def nested(shape: tuple[int, int], threads: list[int], repeats: int) -> list[dict]:
     import torch
 
     from prequant.bnb.kernels import _parallel, cpu
 
-    absmax = torch.rand(14336 * 4096 // 64) * 0.1
+    absmax = torch.rand(shape[0] * shape[1] // 64) * 0.1
     rows = []
     for t in threads:
         torch.set_num_threads(t)
@@ -205,12 +205,12 @@ def _worker(x, lo: int, hi: int, start, done, repeats: int, times) -> None:
         done.wait()
 
 
-def processes(counts: list[int], repeats: int) -> list[dict]:
+def processes(shape: tuple[int, int], counts: list[int], repeats: int) -> list[dict]:
     import torch
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    x = torch.randn(14336, 4096, dtype=torch.bfloat16).share_memory_()
+    x = torch.randn(*shape, dtype=torch.bfloat16).share_memory_()
     n = x.numel()
     rows, base = [], None
     for p in counts:
@@ -240,6 +240,7 @@ def processes(counts: list[int], repeats: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="14336x4096", help="the bf16 weight of kernel, stats, nested and processes")
     ap.add_argument("--threads", default="1,2,4,8,16")
     ap.add_argument("--seconds", type=float, default=0.3, help="per (op, size, threads) in `ops`")
     ap.add_argument("--pieces", default="0,65536,262144,1048576", help="0: the kernel's own rule")
@@ -251,6 +252,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
+    rows, cols = (int(v) for v in a.shape.lower().split("x"))
+    shape = (rows, cols)
     only = set(a.only.split(","))
     out: dict = {}
     if "topology" in only:
@@ -263,14 +266,14 @@ def main() -> None:
 
         cpu.PIECE_CAP = a.piece_cap
     if "kernel" in only:
-        out["kernel"] = kernel(threads, [int(p) for p in a.pieces.split(",")],
+        out["kernel"] = kernel(shape, threads, [int(p) for p in a.pieces.split(",")],
                                [int(p) for p in a.task_pieces.split(",")], a.repeats)  # fmt: skip
     if "stats" in only:
-        out["stats"] = stats(threads, [int(p) for p in a.stats_tasks.split(",")], a.repeats)
+        out["stats"] = stats(shape, threads, [int(p) for p in a.stats_tasks.split(",")], a.repeats)
     if "nested" in only:
-        out["nested"] = nested(threads, a.repeats)
+        out["nested"] = nested(shape, threads, a.repeats)
     if "processes" in only:
-        out["processes"] = processes(threads, a.repeats)
+        out["processes"] = processes(shape, threads, a.repeats)
     text = json.dumps(out, indent=1)
     if a.json:
         a.json.write_text(text)

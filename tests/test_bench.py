@@ -121,3 +121,29 @@ def test_grok_checkpoint_with_model_code_loads_with_every_generated_tensor(tmp_p
     state = model.state_dict()
     assert set(state) == set(files)
     assert all(torch.equal(state[k], v) for k, v in files.items())
+
+
+def test_cpu_kernel_profile_reports_each_measurement_by_thread_count():
+    """profile_cpu_kernel.py: single operations, the kernel (its own piece rule and a fixed piece), the statistics,
+    double quantization and worker processes, each row with its speed-up against the first thread count."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_cpu_kernel.py"), "--shape", "64x4096",
+                           "--threads", "1,2", "--seconds", "0.02", "--pieces", "0,8192", "--stats-tasks", "65536",
+                           "--repeats", "1"], check=True, capture_output=True, text=True, timeout=600)
+    report = json.loads(done.stdout)
+    assert report["topology"]["logical_cpus"] >= 1
+    assert {(r["op"], r["threads"]) for r in report["ops"]} >= {("index_select", 1), ("multiply", 2)}
+    assert [(r["piece"], r["threads"]) for r in report["kernel"]] == [(0, 1), (0, 2), (8192, 1), (8192, 2)]
+    for section in ("ops", "kernel", "stats", "processes"):
+        first = [r for r in report[section] if r["speedup"] == 1.0]
+        assert first and all(r.get("gbps", r.get("gelem_per_s", 0)) > 0 for r in report[section])
+    assert [r["threads"] for r in report["nested"]] == [1, 2] and all(r["ms"] > 0 for r in report["nested"])
+    assert [r["processes"] for r in report["processes"]] == [1, 2]
+
+
+def test_sha256_bench_hashes_memory_a_map_and_reads(tmp_path):
+    """bench_sha256.py: GB/s of sha256 three ways over a file it writes in --dir and removes."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_sha256.py"), "--size-gb", "0.02",
+                           "--repeats", "1", "--dir", str(tmp_path)], check=True, capture_output=True, text=True)
+    figures = json.loads(done.stdout)
+    assert set(figures) == {"memory_gbps", "mapped_gbps", "read_gbps"} and min(figures.values()) > 0
+    assert list(tmp_path.iterdir()) == []
