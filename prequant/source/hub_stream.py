@@ -5,7 +5,7 @@ shard by the path it will have in the Hugging Face cache; `remote_headers` plans
 read by HTTP range requests, without downloading them.
 
 During conversion `HubShardReader` downloads the shards one by one in the order the plan reads them, the
-next one while the current one converts. Reading a shard waits until it is complete and its header
+next one while the current one converts, through a child process (`hub.fetcher`: not behind this one's GIL). Reading a shard waits until it is complete and its header
 has been checked against the plan. With `delete`, a shard prequant downloaded is evicted from the cache
 once all its tensors are written, and at most `SLOTS` downloaded shards take disk space at any moment
 (counting one that was deleted but is still memory-mapped or open): one being converted, the next downloading.
@@ -26,7 +26,7 @@ from ..checkpoint.hf_files import CONFIG, WEIGHT_LAYOUTS, WEIGHT_SUFFIXES, shard
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
-from ..hub import client
+from ..hub import client, fetcher
 from . import remote_headers
 from .spec import Source
 
@@ -124,6 +124,7 @@ class HubShardReader(TensorReader):
         self._downloading = False
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._fetcher = fetcher.Fetcher(src.hub)  # downloads in a child process: not behind this one's GIL
         self.downloaded: list[str] = []  # file names, in the order this run downloaded them
         self.evicted: list[str] = []
 
@@ -180,6 +181,7 @@ class HubShardReader(TensorReader):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._fetcher.close()
         super().close()
 
     # -- internals
@@ -212,6 +214,12 @@ class HubShardReader(TensorReader):
         return not self._closed
 
     def _download_all(self) -> None:
+        try:
+            self._download_each()
+        finally:
+            self._fetcher.close()  # nothing more to fetch (on Linux the child would die with this thread anyway)
+
+    def _download_each(self) -> None:
         order = list(self._planned)
         for i, path in enumerate(order):
             with self._cond:
@@ -244,7 +252,7 @@ class HubShardReader(TensorReader):
         blobs = path.parents[2] / "blobs"  # <repo>/snapshots/<sha>/<name> -> <repo>/blobs
         before = set(os.listdir(blobs)) if blobs.is_dir() else set()
         started = time.monotonic()
-        local = client.download(self.src.hub, name)
+        local = self._fetcher.download(name)
         log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
         blob = local.resolve()
         owned = not cached and blob.name not in before
