@@ -6,9 +6,10 @@ read by HTTP range requests, without downloading them.
 
 During conversion `HubShardReader` downloads the shards one by one in the order the plan reads them, the
 next one while the current one converts, through a child process (`hub.fetcher`: not behind this one's
-GIL). Reading a shard waits until it is complete and its header has been checked against the plan. With `delete`, a shard prequant downloaded is evicted from the cache
-once all its tensors are written, and at most `SLOTS` downloaded shards take disk space at any moment
-(counting one that was deleted but is still memory-mapped or open): one being converted, the next downloading.
+GIL). Reading a shard waits until it is complete and its header has been checked against the plan. With
+`delete`, a shard prequant downloaded is evicted from the cache once all its tensors are written, and at most
+`SLOTS` downloaded shards take disk space at any moment (counting one that was deleted but is still
+memory-mapped or open): one being converted, the next downloading.
 Shards that were in the cache before the run are never deleted.
 """
 
