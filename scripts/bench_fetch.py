@@ -84,8 +84,8 @@ def main() -> None:
             best = {way: min(timed(*how) for _ in range(a.repeats)) for way, how in ways.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report = {way: {"seconds": round(s, 3), "mb_per_s": round(a.size_mb / s, 1), "ratio_to_alone": round(s / best["alone"], 2)}
-              for way, s in best.items()}  # fmt: skip
+    report = {way: {"seconds": round(s, 3), "mb_per_s": round(a.size_mb / s, 1),
+                    "ratio_to_alone": round(s / best["alone"], 2)} for way, s in best.items()}  # fmt: skip
     for way, r in report.items():
         print(f"{way:12s} {r['seconds']:7.2f} s  {r['mb_per_s']:8.1f} MB/s  x{r['ratio_to_alone']:.2f} of alone",
               file=sys.stderr)  # fmt: skip

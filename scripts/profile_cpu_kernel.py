@@ -103,7 +103,8 @@ def ops(threads: list[int], seconds: float) -> list[dict]:
     return rows
 
 
-def kernel(shape: tuple[int, int], threads: list[int], pieces: list[int], task_pieces: list[int], repeats: int) -> list[dict]:
+def kernel(shape: tuple[int, int], threads: list[int], pieces: list[int], task_pieces: list[int],
+           repeats: int) -> list[dict]:
     import torch
 
     from prequant.bnb.kernels import _parallel, cpu

@@ -95,7 +95,8 @@ class Fetcher:
     def _child(self) -> subprocess.Popen[str] | None:
         with self._lock:
             if self._proc is None and not self._in_process:
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
+                paths = (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))  # the child imports this same prequant
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
                 try:
                     self._proc = subprocess.Popen(
                         [sys.executable, "-m", "prequant.hub.fetcher"], stdin=subprocess.PIPE,
