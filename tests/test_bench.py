@@ -147,3 +147,14 @@ def test_sha256_bench_hashes_memory_a_map_and_reads(tmp_path):
     figures = json.loads(done.stdout)
     assert set(figures) == {"memory_gbps", "mapped_gbps", "read_gbps"} and min(figures.values()) > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fetch_bench_times_a_download_four_ways():
+    """bench_fetch.py: alone, in-process and in the child beside the kernel, the child alone; ratios to alone."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fetch.py"), "--size-mb", "5", "--threads", "1",
+                           "--repeats", "1"], check=True, capture_output=True, text=True, timeout=600)
+    report = json.loads(done.stdout)
+    ways = ("alone", "in-process", "child", "child-alone")
+    assert all(report[w]["seconds"] > 0 for w in ways) and report["alone"]["ratio_to_alone"] == 1.0
+    for w in ways:
+        assert report[w]["ratio_to_alone"] == round(report[w]["seconds"] / report["alone"]["seconds"], 2)
