@@ -126,6 +126,7 @@ def _serve() -> None:
     """The child: one download per request line, one reply line each, until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    replies, sys.stdout = sys.stdout, sys.stderr  # whatever a library prints goes to stderr, not into the replies
     for line in sys.stdin:
         request = json.loads(line)
         try:
@@ -137,8 +138,8 @@ def _serve() -> None:
             except Exception:  # noqa: BLE001 - an error that does not pickle: its type and text
                 payload = pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
             reply = {"error": base64.b64encode(payload).decode()}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 if __name__ == "__main__":
