@@ -135,7 +135,8 @@ def _serve() -> None:
         except Exception as error:  # noqa: BLE001 - every failure goes back to the parent, which raises it
             try:
                 payload = pickle.dumps(error)
-            except Exception:  # noqa: BLE001 - an error that does not pickle: its type and text
+                pickle.loads(payload)  # some exceptions pickle but cannot be rebuilt (their __init__ wants more)
+            except Exception:  # noqa: BLE001 - an error that does not cross: its type and text
                 payload = pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
             reply = {"error": base64.b64encode(payload).decode()}
         replies.write(json.dumps(reply) + "\n")
