@@ -46,6 +46,7 @@ class Fetcher:
         self._lock = threading.Lock()
         self._in_process = False
         self._busy = False  # a request is in flight
+        self._closed = False
 
     def download(self, filename: str) -> Path:
         """`client.download(source, filename)`, run in the child: its path, or its error raised here."""
@@ -76,7 +77,7 @@ class Fetcher:
     def close(self) -> None:
         """End the child: at once if it is downloading (the conversion is over), else once it sees EOF."""
         with self._lock:
-            proc, self._proc = self._proc, None
+            proc, self._proc, self._closed = self._proc, None, True
         if proc is None:
             return
         if self._busy:  # a failed or interrupted conversion: its download is not wanted any more
@@ -94,6 +95,8 @@ class Fetcher:
 
     def _child(self) -> subprocess.Popen[str] | None:
         with self._lock:
+            if self._closed:  # the conversion is over: nothing more to fetch, and no child left behind
+                raise PrequantError(f"downloads from {self.source.repo_id} were stopped (the conversion ended)")
             if self._proc is None and not self._in_process:
                 paths = (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))  # the child imports this same prequant
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}

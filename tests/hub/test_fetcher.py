@@ -77,3 +77,15 @@ def test_a_child_that_died_is_an_error_naming_the_file(hub_server: HubServer) ->
     message = str(error.value)
     assert "model-00001-of-00002.safetensors of org/fetched" in message and "run the command again" in message
     fetcher.close()
+
+
+def test_no_download_starts_after_close(hub_server: HubServer) -> None:
+    """A download asked for after the conversion closed its reader neither runs here nor leaves a child behind."""
+    hub_server.add_repo(REPO, FILES)
+    fetcher = Fetcher(client.resolve(REPO))
+    fetcher.download("config.json")
+    fetcher.close()
+    hub_server.clear_log()
+    with pytest.raises(PrequantError, match="were stopped"):
+        fetcher.download("model-00001-of-00002.safetensors")
+    assert fetcher._proc is None and hub_server.requests == []
