@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from .util import trace  # first, so a trace's "start" is the process' own start (standard library only)
+from .util import signals, trace  # first, so a trace's "start" is the process' own start (standard library only)
 from . import exits
 
 import typer
@@ -100,6 +100,7 @@ def convert(
     from .conversion.options import ConvertOptions
     from .conversion.run import convert as run_convert
 
+    signals.check()  # a signal whose exception an import swallowed stops the command here, before any output
     trace.mark("imported")
     result = run_convert(source, output_dir, ConvertOptions.pick(arguments))
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())

@@ -54,8 +54,17 @@ def _handler(signum: int, frame: object) -> None:
     raise Signalled(signum)
 
 
+def check() -> None:
+    """Raise `Signalled` now if a signal arrived and its exception was swallowed: an import that catches
+    everything (measured: SIGTERM during torch's imports, the conversion then ran to exit status 0)."""
+    if _received is not None:
+        raise Signalled(_received)
+
+
 def install() -> None:
     """Raise `Signalled` on SIGINT and SIGTERM in this process (main thread only, as Python requires)."""
+    global _received
+    _received = None  # a new command (in-process callers may run several)
     for signum in HANDLED:
         signal.signal(signum, _handler)
 
