@@ -15,7 +15,7 @@ import torch
 
 import prequant
 from prequant.bnb import stats
-from prequant.bnb.kernels import _parallel, cpu
+from prequant.bnb.kernels import _compare, _parallel, cpu
 
 
 @pytest.fixture
@@ -90,8 +90,10 @@ def test_bytes_do_not_depend_on_the_thread_count(threads, monkeypatch):
         assert torch.equal(n1[0], n3[0]) and torch.equal(n1[1], n3[1]) and n1[2] == n3[2]
 
 
-def test_statistics_do_not_depend_on_the_thread_count(threads):
-    """The tasks' partial sums are added in task order: identical figures on 1 and 3 threads."""
+def test_statistics_do_not_depend_on_the_thread_count(threads, monkeypatch):
+    """The tasks' partial sums are added in task order: identical figures on 1 and 3 threads (here 12 tasks,
+    which the threads finish in whatever order)."""
+    monkeypatch.setattr(_compare, "TASK_ELEMENTS", 1 << 16)
     x = (torch.randn(700, 1031, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
     entries = prequant.quantize_tensor(x)
     figures = []
@@ -99,6 +101,30 @@ def test_statistics_do_not_depend_on_the_thread_count(threads):
         threads(n)
         figures.append(stats.entry_stats(x, entries))
     assert figures[0] == figures[1] and figures[0].rel_error > 0
+
+
+def test_pieces_grow_4x_per_doubling_of_the_threads_up_to_the_cap(threads):
+    sizes = {}
+    for n in (1, 2, 3, 4, 8, 16, 64):
+        threads(n)
+        sizes[n] = _parallel.task_elements(1 << 16, 1 << 20)
+    assert sizes == {1: 1 << 16, 2: 1 << 18, 3: 1 << 20, 4: 1 << 20, 8: 1 << 20, 16: 1 << 20, 64: 1 << 20}
+
+
+def test_default_pieces_differ_by_thread_count_and_give_the_same_bytes(threads):
+    """Without a test's CHUNK_ELEMENTS the piece size follows the thread count (64 Ki on one thread, 1 Mi on
+    three): an odd-length tensor of several large pieces quantizes to the same bytes either way."""
+    x = (torch.randn(2_500_001, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16)
+    results, pieces = {}, {}
+    for n in (1, 3):
+        threads(n)
+        pieces[n] = cpu._chunk_elements()
+        packed, absmax = cpu.quantize_4bit(x, quant_type="nf4", blocksize=64)
+        results[n] = (packed, absmax, cpu.quantize_nested(absmax))
+    assert pieces == {1: 1 << 16, 3: 1 << 20}
+    (p1, a1, n1), (p3, a3, n3) = results[1], results[3]
+    assert torch.equal(p1, p3) and torch.equal(a1, a3)
+    assert torch.equal(n1[0], n3[0]) and torch.equal(n1[1], n3[1]) and n1[2] == n3[2]
 
 
 def test_thread_count_follows_torch(monkeypatch):
