@@ -98,8 +98,8 @@ def compare(
     Weights far from 1 are scaled by a power of two near the largest block scale first (exact: only exponents
     change), so that no square, sum or difference overflows float32 (values near 1e30 square to 1e60) or
     underflows (tiny weights): finite inputs always give finite figures (`_exponent`). The ratio is scale-free;
-    the largest error is scaled back in float64. On the CPU the chunks go to the kernels' thread pool (`kernels._compare`); on a GPU they
-    are a few large torch operations on the quantizer's own tensors."""
+    the largest error is scaled back in float64. On the CPU the chunks go to the kernels' thread pool
+    (`kernels._compare`); on a GPU they are a few large torch operations on the quantizer's own tensors."""
     n = source.numel()
     exponent = _exponent(absmax)
     if not packed.is_cuda:

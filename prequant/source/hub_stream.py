@@ -210,7 +210,8 @@ class HubShardReader(TensorReader):
                 if polls % 20 == 0:
                     gc.collect()  # a reference cycle may hold the last view
                 if polls > _LEAK_WAIT_S * 10:
-                    log.warning("deleted shards %s are still memory-mapped; downloading on", sorted(map(str, self._deleted)))
+                    held = sorted(map(str, self._deleted))
+                    log.warning("deleted shards %s are still memory-mapped or open; downloading on", held)
                     self._deleted.clear()
         return not self._closed
 

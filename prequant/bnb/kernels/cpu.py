@@ -12,8 +12,8 @@ An all-zero block has ``r = inf`` and ``0 * inf = NaN``, which every comparison 
 This module does the same with vectorized operations on block-aligned pieces of the flattened tensor,
 each piece taken through every pass by one thread of a pool (`_parallel`, `_quantize4`), so the extra
 memory is at most about 20 MiB per thread whatever the tensor size and the work scales with the cores.
-The pieces that make the bytes exact live beside it: `_fastmath` (flush-to-zero, the measured reciprocal), `_tables`
-(code tables, the decision tree as lookup tables), `_cuda_mean` (torch's CUDA mean, for double
+The pieces that make the bytes exact live beside it: `_fastmath` (flush-to-zero, the measured reciprocal),
+`_tables` (code tables, the decision tree as lookup tables), `_cuda_mean` (torch's CUDA mean, for double
 quantization), `_dynamic8` (its 8-bit step).
 """
 
@@ -104,9 +104,8 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
     nested_absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
     # Steps of torch operations on the calling thread, not tasks on the pool: there are 64x fewer absmax
     # values than weights, too few for tasks long enough to outlast the GIL's hand-overs, while torch spreads
-    # each operation of a large step over its own threads. For the 917 Ki values of a 14336x4096 weight, 1 Mi-value
-    # steps took 22 ms on one thread and 15 ms on two of the 2-core CPU machine (32 Ki-value pool tasks: 36 and
-    # 37 ms), and 12.9 ms on one and 4.9 ms on 16 threads of the GPU machine.
+    # each operation of a large step over its own threads. The 917 Ki values of a 14336x4096 weight took
+    # 12.9 ms on one thread and 4.9 ms on 16 of the GPU machine (`scripts/profile_cpu_kernel.py --only nested`).
     step = max(blocksize, NESTED_CHUNK // blocksize * blocksize)
     for start in range(0, n, step):
         # bitsandbytes subtracts with a plain torch op (IEEE, no flush); the kernel then flushes.
