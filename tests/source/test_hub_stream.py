@@ -211,14 +211,26 @@ def _blocked_in(thread: threading.Thread, function: str) -> bool:
     return False
 
 
+def _streamed(tmp_path: Path):
+    """The plan of REPO, its source shards in reading order, and a streaming reader with --delete-source-shards."""
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    files = list(dict.fromkeys(step.source.file for step in plan.steps))
+    data = sources.reader(sources.resolve(REPO, stream=True), [step.source for step in plan.steps], delete=True)
+    return plan, files, data
+
+
+def _finish_shard(data, plan, file: Path) -> None:
+    """Every tensor of one source shard written: the reader evicts it."""
+    for step in plan.steps:
+        if step.source.file == file:
+            data.tensor_done(step.source)
+
+
 def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
-    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
-    src = sources.resolve(REPO, stream=True)
-    files = list(dict.fromkeys(step.source.file for step in plan.steps))
+    plan, files, data = _streamed(tmp_path)
     assert len(files) == 4
-    data = sources.reader(src, [step.source for step in plan.steps], delete=True)
     try:
         data.prepare(files[0])
         assert files[0].is_file()
@@ -235,9 +247,7 @@ def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
         assert not files[2].exists()
         whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
         assert whole == [f.name for f in files[:2]]  # the server never got a request for the third's bytes
-        for step in plan.steps:
-            if step.source.file == files[0]:
-                data.tensor_done(step.source)
+        _finish_shard(data, plan, files[0])
         assert not files[0].exists() and data.evicted == [files[0].name]
         # The deletion made room: the third comes unasked (a thread that died instead fails here, no hang).
         _wait_for(lambda: len(data.downloaded) == 3 or not downloader.is_alive())
@@ -254,10 +264,7 @@ def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
     # A deleted file's space is freed only when its last descriptor or mapping goes: until then it is one of the
     # two shards on disk, and the next download waits (it used to count mappings only, and not at all between
     # taking the shard off the downloaded ones and deleting it).
-    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
-    src = sources.resolve(REPO, stream=True)
-    files = list(dict.fromkeys(step.source.file for step in plan.steps))
-    data = sources.reader(src, [step.source for step in plan.steps], delete=True)
+    plan, files, data = _streamed(tmp_path)
     try:
         data.prepare(files[0])
         downloader = data._thread
@@ -266,9 +273,7 @@ def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
         _wait_for(lambda: _blocked_in(downloader, "_wait_for_room") or not downloader.is_alive())
         held = os.open(files[0], os.O_RDONLY)  # e.g. a library caller's handle, or a view's descriptor
         try:
-            for step in plan.steps:
-                if step.source.file == files[0]:
-                    data.tensor_done(step.source)
+            _finish_shard(data, plan, files[0])
             assert not files[0].exists() and data.evicted == [files[0].name]
             assert os.fstat(held).st_blocks > 0  # deleted, but its blocks still allocated
             with data._cond:  # the download thread's own count, as it decides
