@@ -34,7 +34,8 @@ def _run(cli: ModuleType) -> None:
     have run, nothing is left to do; the interpreter's own teardown would still spend about two seconds
     destroying torch's and CUDA's state (measured on the GPU machine), so the process exits without it.
     SIGINT and SIGTERM are exceptions from start-up on (`util.signals`); once the command has finished they
-    are blocked, so the exit status is the command's. With PREQUANT_DEBUG=1 an unexpected exception takes the
+    are blocked, so the exit status is the command's, and a signal whose exception some library swallowed
+    still makes it 130 / 143. With PREQUANT_DEBUG=1 an unexpected exception takes the
     normal path, traceback and all."""
     try:
         cli.main()
@@ -48,6 +49,8 @@ def _run(cli: ModuleType) -> None:
     except KeyboardInterrupt as e:  # a signal while main() was reporting how the command ended
         code = cli.exits.interrupted(signals.of(e))
     signals.hold()
+    if code == 0 and signals.received() is not None:  # a library swallowed its exception: still not a success
+        code = cli.exits.interrupted(signals.received())
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

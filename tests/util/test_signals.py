@@ -5,6 +5,9 @@ start-up, verify's hashing, an upload waiting on the Hub): exit status 130 / 143
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -89,3 +92,25 @@ def test_conversion_pipeline(checkpoints, tmp_path, sig):
     env = {"PREQUANT_FAILPOINT": f"step-journaled:2:{signal.Signals(sig).name}"}
     proc = start_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu", env=env)
     assert "--resume" in _interrupted(proc, sig, send=False)
+
+
+def test_a_swallowed_signal_still_ends_the_command_with_its_status():
+    """A library that catches everything (here `except BaseException: pass` around the signal's arrival)
+    cannot turn SIGTERM into exit status 0: the command ends with 143 and the one line."""
+    code = textwrap.dedent("""
+        import os, signal, types
+        from prequant import __main__ as entry, exits
+        from prequant.util import signals
+
+        def main():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except BaseException:
+                pass
+
+        signals.install()
+        entry._run(types.SimpleNamespace(main=main, exits=exits))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143, done.stderr
+    assert done.stderr.strip() == "Error: interrupted by SIGTERM"
