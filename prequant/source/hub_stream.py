@@ -196,7 +196,7 @@ class HubShardReader(TensorReader):
         if self._deleted:
             held = _held_files()
             for path, blob in list(self._deleted.items()):
-                if not os.path.lexists(blob) and f"{blob} (deleted)\n" not in held:
+                if not os.path.lexists(blob) and f"{blob} (deleted)" not in held:
                     del self._deleted[path]
         return self._downloading + len(self._owned) + len(self._deleted)
 
@@ -273,19 +273,22 @@ class HubShardReader(TensorReader):
         return blob if owned else None
 
 
-def _held_files() -> str:
-    """The deleted files this process still maps or holds open, one per line as "PATH (deleted)"."""
-    held = []
+def _held_files() -> set[str]:
+    """The deleted files this process still maps or holds open, each as "PATH (deleted)" (how /proc names them)."""
+    held: set[str] = set()
     try:
-        held = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(" (deleted)")]
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+            if len(fields) == 6 and fields[5].endswith(" (deleted)"):
+                held.add(fields[5])
         for fd in os.listdir("/proc/self/fd"):
             try:
-                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+                held.add(os.readlink(f"/proc/self/fd/{fd}"))
             except OSError:
                 continue
     except OSError:
         pass
-    return "\n".join(held) + "\n"
+    return held
 
 
 __all__ = ["HubShardReader", "resolve"]
