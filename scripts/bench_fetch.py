@@ -64,8 +64,12 @@ def main() -> None:
                 if fetcher is not None:
                     fetcher.download("config.json")  # the child started and warm before the clock
                 stop = threading.Event()
-                load = threading.Thread(target=lambda: [cpu.quantize_4bit(x, quant_type="nf4", blocksize=64)
-                                                        for _ in iter(stop.is_set, True)], daemon=True)  # fmt: skip
+
+                def quantize_until_stopped() -> None:  # what a --device cpu conversion does meanwhile
+                    while not stop.is_set():
+                        cpu.quantize_4bit(x, quant_type="nf4", blocksize=64)
+
+                load = threading.Thread(target=quantize_until_stopped, daemon=True)
                 if busy:
                     load.start()
                 t0 = time.perf_counter()
