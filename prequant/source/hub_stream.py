@@ -210,8 +210,9 @@ class HubShardReader(TensorReader):
                 if polls % 20 == 0:
                     gc.collect()  # a reference cycle may hold the last view
                 if polls > _LEAK_WAIT_S * 10:
-                    held = sorted(map(str, self._deleted))
-                    log.warning("deleted shards %s are still memory-mapped or open; downloading on", held)
+                    why = {str(p): "its blob is still on disk" if os.path.lexists(b) else "mapped or open here"
+                           for p, b in sorted(self._deleted.items())}  # fmt: skip
+                    log.warning("evicted shards still take disk space (%s); downloading on", why)
                     self._deleted.clear()
         return not self._closed
 

@@ -8,13 +8,14 @@ partial sums; the partial sums are added in task order, so the result does not d
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
 import numpy as np
 import torch
 
-from . import _flat, _parallel
+from . import _flat, _parallel, _procs
 
 # Elements per task, a multiple of every blocksize, the same for any thread count: the partial sums are
 # those of whole tasks, so the figures do not depend on the machine. Large, so that each numpy call
@@ -22,6 +23,8 @@ from . import _flat, _parallel
 # tasks made 0.69 GB/s on 16 threads (1.0 on one), 1 Mi-element tasks 3.25 GB/s (0.79 on one)
 # (`scripts/profile_cpu_kernel.py --only stats`).
 TASK_ELEMENTS = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 def error_sums(
@@ -40,47 +43,98 @@ def error_sums(
     per block; pairs: float64 [256], each the two float32 values a byte of codes decodes to (as raw bits).
     """
     src = _flat.Flat(source)
-    # Two factors, so that neither overflows float32 (|exponent| <= 149 for finite float32 scales).
-    half = exponent // 2
-    factors = (np.float32(2.0**-half), np.float32(2.0 ** -(exponent - half)))
     codes_np, absmax_np = codes.numpy(), absmax.float().contiguous().numpy()
     if exponent:  # the decoded values scale with their block's absmax
+        factors = _factors(exponent)
         absmax_np = absmax_np * factors[0] * factors[1]
     step = max(blocksize, TASK_ELEMENTS // blocksize * blocksize)
     tasks = -(-n // step)
     partial: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * tasks
 
     def task(i: int) -> None:
-        start = i * step
-        end = min(start + step, n)
-        s = _scratch(step)
-        count = end - start
-        pair_count = (count + 1) // 2
-        np.copyto(s.index[:pair_count], codes_np[start // 2 : start // 2 + pair_count])
-        torch.index_select(pairs, 0, s.index_t[:pair_count], out=s.pairs_t[:pair_count])
-        values = s.pairs[:pair_count].view(np.float32)[:count]
-        full, first = count // blocksize, start // blocksize
-        block_values = values[: full * blocksize].reshape(full, blocksize)
-        np.multiply(block_values, absmax_np[first : first + full, None], out=block_values)
-        if full * blocksize < count:  # the tensor's last, partial block
-            np.multiply(values[full * blocksize :], absmax_np[first + full], out=values[full * blocksize :])
-        x = _flat.float32(src.range(start, end, s.raw.view(src.dtype)), source.dtype, s.x[:count])
-        if exponent:  # into the scratch buffer: x may be the source's own memory
-            x = np.multiply(x, factors[0], out=s.x[:count])
-            np.multiply(x, factors[1], out=x)
-        diff = np.subtract(values, x, out=values)
-        max_err = float(np.maximum(diff.max(), -diff.min()))  # NaN propagates, as it should
-        # einsum's float32 dot product: vectorized, single-threaded (np.dot would call a threaded BLAS), and
-        # over one task its rounding stays far below the 6 digits kept; the tasks' sums are added exactly.
-        err2 = float(np.einsum("i,i->", diff, diff))
-        ref2 = float(np.einsum("i,i->", x, x))
-        partial[i] = (err2, ref2, max_err)
+        start, end = i * step, min((i + 1) * step, n)
+        raw = src.range(start, end, _scratch(step).raw.view(src.dtype))
+        first = start // blocksize
+        partial[i] = chunk_sums(raw, source.dtype, codes_np[start // 2 :], absmax_np[first:], pairs, blocksize,
+                                exponent)  # fmt: skip
 
-    _parallel.run(tasks, task)
+    if not _on_processes(src, source, codes_np, absmax_np, pairs, blocksize, n, exponent, step, partial):
+        _parallel.run(tasks, task)
     err2 = math.fsum(p[0] for p in partial)
     ref2 = math.fsum(p[1] for p in partial)
     max_err = max((p[2] for p in partial), default=0.0, key=lambda v: math.inf if math.isnan(v) else v)
     return err2, ref2, max_err
+
+
+def chunk_sums(raw: np.ndarray, dtype: torch.dtype, codes: np.ndarray, absmax: np.ndarray, pairs: torch.Tensor,
+               blocksize: int, exponent: int) -> tuple[float, float, float]:  # fmt: skip
+    """The sums of `error_sums` over one block-aligned range: `raw` its source elements (as `_flat.Flat` reads
+    a tensor of `dtype`), `codes` and `absmax` (scaled) starting at its first element; one task of the thread
+    pool, or one chunk of a worker process (`_worker`): the same numbers either way."""
+    count = len(raw)
+    s = _scratch(count)
+    pair_count = (count + 1) // 2
+    np.copyto(s.index[:pair_count], codes[:pair_count])
+    torch.index_select(pairs, 0, s.index_t[:pair_count], out=s.pairs_t[:pair_count])
+    values = s.pairs[:pair_count].view(np.float32)[:count]
+    full = count // blocksize
+    block_values = values[: full * blocksize].reshape(full, blocksize)
+    np.multiply(block_values, absmax[:full, None], out=block_values)
+    if full * blocksize < count:  # the tensor's last, partial block
+        np.multiply(values[full * blocksize :], absmax[full], out=values[full * blocksize :])
+    x = _flat.float32(raw, dtype, s.x[:count])
+    if exponent:  # into the scratch buffer: x may be the source's own memory
+        factors = _factors(exponent)
+        x = np.multiply(x, factors[0], out=s.x[:count])
+        np.multiply(x, factors[1], out=x)
+    diff = np.subtract(values, x, out=values)
+    max_err = float(np.maximum(diff.max(), -diff.min()))  # NaN propagates, as it should
+    # einsum's float32 dot product: vectorized, single-threaded (np.dot would call a threaded BLAS), and
+    # over one task its rounding stays far below the 6 digits kept; the tasks' sums are added exactly.
+    err2 = float(np.einsum("i,i->", diff, diff))
+    ref2 = float(np.einsum("i,i->", x, x))
+    return err2, ref2, max_err
+
+
+def _factors(exponent: int) -> tuple[np.float32, np.float32]:
+    """2**-exponent as two float32 factors, so that neither overflows (|exponent| <= 149 for finite scales)."""
+    half = exponent // 2
+    return np.float32(2.0**-half), np.float32(2.0 ** -(exponent - half))
+
+
+def _on_processes(src: _flat.Flat, source: torch.Tensor, codes: np.ndarray, absmax: np.ndarray, pairs: torch.Tensor,
+                  blocksize: int, n: int, exponent: int, step: int,
+                  partial: list[tuple[float, float, float]]) -> bool:  # fmt: skip
+    """The tasks of `error_sums` as chunks of the worker processes (`_procs`), into `partial`; False where the
+    pool is not ready or cannot take them (then the threads compute every task)."""
+    if source.dtype not in _procs.DTYPES or src.dtype not in _procs.RAW_DTYPES:
+        return False
+    pool = _procs.pool_for(n)
+    if pool is None or step > pool.chunk:
+        return False
+    table, origin, aux = pairs.numpy(), _procs.file_origin(source), _procs.RAW_DTYPES.index(src.dtype)
+
+    def fill(i: int, slot: int) -> bytes:
+        start, stop = i * step, min(n, (i + 1) * step)
+        first, blocks = start // blocksize, -(-(stop - start) // blocksize)
+        if origin is None:
+            src.copy_range(start, stop, pool.array(slot, "input", src.dtype, stop - start))
+        pair_count = (stop - start + 1) // 2
+        pool.array(slot, "codes", np.dtype(np.uint8), pair_count)[:] = codes[start // 2 : start // 2 + pair_count]
+        pool.array(slot, "absmax", np.dtype(np.float32), blocks)[:] = absmax[first : first + blocks]
+        pool.array(slot, "pairs", np.dtype(np.float64), 256)[:] = table
+        return _procs.request(_procs.SUMS, source.dtype, aux, slot, stop - start, blocksize, exponent, origin,
+                              start * source.element_size())  # fmt: skip
+
+    def collect(i: int, slot: int, sums: tuple) -> None:
+        partial[i] = sums
+
+    try:
+        pool.run(len(partial), fill, collect)
+    except _procs.Unavailable as e:
+        log.warning("the CPU kernel's worker processes stopped (%s); computing statistics on threads", e)
+        return False
+    return True
 
 
 def dequantize_nested(codes: torch.Tensor, nested_absmax: torch.Tensor, nested_map: torch.Tensor, offset: float,
@@ -121,8 +175,9 @@ class _Scratch:
 _local = threading.local()
 
 
-def _scratch(task: int) -> _Scratch:
+def _scratch(count: int) -> _Scratch:
+    """This thread's buffers for ranges of up to `count` elements (kept for the next range that fits)."""
     cached = getattr(_local, "compare", None)
-    if cached is None or cached[0] != task:
-        cached = _local.compare = (task, _Scratch(task))
+    if cached is None or cached[0] < count:
+        cached = _local.compare = (count, _Scratch(count))
     return cached[1]

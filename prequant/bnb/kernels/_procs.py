@@ -1,0 +1,330 @@
+"""The CPU kernel's chunks on worker processes, past the one GIL that caps the thread pool on many cores.
+
+`_parallel`'s threads overlap only while numpy's loops run: every call takes the GIL back, and on 16 cores
+the hand-overs cost more than the pieces. Measured on the GPU machine's 16 cores (Xeon, Python 3.12,
+`scripts/profile_cpu_kernel.py --only processes`): the 4-bit kernel made 2.1-2.6 GB/s of bf16 on 16 threads
+and 3.57 GB/s in 16 processes. So on a machine with at least `AUTO_MIN` cores large tensors go to a pool of
+worker processes (`_worker`), each running the thread pool's own code on one chunk at a time, single-threaded.
+
+How a tensor goes through: it is cut into chunks of `CHUNK` elements (whole blocks; the statistics' chunks
+are exactly `_compare`'s tasks, so the sums are the same numbers added in the same order). Each chunk gets a
+slot of a shared arena (an anonymous memfd every worker maps) and a fixed-size request on its worker's stdin;
+the results are copied out of the slot when the reply comes. Each worker has two slots, so it finds its next
+chunk waiting when it finishes one. A tensor that is a mapped file's bytes (a source view: `file_origin`)
+is read by the workers themselves from that file, in parallel; any other tensor (a cast, a transposed
+Conv1D weight) is copied into the slots by this thread. Bytes are the thread pool's: the same functions
+compute them from the same values.
+
+The pool starts on the first large tensor, without waiting: until its workers have imported torch (a second
+or two, in parallel), tensors go to the threads. A worker that fails or dies closes the pool and the tensor is
+redone on the threads; an interrupt kills the workers (they only ever touch the arena, never a caller's
+tensor). PREQUANT_CPU_PROCESSES sets the workers (0: threads only); the default is one per thread of
+`_parallel.threads()` where that is at least `AUTO_MIN`, else none.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import select
+import selectors
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ...util import trace
+from . import _parallel, _quantize4
+
+log = logging.getLogger(__name__)
+
+ENV = "PREQUANT_CPU_PROCESSES"
+PROCESSES: int | None = None  # workers; None: ENV, else the default above (tests set it)
+AUTO_MIN = 4  # fewer threads than this: the GIL costs little, and a worker's torch import (0.15 GB) would not pay
+MIN_ELEMENTS = 1 << 24  # smaller tensors stay on the threads (a 4096x4096 weight takes about 10 ms there)
+CHUNK = 1 << 20  # elements per chunk: 2-4 MiB of input, a few milliseconds of one core
+WORKER_PIECE = 1 << 16  # elements per piece inside a worker: its buffers stay in the core's L2 cache
+SLOTS_PER_WORKER = 2
+MAX_FAILURES = 3  # pools whose workers failed, at most: then this process keeps to the threads
+
+# The wire: requests (kind, dtype, aux, slot, count, blocksize, exponent, then where the input is: byte offset,
+# device, inode and path length of a file, followed by the path; length 0: in the slot) and replies (slot,
+# status, sums).
+REQUEST = struct.Struct("<BBBxiqiiqQQH")
+REPLY = struct.Struct("<iiddd")
+READY = b"R"
+QUANTIZE, SUMS = 1, 2
+OK, NON_FINITE, FAILED = 0, 1, 2
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+QUANT_TYPES = ("nf4", "fp4")
+RAW_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32))  # a source range, as `_flat` reads it
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding this prequant
+
+
+class Unavailable(Exception):
+    """The pool cannot take this tensor (a worker failed or died): the caller uses the threads."""
+
+
+class SlotLayout:
+    """Where each region of a slot for `chunk` elements starts: the input (float32 at most), codes, absmax, a table."""
+
+    def __init__(self, chunk: int) -> None:
+        sizes = {"input": chunk * 4, "codes": chunk // 2, "absmax": chunk // 64 * 4, "pairs": 256 * 8}
+        self.offsets, at = {}, 0
+        for region, size in sizes.items():
+            self.offsets[region], at = at, at + size
+        self.size = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+class Origin(NamedTuple):
+    """Where a tensor's bytes lie in a file this process has mapped: the workers read them there (in parallel,
+    from the page cache) rather than this thread copying them into the arena."""
+
+    path: bytes
+    offset: int  # of the tensor's first byte in the file
+    device: int
+    inode: int
+
+
+def file_origin(x: torch.Tensor) -> Origin | None:
+    """The file and offset of a contiguous tensor's bytes when they are a mapped file's (a source view), else None.
+
+    Read from /proc/self/maps, so it covers every reader (safetensors views, `.bin` shards loaded with mmap).
+    A private mapping is the file's bytes as long as nobody writes it, and prequant never writes a source view.
+    A deleted or replaced file is refused here, or by the worker (whose read checks the inode)."""
+    if not x.is_contiguous() or x.numel() == 0:
+        return None
+    start, end = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                low, _, high = fields[0].partition(b"-")
+                if len(fields) == 6 and int(low, 16) <= start and end <= int(high, 16):
+                    path = fields[5].rstrip(b"\n")
+                    if not path.startswith(b"/") or path.endswith(b" (deleted)"):
+                        return None
+                    major, _, minor = fields[3].partition(b":")
+                    mapped = (os.makedev(int(major, 16), int(minor, 16)), int(fields[4]))
+                    st = os.stat(path)
+                    if (st.st_dev, st.st_ino) != mapped:  # replaced since (or a file system whose maps differ)
+                        return None
+                    return Origin(path, int(fields[2], 16) + start - int(low, 16), *mapped)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def request(kind: int, dtype: torch.dtype, aux: int, slot: int, count: int, blocksize: int, exponent: int = 0,
+            origin: Origin | None = None, first_byte: int = 0) -> bytes:  # fmt: skip
+    """One request: a chunk of `count` elements in `slot`, or, with `origin`, at `first_byte` of that tensor's file."""
+    if origin is None:
+        return REQUEST.pack(kind, DTYPES.index(dtype), aux, slot, count, blocksize, exponent, 0, 0, 0, 0)
+    head = REQUEST.pack(kind, DTYPES.index(dtype), aux, slot, count, blocksize, exponent, origin.offset + first_byte,
+                        origin.device, origin.inode, len(origin.path))  # fmt: skip
+    return head + origin.path
+
+
+def workers() -> int:
+    """Worker processes large tensors use now (0: the threads only)."""
+    if PROCESSES is not None:
+        return max(0, PROCESSES)
+    text = os.environ.get(ENV, "").strip()
+    if text:
+        try:
+            return max(0, int(text))
+        except ValueError:
+            log.warning("%s=%r is not a number of processes; using the threads", ENV, text)
+            return 0
+    threads = _parallel.threads()
+    return threads if threads >= AUTO_MIN else 0
+
+
+def pool_for(elements: int, *, wait: bool = False) -> Pool | None:
+    """The ready pool for a tensor of `elements`, or None (use the threads). Starts the pool when a large
+    tensor first asks, and returns None until its workers are ready, unless `wait`."""
+    count = workers()
+    if count == 0 or elements < MIN_ELEMENTS:
+        return None
+    global _pool, _failures
+    with _lock:
+        if _pool is not None and _pool.pid != os.getpid():  # a forked child: the workers are its parent's
+            _pool = None
+        if _pool is not None and (_pool.size != count or _pool.chunk != CHUNK or _pool.broken):
+            _failures += _pool.failed
+            _pool.close()
+            _pool = None
+        if _pool is None:
+            if _failures >= MAX_FAILURES or sys.platform != "linux":
+                return None
+            try:
+                _pool = Pool(count)
+            except OSError as error:  # no memfd, no python executable...: the threads do it
+                log.debug("CPU kernel on threads: no worker processes (%s)", error)
+                _failures = MAX_FAILURES
+                return None
+        pool = _pool
+    return pool if pool.ready(wait) else None
+
+
+def close() -> None:
+    """End the workers (at exit; tests)."""
+    global _pool
+    with _lock:
+        pool, _pool = _pool, None
+    if pool is not None and pool.pid == os.getpid():
+        pool.close()
+
+
+class Pool:
+    """`size` worker processes and the arena they share, for chunks of up to `chunk` elements; one caller at a
+    time (`busy`)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.chunk, self.pid = size, CHUNK, os.getpid()
+        self.layout = SlotLayout(self.chunk)
+        self.broken = self.failed = False  # closed; closed because a worker failed
+        self.chunks = 0  # chunks done by the workers, all tensors together
+        self.busy = threading.Lock()
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._selector = selectors.DefaultSelector()
+        self._fd = os.memfd_create("prequant-kernel")
+        try:
+            os.ftruncate(self._fd, self.layout.size * size * SLOTS_PER_WORKER)
+            self._map = mmap.mmap(self._fd, self.layout.size * size * SLOTS_PER_WORKER)
+            paths = (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))  # the workers import this same prequant
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "prequant.bnb.kernels._worker", str(self._fd), str(len(self._map)),
+                   str(self.chunk)]
+            for i in range(size):
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._fd,),
+                                        env=env)  # fmt: skip
+                self._procs.append(proc)
+                self._selector.register(proc.stdout, selectors.EVENT_READ, i)  # type: ignore[arg-type]
+        except BaseException:
+            self.close()
+            raise
+        self._waiting = [p.stdout.fileno() for p in self._procs]  # type: ignore[union-attr]
+
+    def ready(self, wait: bool) -> bool:
+        """Whether every worker has said it is ready (reading what they said so far; waiting if `wait`)."""
+        while self._waiting and not self.broken:
+            said, _, _ = select.select(self._waiting, [], [], None if wait else 0)
+            for fd in said:
+                if os.read(fd, 1) != READY:  # a worker that died while starting
+                    self.broken = self.failed = True
+                self._waiting.remove(fd)
+            if not wait:
+                break
+            if not self._waiting:
+                trace.mark("cpu-workers-ready")
+        return not self._waiting and not self.broken
+
+    def run(self, count: int, fill: Callable[[int, int], bytes], collect: Callable[[int, int, tuple], None]) -> None:
+        """For each chunk i < count: `fill(i, slot)` copies its input into `slot` and returns its request, and
+        `collect(i, slot, (err2, ref2, max_err))` takes its results out once its worker replied. Raises
+        `_quantize4.NonFinite` if a chunk held NaN or Inf (every chunk sent has then been answered),
+        Unavailable if a worker failed; then, and on any other exception (an interrupt), the pool is closed."""
+        if not self.busy.acquire(blocking=False):  # another thread's tensor: this one goes to the threads
+            raise Unavailable("the worker processes are busy")
+        try:
+            self._run(count, fill, collect)
+        except _quantize4.NonFinite:
+            raise
+        except Unavailable:
+            self.failed = True
+            self.close(kill=True)
+            raise
+        except BaseException:
+            self.close(kill=True)  # a chunk may still be in a worker: nothing of this pool is reused
+            raise
+        finally:
+            self.busy.release()
+
+    def _run(self, count: int, fill: Callable[[int, int], bytes], collect: Callable[[int, int, tuple], None]) -> None:
+        free = [[w * SLOTS_PER_WORKER + k for k in range(SLOTS_PER_WORKER)] for w in range(self.size)]
+        chunk_of: dict[int, int] = {}
+        next_chunk, non_finite = 0, False
+        while True:
+            for w, slots in enumerate(free):  # every worker with a free slot gets its next chunk
+                while slots and next_chunk < count and not non_finite:
+                    slot = slots.pop()
+                    self._send(w, fill(next_chunk, slot))
+                    chunk_of[slot], next_chunk = next_chunk, next_chunk + 1
+            if not chunk_of:
+                break
+            for key, _ in self._selector.select():
+                slot, status, *sums = self._reply(key.fileobj.fileno())  # type: ignore[union-attr]
+                if status == FAILED or slot not in chunk_of:
+                    raise Unavailable(f"CPU kernel worker {key.data} failed (its error is above)")
+                chunk = chunk_of.pop(slot)
+                free[slot // SLOTS_PER_WORKER].append(slot)
+                if status == NON_FINITE:
+                    non_finite = True  # no more chunks go out; those out are answered first
+                elif not non_finite:
+                    collect(chunk, slot, tuple(sums))
+                    self.chunks += 1
+        if non_finite:
+            raise _quantize4.NonFinite("input holds NaN or Inf")
+
+    def _send(self, worker: int, request: bytes) -> None:
+        stdin = self._procs[worker].stdin
+        try:
+            stdin.write(request)  # type: ignore[union-attr]
+            stdin.flush()  # type: ignore[union-attr]
+        except (OSError, ValueError) as e:
+            raise Unavailable(f"CPU kernel worker {worker} is gone ({e})") from None
+
+    @staticmethod
+    def _reply(fd: int) -> tuple:
+        data = b""
+        while len(data) < REPLY.size:
+            part = os.read(fd, REPLY.size - len(data))
+            if not part:
+                raise Unavailable("a CPU kernel worker process ended")
+            data += part
+        return REPLY.unpack(data)
+
+    def array(self, slot: int, region: str, dtype: np.dtype, count: int) -> np.ndarray:
+        """A region of a slot as numpy (this process' view of the arena)."""
+        offset = slot * self.layout.size + self.layout.offsets[region]
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
+
+    def close(self, kill: bool = False) -> None:
+        """End the workers: closing their stdin ends them after their chunk; `kill` (or one that does not
+        end within half a second) kills them."""
+        self.broken = True
+        for p in self._procs:
+            if kill:
+                p.kill()
+            for pipe in (p.stdin, p.stdout):
+                try:
+                    pipe.close()  # type: ignore[union-attr]
+                except OSError:
+                    pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._procs = []
+        self._selector.close()
+        if self._fd >= 0:
+            os.close(self._fd)  # the arena's pages go with the last mapping
+            self._fd = -1
+
+
+_lock = threading.Lock()
+_pool: Pool | None = None
+_failures = 0
+atexit.register(close)
