@@ -43,6 +43,13 @@ def busy(stage: str) -> Iterator[None]:
             _busy[stage] = _busy.get(stage, 0.0) + dt
 
 
+def add(stage: str, seconds: float) -> None:
+    """Add `seconds` measured elsewhere (e.g. by a worker process) to `stage`'s total."""
+    if enabled:
+        with _lock:
+            _busy[stage] = _busy.get(stage, 0.0) + seconds
+
+
 def _dump() -> None:
     mark("exit")
     try:

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 import prequant
 from prequant.bnb import stats
-from prequant.bnb.kernels import _compare, _parallel, _procs, cpu
+from prequant.bnb.kernels import _compare, _parallel, _procs, _wire, cpu
 from prequant.checkpoint.reader import TensorReader
 from prequant.checkpoint.safetensors import read_header
 
@@ -64,6 +64,16 @@ def _on_workers(fn, *args, chunks: int, **kwargs):
     return out
 
 
+def _kernel_chunks(n: int, blocksize: int) -> int:
+    """Chunks of the kernel for n elements on the 2 workers: whole rounds (an even count of at most CHUNK
+    elements each, whole blocks), fewer only where a blocksize-rounded chunk covers more."""
+    count = -(-n // CHUNK)
+    count += count % 2
+    step = -(-n // count)
+    step = -(-step // blocksize) * blocksize
+    return -(-n // step)
+
+
 def _golden_cases() -> list[str]:
     from safetensors import safe_open
 
@@ -82,9 +92,8 @@ def test_golden_bytes_equal_cuda_on_the_workers(workers, case):
         want_absmax = f.get_tensor(case + "/absmax")
     if x.numel() < _procs.MIN_ELEMENTS:
         pytest.skip(f"{x.numel()} elements: the threads' business")
-    step = _procs.CHUNK // meta["blocksize"] * meta["blocksize"]
     packed, absmax = _on_workers(cpu.quantize_4bit, x, quant_type=meta["quant_type"], blocksize=meta["blocksize"],
-                                 chunks=-(-x.numel() // step))  # fmt: skip
+                                 chunks=_kernel_chunks(x.numel(), meta["blocksize"]))  # fmt: skip
     assert torch.equal(packed, want)
     if "nested_offset" not in meta:
         assert torch.equal(absmax, want_absmax)
@@ -107,14 +116,16 @@ def test_bytes_and_statistics_equal_the_threads(workers, shape, dtype, quant_typ
     x = (torch.randn(*shape, generator=g) * 0.02).to(dtype)
     x[0, :70] = 0  # a zero block
     x = x.t() if transposed else x
-    chunks = -(-x.numel() // (_procs.CHUNK // blocksize * blocksize))
     want = _on_threads(cpu.quantize_4bit, x, quant_type=quant_type, blocksize=blocksize)
-    got = _on_workers(cpu.quantize_4bit, x, quant_type=quant_type, blocksize=blocksize, chunks=chunks)
+    got = _on_workers(cpu.quantize_4bit, x, quant_type=quant_type, blocksize=blocksize,
+                      chunks=_kernel_chunks(x.numel(), blocksize))  # fmt: skip
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     entries = prequant.quantize_tensor(x, quant_type=quant_type, blocksize=blocksize)
-    # Statistics: the dequantized absmax is computed on the threads, the sums on the workers (same chunks).
+    # Statistics: the dequantized absmax is computed on the threads, the sums on the workers, in the threads'
+    # tasks (whole blocks of at most CHUNK elements).
     want_stats = _on_threads(stats.entry_stats, x, entries)
-    assert _on_workers(stats.entry_stats, x, entries, chunks=chunks) == want_stats
+    tasks = -(-x.numel() // max(blocksize, CHUNK // blocksize * blocksize))
+    assert _on_workers(stats.entry_stats, x, entries, chunks=tasks) == want_stats
 
 
 def test_tiny_values_give_the_threads_statistics(workers):
@@ -137,18 +148,19 @@ def test_a_mapped_source_is_read_by_the_workers_from_its_file(workers, tmp_path)
     x = (torch.randn(300, 411, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
     path, reader, views = _mapped(tmp_path, {"a": torch.ones(7), "w": x})
     with reader:
-        origin = _procs.file_origin(views["w"])
+        origin = _wire.file_origin(views["w"])
         assert origin is not None and origin.path == os.fsencode(path)
         with open(path, "rb") as f:  # the offset is that of the tensor's bytes in the file
             f.seek(origin.offset)
             assert f.read(x.numel() * 2) == x.view(torch.int16).numpy().tobytes()
-        chunks = -(-x.numel() // CHUNK)
-        got = _on_workers(cpu.quantize_4bit, views["w"], quant_type="nf4", blocksize=64, chunks=chunks)
+        got = _on_workers(cpu.quantize_4bit, views["w"], quant_type="nf4", blocksize=64,
+                          chunks=_kernel_chunks(x.numel(), 64))  # fmt: skip
         want = _on_threads(cpu.quantize_4bit, x, quant_type="nf4", blocksize=64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         entries = prequant.quantize_tensor(x)
-        assert _on_workers(stats.entry_stats, views["w"], entries, chunks=chunks) == stats.entry_stats(x, entries)
-    assert _procs.file_origin(x) is None  # anonymous memory: copied into the slots
+        want_stats = stats.entry_stats(x, entries)
+        assert _on_workers(stats.entry_stats, views["w"], entries, chunks=-(-x.numel() // CHUNK)) == want_stats
+    assert _wire.file_origin(x) is None  # anonymous memory: copied into the slots
 
 
 def test_a_replaced_or_deleted_source_file_is_not_read_by_the_workers(workers, tmp_path):
@@ -157,24 +169,25 @@ def test_a_replaced_or_deleted_source_file_is_not_read_by_the_workers(workers, t
     with reader:
         save_file({"w": torch.zeros_like(x)}, str(tmp_path / "other.safetensors"))
         os.replace(tmp_path / "other.safetensors", path)  # the path now names another file (zeros)
-        assert _procs.file_origin(views["w"]) is None
-        got = _on_workers(cpu.quantize_4bit, views["w"], quant_type="nf4", blocksize=64, chunks=-(-x.numel() // CHUNK))
+        assert _wire.file_origin(views["w"]) is None
+        got = _on_workers(cpu.quantize_4bit, views["w"], quant_type="nf4", blocksize=64,
+                          chunks=_kernel_chunks(x.numel(), 64))  # fmt: skip
         assert torch.equal(got[0], _on_threads(cpu.quantize_4bit, x, quant_type="nf4", blocksize=64)[0])
         os.unlink(path)
-        assert _procs.file_origin(views["w"]) is None
+        assert _wire.file_origin(views["w"]) is None
 
 
 def test_a_worker_checks_the_file_is_the_one_mapped(workers, tmp_path):
     """Between this process' check and the worker's read the file may be replaced: the worker refuses it."""
     x = torch.randn(64, 1024).to(torch.bfloat16)
-    path, reader, views = _mapped(tmp_path, {"w": x})
+    _, reader, views = _mapped(tmp_path, {"w": x})
     with reader:
-        origin = _procs.file_origin(views["w"])
+        origin = _wire.file_origin(views["w"])
         pool = _pool()
         wrong = origin._replace(inode=origin.inode + 1)
 
         def fill(i: int, slot: int) -> bytes:
-            return _procs.request(_procs.QUANTIZE, torch.bfloat16, 0, slot, CHUNK, 64, 0, wrong, i * CHUNK * 2)
+            return _wire.request(_wire.QUANTIZE, torch.bfloat16, 0, slot, CHUNK, 64, 0, wrong, i * CHUNK * 2)
 
         with pytest.raises(_procs.Unavailable):
             pool.run(4, fill, lambda i, slot, sums: None)
@@ -191,7 +204,7 @@ def test_non_finite_input_raises_and_the_pool_goes_on(workers, bad):
         cpu.quantize_4bit(x, quant_type="nf4", blocksize=64)
     assert not pool.broken
     x[60, 7] = 0
-    _on_workers(cpu.quantize_4bit, x, quant_type="nf4", blocksize=64, chunks=-(-x.numel() // CHUNK))
+    _on_workers(cpu.quantize_4bit, x, quant_type="nf4", blocksize=64, chunks=_kernel_chunks(x.numel(), 64))
     assert _pool() is pool
 
 
@@ -216,7 +229,7 @@ def test_an_interrupt_kills_the_workers(workers):
     def fill(i: int, slot: int) -> bytes:
         if i == 5:
             raise KeyboardInterrupt
-        return _procs.request(_procs.QUANTIZE, torch.bfloat16, 0, slot, CHUNK, 64)
+        return _wire.request(_wire.QUANTIZE, torch.bfloat16, 0, slot, CHUNK, 64)
 
     with pytest.raises(KeyboardInterrupt):
         pool.run(20, fill, lambda i, slot, sums: None)
@@ -291,3 +304,26 @@ def test_after_repeated_worker_failures_the_threads_take_over(workers):
         assert pool.failed
     assert _procs.pool_for(1 << 30, wait=True) is None
     _procs._failures = 0
+
+
+def test_the_kernel_gives_every_worker_as_many_chunks(workers):
+    """5.5 chunks' worth of elements go as 6 nearly equal chunks (3 per worker), not 5 full ones and a half."""
+    pool = _pool()
+    sizes: list[int] = []
+    real_run = pool.run
+
+    def run(count, fill, collect):
+        def spy(i, slot):
+            request = fill(i, slot)
+            sizes.append(_wire.REQUEST.unpack(request[: _wire.REQUEST.size])[4])
+            return request
+
+        return real_run(count, spy, collect)
+
+    pool.run = run
+    try:
+        cpu.quantize_4bit(torch.randn(11, CHUNK // 2).to(torch.bfloat16), quant_type="nf4", blocksize=64)
+    finally:
+        del pool.run
+    assert len(sizes) == 6 and sum(sizes) == 11 * CHUNK // 2 and len(set(sizes[:-1])) == 1
+    assert 0 <= sizes[0] - sizes[-1] < 6 * 64  # the first ones rounded up to whole blocks, the last one less

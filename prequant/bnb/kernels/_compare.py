@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import torch
 
-from . import _flat, _parallel, _procs
+from . import _flat, _parallel, _procs, _wire
 
 # Elements per task, a multiple of every blocksize, the same for any thread count: the partial sums are
 # those of whole tasks, so the figures do not depend on the machine. Large, so that each numpy call
@@ -107,12 +107,12 @@ def _on_processes(src: _flat.Flat, source: torch.Tensor, codes: np.ndarray, absm
                   partial: list[tuple[float, float, float]]) -> bool:  # fmt: skip
     """The tasks of `error_sums` as chunks of the worker processes (`_procs`), into `partial`; False where the
     pool is not ready or cannot take them (then the threads compute every task)."""
-    if source.dtype not in _procs.DTYPES or src.dtype not in _procs.RAW_DTYPES:
+    if source.dtype not in _wire.DTYPES or src.dtype not in _wire.RAW_DTYPES:
         return False
     pool = _procs.pool_for(n)
     if pool is None or step > pool.chunk:
         return False
-    table, origin, aux = pairs.numpy(), _procs.file_origin(source), _procs.RAW_DTYPES.index(src.dtype)
+    table, origin, aux = pairs.numpy(), _wire.file_origin(source), _wire.RAW_DTYPES.index(src.dtype)
 
     def fill(i: int, slot: int) -> bytes:
         start, stop = i * step, min(n, (i + 1) * step)
@@ -123,7 +123,7 @@ def _on_processes(src: _flat.Flat, source: torch.Tensor, codes: np.ndarray, absm
         pool.array(slot, "codes", np.dtype(np.uint8), pair_count)[:] = codes[start // 2 : start // 2 + pair_count]
         pool.array(slot, "absmax", np.dtype(np.float32), blocks)[:] = absmax[first : first + blocks]
         pool.array(slot, "pairs", np.dtype(np.float64), 256)[:] = table
-        return _procs.request(_procs.SUMS, source.dtype, aux, slot, stop - start, blocksize, exponent, origin,
+        return _wire.request(_wire.SUMS, source.dtype, aux, slot, stop - start, blocksize, exponent, origin,
                               start * source.element_size())  # fmt: skip
 
     def collect(i: int, slot: int, sums: tuple) -> None:

@@ -30,108 +30,36 @@ import mmap
 import os
 import select
 import selectors
-import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from ...util import trace
 from . import _parallel, _quantize4
+from ._wire import FAILED, NON_FINITE, READY, REPLY, SlotLayout
 
 log = logging.getLogger(__name__)
 
 ENV = "PREQUANT_CPU_PROCESSES"
 PROCESSES: int | None = None  # workers; None: ENV, else the default above (tests set it)
 AUTO_MIN = 4  # fewer threads than this: the GIL costs little, and a worker's torch import (0.15 GB) would not pay
-MIN_ELEMENTS = 1 << 24  # smaller tensors stay on the threads (a 4096x4096 weight takes about 10 ms there)
-CHUNK = 1 << 20  # elements per chunk: 2-4 MiB of input, a few milliseconds of one core
-WORKER_PIECE = 1 << 16  # elements per piece inside a worker: its buffers stay in the core's L2 cache
+MIN_ELEMENTS = 1 << 22  # smaller tensors stay on the threads (a few milliseconds there)
+# Elements per chunk, at most: 2-4 MiB of input, a few milliseconds of one core. The kernel cuts a tensor
+# into whole rounds of chunks (as many per worker); the statistics' chunks are `_compare`'s tasks.
+CHUNK = 1 << 20
 SLOTS_PER_WORKER = 2
 MAX_FAILURES = 3  # pools whose workers failed, at most: then this process keeps to the threads
-
-# The wire: requests (kind, dtype, aux, slot, count, blocksize, exponent, then where the input is: byte offset,
-# device, inode and path length of a file, followed by the path; length 0: in the slot) and replies (slot,
-# status, sums).
-REQUEST = struct.Struct("<BBBxiqiiqQQH")
-REPLY = struct.Struct("<iiddd")
-READY = b"R"
-QUANTIZE, SUMS = 1, 2
-OK, NON_FINITE, FAILED = 0, 1, 2
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-QUANT_TYPES = ("nf4", "fp4")
-RAW_DTYPES = (np.dtype(np.uint16), np.dtype(np.float16), np.dtype(np.float32))  # a source range, as `_flat` reads it
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding this prequant
 
 
 class Unavailable(Exception):
     """The pool cannot take this tensor (a worker failed or died): the caller uses the threads."""
-
-
-class SlotLayout:
-    """Where each region of a slot for `chunk` elements starts: the input (float32 at most), codes, absmax, a table."""
-
-    def __init__(self, chunk: int) -> None:
-        sizes = {"input": chunk * 4, "codes": chunk // 2, "absmax": chunk // 64 * 4, "pairs": 256 * 8}
-        self.offsets, at = {}, 0
-        for region, size in sizes.items():
-            self.offsets[region], at = at, at + size
-        self.size = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-class Origin(NamedTuple):
-    """Where a tensor's bytes lie in a file this process has mapped: the workers read them there (in parallel,
-    from the page cache) rather than this thread copying them into the arena."""
-
-    path: bytes
-    offset: int  # of the tensor's first byte in the file
-    device: int
-    inode: int
-
-
-def file_origin(x: torch.Tensor) -> Origin | None:
-    """The file and offset of a contiguous tensor's bytes when they are a mapped file's (a source view), else None.
-
-    Read from /proc/self/maps, so it covers every reader (safetensors views, `.bin` shards loaded with mmap).
-    A private mapping is the file's bytes as long as nobody writes it, and prequant never writes a source view.
-    A deleted or replaced file is refused here, or by the worker (whose read checks the inode)."""
-    if not x.is_contiguous() or x.numel() == 0:
-        return None
-    start, end = x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            for line in f:
-                fields = line.split(maxsplit=5)
-                low, _, high = fields[0].partition(b"-")
-                if len(fields) == 6 and int(low, 16) <= start and end <= int(high, 16):
-                    path = fields[5].rstrip(b"\n")
-                    if not path.startswith(b"/") or path.endswith(b" (deleted)"):
-                        return None
-                    major, _, minor = fields[3].partition(b":")
-                    mapped = (os.makedev(int(major, 16), int(minor, 16)), int(fields[4]))
-                    st = os.stat(path)
-                    if (st.st_dev, st.st_ino) != mapped:  # replaced since (or a file system whose maps differ)
-                        return None
-                    return Origin(path, int(fields[2], 16) + start - int(low, 16), *mapped)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def request(kind: int, dtype: torch.dtype, aux: int, slot: int, count: int, blocksize: int, exponent: int = 0,
-            origin: Origin | None = None, first_byte: int = 0) -> bytes:  # fmt: skip
-    """One request: a chunk of `count` elements in `slot`, or, with `origin`, at `first_byte` of that tensor's file."""
-    if origin is None:
-        return REQUEST.pack(kind, DTYPES.index(dtype), aux, slot, count, blocksize, exponent, 0, 0, 0, 0)
-    head = REQUEST.pack(kind, DTYPES.index(dtype), aux, slot, count, blocksize, exponent, origin.offset + first_byte,
-                        origin.device, origin.inode, len(origin.path))  # fmt: skip
-    return head + origin.path
 
 
 def workers() -> int:
@@ -159,7 +87,8 @@ def pool_for(elements: int, *, wait: bool = False) -> Pool | None:
     with _lock:
         if _pool is not None and _pool.pid != os.getpid():  # a forked child: the workers are its parent's
             _pool = None
-        if _pool is not None and (_pool.size != count or _pool.chunk != CHUNK or _pool.broken):
+        settings = (count, CHUNK, SLOTS_PER_WORKER)
+        if _pool is not None and ((_pool.size, _pool.chunk, _pool.slots) != settings or _pool.broken):
             _failures += _pool.failed
             _pool.close()
             _pool = None
@@ -190,7 +119,7 @@ class Pool:
     time (`busy`)."""
 
     def __init__(self, size: int) -> None:
-        self.size, self.chunk, self.pid = size, CHUNK, os.getpid()
+        self.size, self.chunk, self.slots, self.pid = size, CHUNK, SLOTS_PER_WORKER, os.getpid()
         self.layout = SlotLayout(self.chunk)
         self.broken = self.failed = False  # closed; closed because a worker failed
         self.chunks = 0  # chunks done by the workers, all tensors together
@@ -199,12 +128,12 @@ class Pool:
         self._selector = selectors.DefaultSelector()
         self._fd = os.memfd_create("prequant-kernel")
         try:
-            os.ftruncate(self._fd, self.layout.size * size * SLOTS_PER_WORKER)
-            self._map = mmap.mmap(self._fd, self.layout.size * size * SLOTS_PER_WORKER)
+            os.ftruncate(self._fd, self.layout.size * size * self.slots)
+            self._map = mmap.mmap(self._fd, self.layout.size * size * self.slots)
             paths = (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))  # the workers import this same prequant
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
-            cmd = [sys.executable, "-m", "prequant.bnb.kernels._worker", str(self._fd), str(len(self._map)),
-                   str(self.chunk)]
+            args = (self._fd, len(self._map), self.chunk)
+            cmd = [sys.executable, "-m", "prequant.bnb.kernels._worker", *map(str, args)]
             for i in range(size):
                 proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._fd,),
                                         env=env)  # fmt: skip
@@ -251,9 +180,11 @@ class Pool:
             self.busy.release()
 
     def _run(self, count: int, fill: Callable[[int, int], bytes], collect: Callable[[int, int, tuple], None]) -> None:
-        free = [[w * SLOTS_PER_WORKER + k for k in range(SLOTS_PER_WORKER)] for w in range(self.size)]
+        free = [[w * self.slots + k for k in range(self.slots)] for w in range(self.size)]
         chunk_of: dict[int, int] = {}
         next_chunk, non_finite = 0, False
+        waited = computed = 0.0
+        started = time.perf_counter()
         while True:
             for w, slots in enumerate(free):  # every worker with a free slot gets its next chunk
                 while slots and next_chunk < count and not non_finite:
@@ -262,17 +193,25 @@ class Pool:
                     chunk_of[slot], next_chunk = next_chunk, next_chunk + 1
             if not chunk_of:
                 break
-            for key, _ in self._selector.select():
-                slot, status, *sums = self._reply(key.fileobj.fileno())  # type: ignore[union-attr]
+            t = time.perf_counter()
+            ready = self._selector.select()
+            waited += time.perf_counter() - t
+            for key, _ in ready:
+                slot, status, err2, ref2, max_err, seconds = self._reply(key.fileobj.fileno())  # type: ignore[union-attr]
+                computed += seconds
                 if status == FAILED or slot not in chunk_of:
                     raise Unavailable(f"CPU kernel worker {key.data} failed (its error is above)")
                 chunk = chunk_of.pop(slot)
-                free[slot // SLOTS_PER_WORKER].append(slot)
+                free[slot // self.slots].append(slot)
                 if status == NON_FINITE:
                     non_finite = True  # no more chunks go out; those out are answered first
                 elif not non_finite:
-                    collect(chunk, slot, tuple(sums))
+                    collect(chunk, slot, (err2, ref2, max_err))
                     self.chunks += 1
+        # Where a tensor's time went: the workers' computing over their capacity says how well they were fed.
+        trace.add("cpu-workers-wall", time.perf_counter() - started)
+        trace.add("cpu-workers-computing", computed / self.size)
+        trace.add("cpu-workers-feeder-waiting", waited)
         if non_finite:
             raise _quantize4.NonFinite("input holds NaN or Inf")
 

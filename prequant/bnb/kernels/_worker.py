@@ -1,10 +1,10 @@
 """A CPU kernel worker process (``python -m prequant.bnb.kernels._worker FD SIZE CHUNK``): runs the chunks `_procs`
 hands it, on the shared arena it maps from FD.
 
-Each request (`_procs.REQUEST`, on stdin) names a slot of the arena and a chunk that the parent copied into it:
+Each request (`_wire.REQUEST`, on stdin) names a slot of the arena and a chunk that the parent copied into it:
 a block-aligned range of one tensor. The worker runs exactly the code the thread pool runs on that range
 (`_quantize4.Job` for the 4-bit codes, `_compare.chunk_sums` for the error sums), single-threaded, writes
-the results into the same slot and answers with `_procs.REPLY` on its own copy of stdout. Whatever a library
+the results into the same slot and answers with `_wire.REPLY` on its own copy of stdout. Whatever a library
 prints goes to stderr. SIGINT and SIGTERM are ignored: the parent decides how a conversion ends, and a
 worker ends when its stdin closes (the parent closed the pool, or died).
 """
@@ -15,12 +15,13 @@ import mmap
 import os
 import signal
 import sys
+import time
 import traceback
 
 import numpy as np
 import torch
 
-from . import _compare, _procs, _quantize4
+from . import _compare, _quantize4, _wire
 
 
 class _Arena:
@@ -28,7 +29,7 @@ class _Arena:
 
     def __init__(self, fd: int, size: int, chunk: int) -> None:
         self.map = mmap.mmap(fd, size)
-        self.slot = _procs.SlotLayout(chunk)
+        self.slot = _wire.SlotLayout(chunk)
 
     def array(self, slot: int, region: str, dtype: np.dtype, count: int) -> np.ndarray:
         offset = slot * self.slot.size + self.slot.offsets[region]
@@ -44,7 +45,7 @@ def _quantize(arena: _Arena, slot: int, count: int, dtype: torch.dtype, quant_ty
     x = arena.tensor(slot, "input", dtype, count)
     packed = arena.tensor(slot, "codes", torch.uint8, (count + 1) // 2)
     absmax = arena.tensor(slot, "absmax", torch.float32, -(-count // blocksize))
-    piece = max(blocksize, _procs.WORKER_PIECE // blocksize * blocksize)  # one thread: the L2-sized piece
+    piece = max(blocksize, _wire.WORKER_PIECE // blocksize * blocksize)  # one thread: the L2-sized piece
     job = _quantize4.Job(x, quant_type, blocksize, piece, -(-count // piece), packed, absmax)
     for i in range(job.tasks):
         job.run_task(i)
@@ -85,26 +86,26 @@ def _serve(fd: int, size: int, chunk: int) -> None:
     replies = os.dup(1)
     os.dup2(2, 1)  # a library's prints go to stderr, never into the replies
     requests = sys.stdin.buffer
-    os.write(replies, _procs.READY)
-    while len(data := requests.read(_procs.REQUEST.size)) == _procs.REQUEST.size:
-        kind, dtype_code, aux, slot, count, blocksize, exponent, at, device, inode, length = _procs.REQUEST.unpack(data)
+    os.write(replies, _wire.READY)
+    while len(data := requests.read(_wire.REQUEST.size)) == _wire.REQUEST.size:
+        kind, dtype_code, aux, slot, count, blocksize, exponent, at, device, inode, length = _wire.REQUEST.unpack(data)
         path = requests.read(length) if length else b""
-        dtype = _procs.DTYPES[dtype_code]
-        status, sums = _procs.OK, (0.0, 0.0, 0.0)
+        dtype = _wire.DTYPES[dtype_code]
+        status, sums, started = _wire.OK, (0.0, 0.0, 0.0), time.perf_counter()
         try:
             if path:  # the input is in the source file: read it into the slot (from the page cache, mostly)
                 itemsize = torch.empty(0, dtype=dtype).element_size()
                 _read(path, at, device, inode, arena.array(slot, "input", np.dtype(np.uint8), count * itemsize))
-            if kind == _procs.QUANTIZE:
-                _quantize(arena, slot, count, dtype, _procs.QUANT_TYPES[aux], blocksize)
+            if kind == _wire.QUANTIZE:
+                _quantize(arena, slot, count, dtype, _wire.QUANT_TYPES[aux], blocksize)
             else:
-                sums = _sums(arena, slot, count, dtype, _procs.RAW_DTYPES[aux], blocksize, exponent)
+                sums = _sums(arena, slot, count, dtype, _wire.RAW_DTYPES[aux], blocksize, exponent)
         except _quantize4.NonFinite:
-            status = _procs.NON_FINITE
+            status = _wire.NON_FINITE
         except Exception:  # noqa: BLE001 - reported to the parent, which redoes the tensor on its threads
             traceback.print_exc()
-            status = _procs.FAILED
-        os.write(replies, _procs.REPLY.pack(slot, status, *sums))
+            status = _wire.FAILED
+        os.write(replies, _wire.REPLY.pack(slot, status, *sums, time.perf_counter() - started))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from . import _flat, _parallel, _procs, _quantize4, _tables
+from . import _flat, _parallel, _procs, _quantize4, _tables, _wire
 from ._cuda_mean import cuda_mean
 from ._dynamic8 import quantize_8bit
 
@@ -93,16 +93,18 @@ def _on_processes(x: torch.Tensor, quant_type: str, blocksize: int, packed: torc
     pool = _procs.pool_for(x.numel())
     if pool is None:
         return False
-    source, n, origin = _flat.Flat(x, bits=True), x.numel(), _procs.file_origin(x)
-    step = pool.chunk // blocksize * blocksize
+    source, n, origin = _flat.Flat(x, bits=True), x.numel(), _wire.file_origin(x)
+    # Whole rounds of chunks: every worker gets as many, so none idles while another finishes the tensor.
+    count = _ceil(_ceil(n, pool.chunk), pool.size) * pool.size
+    step = _ceil(_ceil(n, count), blocksize) * blocksize
     packed_np, absmax_np = packed.numpy(), absmax.numpy()
-    aux = _procs.QUANT_TYPES.index(quant_type)
+    aux = _wire.QUANT_TYPES.index(quant_type)
 
     def fill(i: int, slot: int) -> bytes:
         start, stop = i * step, min(n, (i + 1) * step)
         if origin is None:
             source.copy_range(start, stop, pool.array(slot, "input", source.dtype, stop - start))
-        return _procs.request(_procs.QUANTIZE, x.dtype, aux, slot, stop - start, blocksize, 0, origin,
+        return _wire.request(_wire.QUANTIZE, x.dtype, aux, slot, stop - start, blocksize, 0, origin,
                               start * x.element_size())  # fmt: skip
 
     def collect(i: int, slot: int, _sums: tuple) -> None:
@@ -151,6 +153,10 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
         codes[start : start + chunk_codes.numel()] = chunk_codes
         nested_absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
     return codes, nested_absmax, float(offset)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _chunk_elements() -> int:
