@@ -263,10 +263,15 @@ def test_small_tensors_and_busy_pools_use_the_threads(workers):
 def test_worker_count(monkeypatch, caplog):
     monkeypatch.setattr(_procs, "PROCESSES", None)
     monkeypatch.delenv(_procs.ENV, raising=False)
+    monkeypatch.setattr(_procs, "_memory_available", lambda: 64 * 2**30)
     monkeypatch.setattr(_parallel, "THREADS", _procs.AUTO_MIN - 1)
     assert _procs.workers() == 0  # few cores: the threads
     monkeypatch.setattr(_parallel, "THREADS", 16)
     assert _procs.workers() == 16  # one per thread
+    monkeypatch.setattr(_procs, "_memory_available", lambda: 6 * 8 * _procs.WORKER_BYTES)
+    assert _procs.workers() == 6  # as many as an eighth of the available memory holds
+    monkeypatch.setattr(_procs, "_memory_available", lambda: 3 * 8 * _procs.WORKER_BYTES)
+    assert _procs.workers() == 0  # too few to pay
     monkeypatch.setenv(_procs.ENV, "3")
     assert _procs.workers() == 3
     monkeypatch.setenv(_procs.ENV, "0")
@@ -275,6 +280,8 @@ def test_worker_count(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="prequant.bnb.kernels._procs"):
         assert _procs.workers() == 0
     assert "PREQUANT_CPU_PROCESSES='many'" in caplog.text
+    monkeypatch.undo()
+    assert _procs._memory_available() > 2**20  # the real figure, from /proc/meminfo
 
 
 def test_a_conversion_on_the_workers_writes_the_threads_bytes(workers, checkpoints, tmp_path):

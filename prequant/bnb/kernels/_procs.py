@@ -19,7 +19,8 @@ The pool starts on the first large tensor, without waiting: until its workers ha
 or two, in parallel), tensors go to the threads. A worker that fails or dies closes the pool and the tensor is
 redone on the threads; an interrupt kills the workers (they only ever touch the arena, never a caller's
 tensor). PREQUANT_CPU_PROCESSES sets the workers (0: threads only); the default is one per thread of
-`_parallel.threads()` where that is at least `AUTO_MIN`, else none.
+`_parallel.threads()`, no more than an eighth of the available memory holds (`WORKER_BYTES` each), and none
+where that makes fewer than `AUTO_MIN`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ log = logging.getLogger(__name__)
 
 ENV = "PREQUANT_CPU_PROCESSES"
 PROCESSES: int | None = None  # workers; None: ENV, else the default above (tests set it)
-AUTO_MIN = 4  # fewer threads than this: the GIL costs little, and a worker's torch import (0.15 GB) would not pay
+AUTO_MIN = 4  # fewer workers than this: the GIL costs the threads little, and the workers' imports would not pay
+# A worker's own memory, mostly its torch import: RssAnon 148 MiB with a CPU build of torch (the 2-core machine),
+# 285 MiB with a CUDA build (the GPU machine, `bench_cpu_kernel.py`: 4.56 GB for 16 workers).
+WORKER_BYTES = 300 * 2**20
 MIN_ELEMENTS = 1 << 22  # smaller tensors stay on the threads (a few milliseconds there)
 # Elements per chunk, at most: 2-4 MiB of input, a few milliseconds of one core. The kernel cuts a tensor
 # into whole rounds of chunks (as many per worker); the statistics' chunks are `_compare`'s tasks.
@@ -73,8 +77,18 @@ def workers() -> int:
         except ValueError:
             log.warning("%s=%r is not a number of processes; using the threads", ENV, text)
             return 0
-    threads = _parallel.threads()
-    return threads if threads >= AUTO_MIN else 0
+    # One per thread, as far as an eighth of the memory available pays for their torch imports.
+    count = min(_parallel.threads(), _memory_available() // 8 // WORKER_BYTES)
+    return count if count >= AUTO_MIN else 0
+
+
+def _memory_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where it cannot be read: then no workers)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def pool_for(elements: int, *, wait: bool = False) -> Pool | None:
