@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -264,24 +266,59 @@ def test_worker_count(monkeypatch, caplog):
     monkeypatch.setattr(_procs, "PROCESSES", None)
     monkeypatch.delenv(_procs.ENV, raising=False)
     monkeypatch.setattr(_procs, "_memory_available", lambda: 64 * 2**30)
-    monkeypatch.setattr(_parallel, "THREADS", _procs.AUTO_MIN - 1)
-    assert _procs.workers() == 0  # few cores: the threads
     monkeypatch.setattr(_parallel, "THREADS", 16)
+    assert _procs.workers() == 0  # not asked: the threads
+    monkeypatch.setenv(_procs.ENV, "3")
+    assert _procs.workers() == 3
+    monkeypatch.setenv(_procs.ENV, "0")
+    assert _procs.workers() == 0
+    monkeypatch.setenv(_procs.ENV, "auto")
     assert _procs.workers() == 16  # one per thread
     monkeypatch.setattr(_procs, "_memory_available", lambda: 6 * 8 * _procs.WORKER_BYTES)
     assert _procs.workers() == 6  # as many as an eighth of the available memory holds
     monkeypatch.setattr(_procs, "_memory_available", lambda: 3 * 8 * _procs.WORKER_BYTES)
     assert _procs.workers() == 0  # too few to pay
-    monkeypatch.setenv(_procs.ENV, "3")
-    assert _procs.workers() == 3
-    monkeypatch.setenv(_procs.ENV, "0")
-    assert _procs.workers() == 0
+    monkeypatch.setattr(_procs, "_memory_available", lambda: 64 * 2**30)
+    monkeypatch.setattr(_parallel, "THREADS", _procs.AUTO_MIN - 1)
+    assert _procs.workers() == 0  # few cores: the threads
     monkeypatch.setenv(_procs.ENV, "many")
     with caplog.at_level(logging.WARNING, logger="prequant.bnb.kernels._procs"):
         assert _procs.workers() == 0
     assert "PREQUANT_CPU_PROCESSES='many'" in caplog.text
     monkeypatch.undo()
     assert _procs._memory_available() > 2**20  # the real figure, from /proc/meminfo
+
+
+def test_a_conversion_process_with_workers_exits_cleanly_without_leaving_them(checkpoints, tmp_path):
+    """A `prequant convert` process given PREQUANT_CPU_PROCESSES=2 quantizes on its workers (its trace has their
+    timings), writes the threads' bytes, exits 0 and leaves no worker behind. The tiny model's tensors reach the
+    workers only through a small MIN_ELEMENTS and a pool started first (a long conversion's pool is ready after
+    its first seconds), which only a test sets: hence the -c."""
+    from conftest import cli_env
+
+    src, trace_file = checkpoints("llama"), tmp_path / "trace.json"
+    code = ("import sys; from prequant.bnb.kernels import _procs; _procs.MIN_ELEMENTS = 1 << 12; "
+            "pool = _procs.pool_for(1 << 40, wait=True); print('workers', *[p.pid for p in pool._procs], "
+            "file=sys.stderr, flush=True); from prequant.__main__ import main; sys.argv[0] = 'prequant'; main()")  # fmt: skip
+    pids: list[int] = []
+    for name, processes in (("threads", "0"), ("workers", "2")):
+        env = cli_env({_procs.ENV: processes, "PREQUANT_TRACE": str(trace_file)})
+        if processes == "0":  # no pool to start first
+            run = ["-m", "prequant"]
+        else:
+            run = ["-c", code]
+        done = subprocess.run([sys.executable, *run, "convert", str(src), str(tmp_path / name), "--device", "cpu"],
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        busy = json.loads(trace_file.read_text())["busy"]
+        assert ("cpu-workers-wall" in busy) == (processes != "0")
+        pids += [int(v) for line in done.stderr.splitlines() if line.startswith("workers ") for v in line.split()[1:]]
+    assert len(pids) == 2
+    for pid in pids:  # killed at exit (and reaped by init): gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    for shard in sorted(p.name for p in (tmp_path / "threads").glob("*.safetensors")):
+        assert (tmp_path / "threads" / shard).read_bytes() == (tmp_path / "workers" / shard).read_bytes()
 
 
 def test_a_conversion_on_the_workers_writes_the_threads_bytes(workers, checkpoints, tmp_path):

@@ -1,26 +1,32 @@
 """The CPU kernel's chunks on worker processes, past the one GIL that caps the thread pool on many cores.
 
 `_parallel`'s threads overlap only while numpy's loops run: every call takes the GIL back, and on 16 cores
-the hand-overs cost more than the pieces. Measured on the GPU machine's 16 cores (Xeon, Python 3.12,
-`scripts/profile_cpu_kernel.py --only processes`): the 4-bit kernel made 2.1-2.6 GB/s of bf16 on 16 threads
-and 3.57 GB/s in 16 processes. So on a machine with at least `AUTO_MIN` cores large tensors go to a pool of
-worker processes (`_worker`), each running the thread pool's own code on one chunk at a time, single-threaded.
+the hand-overs cost more than the pieces. So large tensors can go to a pool of worker processes (`_worker`),
+each running the thread pool's own code on one chunk at a time, single-threaded.
 
-How a tensor goes through: it is cut into chunks of `CHUNK` elements (whole blocks; the statistics' chunks
-are exactly `_compare`'s tasks, so the sums are the same numbers added in the same order). Each chunk gets a
-slot of a shared arena (an anonymous memfd every worker maps) and a fixed-size request on its worker's stdin;
-the results are copied out of the slot when the reply comes. Each worker has two slots, so it finds its next
-chunk waiting when it finishes one. A tensor that is a mapped file's bytes (a source view: `file_origin`)
-is read by the workers themselves from that file, in parallel; any other tensor (a cast, a transposed
-Conv1D weight) is copied into the slots by this thread. Bytes are the thread pool's: the same functions
-compute them from the same values.
+How a tensor goes through: the kernel cuts it into whole rounds of chunks (as many per worker) of at most
+`CHUNK` elements; the statistics' chunks are exactly `_compare`'s tasks, so the sums are the same numbers
+added in the same order. Each chunk gets a slot of a shared arena (an anonymous memfd every worker maps) and a
+fixed-size request on its worker's stdin (`_wire`); the results are copied out of the slot when the reply
+comes. Each worker has two slots, so it finds its next chunk waiting when it finishes one. A tensor that is a
+mapped file's bytes (a source view: `_wire.file_origin`) is read by the workers themselves from that file, in
+parallel; any other (a cast, a transposed Conv1D weight) is copied into the slots by this thread. Bytes are
+the thread pool's: the same functions compute them from the same values.
 
 The pool starts on the first large tensor, without waiting: until its workers have imported torch (a second
 or two, in parallel), tensors go to the threads. A worker that fails or dies closes the pool and the tensor is
-redone on the threads; an interrupt kills the workers (they only ever touch the arena, never a caller's
-tensor). PREQUANT_CPU_PROCESSES sets the workers (0: threads only); the default is one per thread of
-`_parallel.threads()`, no more than an eighth of the available memory holds (`WORKER_BYTES` each), and none
-where that makes fewer than `AUTO_MIN`.
+redone on the threads; an interrupt kills the workers (they only ever touch the arena, never a caller's tensor).
+
+Off unless asked (PREQUANT_CPU_PROCESSES=N, or =auto: one per thread of `_parallel.threads()`, as many as an
+eighth of the available memory holds at `WORKER_BYTES` each, none below `AUTO_MIN`). Measured on the GPU
+machine's 16 cores, 2026-12-01: the kernel alone (`scripts/bench_cpu_kernel.py --shapes 14336x4096 --threads 16`)
+made 2.13-2.32 GB/s on 16 workers against 1.65-1.80 on the threads, and a 16 GB Llama-shaped conversion run
+in-process with its source in the page cache took 17.2 s against 23.4 s; but the whole `prequant convert`
+process from a cold page cache took 26.2 s against 26.8 s (`scripts/bench.py --size-gb 16 --shape llama
+--device cpu --warm-libraries`, same lease): its pipeline gained 2.5 s, the workers' start-up and the last
+shard's hash took most of it back. Against that, 16 workers hold 4.56 GB (torch's CUDA build) of memory.
+The workers computed 62% of the time they were given: each tensor still goes kernel, double quantization,
+statistics one after another, and tensors below `MIN_ELEMENTS` stay on the threads.
 """
 
 from __future__ import annotations
@@ -67,19 +73,20 @@ class Unavailable(Exception):
 
 
 def workers() -> int:
-    """Worker processes large tensors use now (0: the threads only)."""
+    """Worker processes large tensors use now (0: the threads only): PROCESSES, else PREQUANT_CPU_PROCESSES (a
+    number, or "auto"); unset, none (see the module's notes for why)."""
     if PROCESSES is not None:
         return max(0, PROCESSES)
-    text = os.environ.get(ENV, "").strip()
-    if text:
-        try:
-            return max(0, int(text))
-        except ValueError:
-            log.warning("%s=%r is not a number of processes; using the threads", ENV, text)
-            return 0
-    # One per thread, as far as an eighth of the memory available pays for their torch imports.
-    count = min(_parallel.threads(), _memory_available() // 8 // WORKER_BYTES)
-    return count if count >= AUTO_MIN else 0
+    text = os.environ.get(ENV, "").strip().lower()
+    if text == "auto":
+        # One per thread, as far as an eighth of the memory available pays for their torch imports.
+        count = min(_parallel.threads(), _memory_available() // 8 // WORKER_BYTES)
+        return count if count >= AUTO_MIN else 0
+    try:
+        return max(0, int(text or 0))
+    except ValueError:
+        log.warning("%s=%r is neither a number of processes nor auto; using the threads", ENV, text)
+        return 0
 
 
 def _memory_available() -> int:
@@ -119,13 +126,14 @@ def pool_for(elements: int, *, wait: bool = False) -> Pool | None:
     return pool if pool.ready(wait) else None
 
 
-def close() -> None:
-    """End the workers (at exit; tests)."""
+def close(kill: bool = False) -> None:
+    """End the workers (tests; at exit, killed: they hold nothing worth waiting for, and waiting for each to
+    see its stdin close took 0.7 s of a conversion's exit with 16 of them)."""
     global _pool
     with _lock:
         pool, _pool = _pool, None
     if pool is not None and pool.pid == os.getpid():
-        pool.close()
+        pool.close(kill)
 
 
 class Pool:
@@ -280,4 +288,4 @@ class Pool:
 _lock = threading.Lock()
 _pool: Pool | None = None
 _failures = 0
-atexit.register(close)
+atexit.register(close, kill=True)
