@@ -45,9 +45,13 @@ class TensorReader:
 
     One private mapping per file, opened on first use and closed with the reader. Views are
     file-backed pages: the kernel may drop and re-read them, so they never pin anonymous memory.
+    Safe to use from several threads at once (the GPU loader reads one tensor's parts in parallel).
     """
 
     def __init__(self) -> None:
+        # Opening is check-then-open: without the lock, threads reading a shard's first tensor at once each
+        # opened it and all but one descriptor leaked, holding a deleted Hub shard's disk space until exit.
+        self._open_lock = threading.Lock()
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}  # .bin shards: memory-mapped state dicts
@@ -60,9 +64,11 @@ class TensorReader:
         """A tensor's outputs are written. Local files need nothing; a Hub source may evict a finished shard."""
 
     def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
+        """This reader's descriptor of `path` (opened once, whatever the threads asking)."""
+        with self._open_lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
 
     def _bin_tensor(self, ref: TensorRef) -> torch.Tensor:
         if ref.file not in self._bins:
@@ -77,10 +83,11 @@ class TensorReader:
         if ref.offset == BIN_OFFSET:
             return self._bin_tensor(ref)
         fd = self.fd(ref.file)
-        if ref.file not in self._maps:
-            # ACCESS_COPY (MAP_PRIVATE) gives a writable buffer for torch.frombuffer without ever
-            # writing back; pages stay shared with the page cache as long as nobody writes them.
-            self._maps[ref.file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        with self._open_lock:
+            if ref.file not in self._maps:
+                # ACCESS_COPY (MAP_PRIVATE) gives a writable buffer for torch.frombuffer without ever
+                # writing back; pages stay shared with the page cache as long as nobody writes them.
+                self._maps[ref.file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         # Touching mapped pages past the end of a file raises SIGBUS, which kills the process without a word:
         # a file cut short since it was scanned gets an error naming it instead.
         size = os.fstat(fd).st_size
@@ -107,9 +114,10 @@ class TensorReader:
 
     def release(self, path: Path) -> None:
         """Drop this reader's handles on one file (so that deleting it frees its space)."""
-        mapping = self._maps.pop(path, None)
-        fd = self._fds.pop(path, None)
-        self._bins.pop(path, None)
+        with self._open_lock:
+            mapping = self._maps.pop(path, None)
+            fd = self._fds.pop(path, None)
+            self._bins.pop(path, None)
         if mapping is not None:
             try:
                 mapping.close()
