@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -371,3 +372,41 @@ def test_the_kernel_gives_every_worker_as_many_chunks(workers):
         del pool.run
     assert len(sizes) == 6 and sum(sizes) == 11 * CHUNK // 2 and len(set(sizes[:-1])) == 1
     assert 0 <= sizes[0] - sizes[-1] < 6 * 64  # the first ones rounded up to whole blocks, the last one less
+
+
+def test_threads_asking_for_a_starting_pool_at_once_all_get_it(workers, monkeypatch):
+    """Readiness is read by one thread at a time: two threads reading one worker's ready byte at once left the
+    second blocked on a pipe that would never speak again. A slower `select` (50 ms more) holds the window
+    open that a loaded machine opens by chance."""
+    real_select = _procs.select.select
+
+    def slow_select(*args):
+        ready = real_select(*args)
+        time.sleep(0.05)
+        return ready
+
+    _procs.close()
+    _procs._failures = 0
+    monkeypatch.setattr(_procs.select, "select", slow_select)
+    got: list[object] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def ask() -> None:
+        start.wait()
+        try:
+            while (pool := _procs.pool_for(1 << 30)) is None:
+                pass
+        except BaseException as e:  # noqa: BLE001 - e.g. two threads removing the same worker from the list
+            errors.append(e)
+            return
+        got.append(pool)
+
+    threads = [threading.Thread(target=ask, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck waiting for a worker"
+    assert errors == []
+    assert len(got) == 8 and len({id(p) for p in got}) == 1

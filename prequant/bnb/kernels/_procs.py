@@ -145,7 +145,7 @@ class Pool:
         self.layout = SlotLayout(self.chunk)
         self.broken = self.failed = False  # closed; closed because a worker failed
         self.chunks = 0  # chunks done by the workers, all tensors together
-        self.busy = threading.Lock()
+        self.busy, self._ready_lock = threading.Lock(), threading.Lock()
         self._procs: list[subprocess.Popen[bytes]] = []
         self._selector = selectors.DefaultSelector()
         self._fd = os.memfd_create("prequant-kernel")
@@ -168,6 +168,10 @@ class Pool:
 
     def ready(self, wait: bool) -> bool:
         """Whether every worker has said it is ready (reading what they said so far; waiting if `wait`)."""
+        with self._ready_lock:  # two threads must not both read one worker's byte (the second would block)
+            return self._read_ready(wait)
+
+    def _read_ready(self, wait: bool) -> bool:
         while self._waiting and not self.broken:
             said, _, _ = select.select(self._waiting, [], [], None if wait else 0)
             for fd in said:
