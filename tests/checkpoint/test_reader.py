@@ -39,11 +39,7 @@ def test_threads_reading_a_shard_at_once_open_it_once_and_release_closes_it(tmp_
         start = threading.Barrier(8)
         parts = [bytearray(4096) for _ in range(8)]
 
-        def read(i: int) -> None:
-            start.wait()
-            reader.read_into(ref, i * 4096, memoryview(parts[i]))
-
-        threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+        threads = [threading.Thread(target=_read, args=(reader, ref, start, i, parts[i])) for i in range(8)]
         for t in threads:
             t.start()
         for t in threads:
@@ -55,3 +51,8 @@ def test_threads_reading_a_shard_at_once_open_it_once_and_release_closes_it(tmp_
         del view
         reader.release(path)
         assert _descriptors_on(path) == 0
+
+
+def _read(reader: TensorReader, ref, start: threading.Barrier, i: int, out: bytearray) -> None:
+    start.wait()  # all threads ask for the shard's first bytes at once, as the GPU loader's do
+    reader.read_into(ref, i * 4096, memoryview(out))
