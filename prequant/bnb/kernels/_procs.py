@@ -53,7 +53,7 @@ from ._wire import FAILED, NON_FINITE, READY, REPLY, SlotLayout
 log = logging.getLogger(__name__)
 
 ENV = "PREQUANT_CPU_PROCESSES"
-PROCESSES: int | None = None  # workers; None: ENV, else the default above (tests set it)
+PROCESSES: int | None = None  # workers; None: as PREQUANT_CPU_PROCESSES says (tests set it)
 AUTO_MIN = 4  # fewer workers than this: the GIL costs the threads little, and the workers' imports would not pay
 # A worker's own memory, mostly its torch import: RssAnon 148 MiB with a CPU build of torch (the 2-core machine),
 # 285 MiB with a CUDA build (the GPU machine, `bench_cpu_kernel.py`: 4.56 GB for 16 workers).
