@@ -261,8 +261,7 @@ class Pool:
 
     def array(self, slot: int, region: str, dtype: np.dtype, count: int) -> np.ndarray:
         """A region of a slot as numpy (this process' view of the arena)."""
-        offset = slot * self.layout.size + self.layout.offsets[region]
-        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset)
+        return self.layout.array(self._map, slot, region, dtype, count)
 
     def close(self, kill: bool = False) -> None:
         """End the workers: closing their stdin ends them after their chunk; `kill` (or one that does not

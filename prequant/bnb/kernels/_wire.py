@@ -40,6 +40,10 @@ class SlotLayout:
             self.offsets[region], at = at, at + size
         self.size = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
 
+    def array(self, arena: mmap.mmap, slot: int, region: str, dtype: np.dtype, count: int) -> np.ndarray:
+        """A region of a slot of `arena` as numpy (the pool's mapping or a worker's: the same bytes)."""
+        return np.frombuffer(arena, dtype=dtype, count=count, offset=slot * self.size + self.offsets[region])
+
 
 class Origin(NamedTuple):
     """Where a tensor's bytes lie in a file this process has mapped: the workers read them there (in parallel,

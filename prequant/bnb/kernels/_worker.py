@@ -32,12 +32,10 @@ class _Arena:
         self.slot = _wire.SlotLayout(chunk)
 
     def array(self, slot: int, region: str, dtype: np.dtype, count: int) -> np.ndarray:
-        offset = slot * self.slot.size + self.slot.offsets[region]
-        return np.frombuffer(self.map, dtype=dtype, count=count, offset=offset)
+        return self.slot.array(self.map, slot, region, dtype, count)
 
     def tensor(self, slot: int, region: str, dtype: torch.dtype, count: int) -> torch.Tensor:
-        offset = slot * self.slot.size + self.slot.offsets[region]
-        return torch.frombuffer(self.map, dtype=dtype, count=count, offset=offset)
+        return torch.from_numpy(self.array(slot, region, np.dtype(np.uint8), count * dtype.itemsize)).view(dtype)
 
 
 def _quantize(arena: _Arena, slot: int, count: int, dtype: torch.dtype, quant_type: str, blocksize: int) -> None:
@@ -94,8 +92,7 @@ def _serve(fd: int, size: int, chunk: int) -> None:
         status, sums, started = _wire.OK, (0.0, 0.0, 0.0), time.perf_counter()
         try:
             if path:  # the input is in the source file: read it into the slot (from the page cache, mostly)
-                itemsize = torch.empty(0, dtype=dtype).element_size()
-                _read(path, at, device, inode, arena.array(slot, "input", np.dtype(np.uint8), count * itemsize))
+                _read(path, at, device, inode, arena.array(slot, "input", np.dtype(np.uint8), count * dtype.itemsize))
             if kind == _wire.QUANTIZE:
                 _quantize(arena, slot, count, dtype, _wire.QUANT_TYPES[aux], blocksize)
             else:
