@@ -162,3 +162,14 @@ def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"imported before torch should be: {proc.stdout.strip()}"
+
+
+def test_a_local_conversion_imports_huggingface_hub_only_to_write_the_card():
+    """huggingface_hub costs 0.3 s of imports: `convert()`'s modules load without it (the card imports it when it
+    is written, at the end, beside the last shards' hashes)."""
+    code = ("import sys\nimport prequant.conversion.run, prequant.cli\n"
+            "print('huggingface_hub' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

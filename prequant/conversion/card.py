@@ -12,8 +12,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
-
 from .._version import __version__
 from ..bnb.stats import expected_rel_error
 from ..checkpoint.hf_files import CARD
@@ -40,6 +38,8 @@ def write_card(
     The loading examples name `repo_id` when the destination is known (--push-to-hub), else a name
     derived from the base model: never the local output path, so that converting the same source with
     the same options gives the same bytes wherever the output goes."""
+    from huggingface_hub import ModelCard, ModelCardData  # here: 0.3 s of imports, not on a conversion's start-up
+
     original = _original_card(source_dir / CARD)
     s = plan.settings
     tags = ["bitsandbytes", "4-bit", s.quant_type, "prequant"]
@@ -61,6 +61,8 @@ def _original_card(path: Path) -> dict | None:
     """The source card split into carried metadata and text; None when the source has no README.md."""
     if not path.is_file():
         return None
+    from huggingface_hub import ModelCard
+
     raw = path.read_text(encoding="utf-8", errors="replace")
     try:
         card = ModelCard(raw, ignore_metadata_errors=True)

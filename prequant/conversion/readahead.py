@@ -15,6 +15,20 @@ on the GPU machine the start-up (imports, bitsandbytes, CUDA) took 10 s instead 
 depth is shallow while the processes start up (32 MiB still reads a cold 16 GB as fast as no bound does,
 8.5 against 8.35 s), then deeper once the pipeline runs (128 MiB): its shard writes share the queue, and
 with 32 MiB they starved the reads (the 16 GB pipeline took 7.2 s instead of 4.9 s).
+
+When the libraries themselves are cold (not in the page cache: a fresh machine, a cache dropped), the imports
+read them page fault by page fault, each fault a small read that waits behind whatever the readahead has
+queued: on the GPU machine a cold Grok-shaped 33 GB conversion finished importing at 22.4 s with 32 MiB of
+queued advice, where a cold tiny conversion, with nothing read ahead, had imported at 3.2 s (2026-12-01,
+`scripts/bench.py --size-gb 33 --shape grok --device cuda`, and a tiny checkpoint). So the CLI checks whether
+torch's main library is in the page cache (`libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. The same
+cold 33 GB, one machine lease (2026-12-02, PREQUANT_READAHEAD_COLD_DEPTH), against a floor of 24.8-25.5 s:
+
+    depth while cold    imported   quantizer ready   whole run
+    0 (wait)              3.4 s        12.8 s           40.5 s (1.63x the floor)
+    4 MiB                 6.2 s        12.6 s           34.6 s (1.36x)
+    1 MiB                 4.0 s         8.0 s           33.3 s (1.34x)
+    32 MiB (earlier)     22.4 s        25.9 s           37.1 s (1.39x, floor 26.7 s, the lease before)
 """
 
 from __future__ import annotations
@@ -29,6 +43,13 @@ _STEP = 64 * 1024 * 1024
 # Bytes asked of the disk and not yet read: enough to keep it streaming, little for other reads to wait behind.
 START_DEPTH = 32 * 1024 * 1024  # while torch, bitsandbytes, CUDA and transformers load
 PIPELINE_DEPTH = 128 * 1024 * 1024  # once the pipeline reads and writes too
+# While cold libraries are faulted in (module docstring). PREQUANT_READAHEAD_COLD_DEPTH (bytes; 0 asks nothing
+# until the pipeline starts) overrides it, for `scripts/bench.py` to compare depths on a machine.
+COLD_START_DEPTH = 1024 * 1024
+COLD_ENV = "PREQUANT_READAHEAD_COLD_DEPTH"
+# Below this share of libtorch_cpu.so in the page cache, the libraries count as cold (a warm process has touched
+# about 55% of it, 236 of its 451 MB on the GPU machine; a dropped cache leaves nearly none).
+COLD_FRACTION = 0.2
 _MIN_ADVICE = 128 * 1024  # the kernel's default readahead: what one WILLNEED call reads at the very least
 
 
@@ -86,10 +107,14 @@ def _cgroup_room(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys
 class Readahead:
     """A background thread that keeps up to `window` bytes of the source read ahead of `consumed`."""
 
-    def __init__(self, files: list[Path], window: int | None = None, depth: int = PIPELINE_DEPTH) -> None:
+    def __init__(self, files: list[Path], window: int | None = None, depth: int = PIPELINE_DEPTH,
+                 cold_depth: int | None = None) -> None:
         self.files = [Path(f) for f in files]
         self.window = window or default_window()
         self.depth = depth
+        # `cold_depth`: the depth while the libraries load, if this thread finds them cold (`libraries_cold`),
+        # unless a depth is set first.
+        self._cold_depth = cold_depth
         self._consumed = 0
         self._cond = threading.Condition()
         self._stopped = False
@@ -103,8 +128,12 @@ class Readahead:
             self._cond.notify()
 
     def set_depth(self, depth: int) -> None:
-        """From the next request on, keep at most `depth` bytes asked of the disk and not yet read."""
-        self.depth = depth
+        """From the next request on, keep at most `depth` bytes asked of the disk and not yet read (0: ask
+        nothing until a later call sets a depth)."""
+        with self._cond:
+            self.depth = depth
+            self._cold_depth = None  # a depth set now wins over what the start-up check finds
+            self._cond.notify()
 
     def stop(self) -> None:
         global _current
@@ -115,6 +144,10 @@ class Readahead:
             _current = None  # the next conversion in this process starts a fresh one
 
     def _run(self) -> None:
+        if self._cold_depth is not None and libraries_cold():
+            with self._cond:
+                if self._cold_depth is not None:
+                    self.depth = self._cold_depth
         position = 0
         asked: deque[tuple[int, int]] = deque()  # (end offset, bytes) of advice not yet known to be read
         try:
@@ -127,12 +160,13 @@ class Readahead:
                     for offset in range(0, size, _STEP):
                         n = min(_STEP, size - offset)
                         with self._cond:
-                            self._cond.wait_for(lambda: self._stopped or position - self._consumed < self.window)
+                            self._cond.wait_for(lambda: self._stopped or (
+                                self.depth > 0 and position - self._consumed < self.window))
                             if self._stopped:
                                 return
                             behind = position + n <= self._consumed  # done already (e.g. before a --resume)
                         if not behind:
-                            for start, piece in pieces(offset, n, chunk):
+                            for start, piece in pieces(offset, n, min(chunk, self.depth) or chunk):
                                 _wait_read(fd, asked, self.depth - piece)  # depth read afresh: set_depth
                                 os.posix_fadvise(fd, start, piece, os.POSIX_FADV_WILLNEED)
                                 asked.append((start + piece, piece))
@@ -155,8 +189,9 @@ def _wait_read(fd: int, asked: deque[tuple[int, int]], limit: int) -> None:
 _current: Readahead | None = None
 
 
-def start(files: list[Path], depth: int = PIPELINE_DEPTH) -> Readahead | None:
-    """Start (or keep, if already started on the same files) the process' readahead, at this depth."""
+def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None = None) -> Readahead | None:
+    """Start (or keep, if already started on the same files) the process' readahead, at this depth; a new one
+    started with `cold_depth` uses that instead while the libraries are cold (`Readahead`)."""
     global _current
     if not hasattr(os, "posix_fadvise"):
         return None
@@ -164,8 +199,9 @@ def start(files: list[Path], depth: int = PIPELINE_DEPTH) -> Readahead | None:
     if _current is None or _current.files != files:
         if _current is not None:
             _current.stop()
-        _current = Readahead(files, depth=depth)
-    _current.set_depth(depth)
+        _current = Readahead(files, depth=depth, cold_depth=cold_depth)
+    else:
+        _current.set_depth(depth)
     return _current
 
 
@@ -177,6 +213,66 @@ def start_for_source(source: str) -> None:
     try:
         path = Path(source)
         if path.is_dir():
-            start(list(local(source, path).weight_files), depth=START_DEPTH)
+            start(list(local(source, path).weight_files), depth=START_DEPTH, cold_depth=cold_start_depth())
     except Exception:  # noqa: BLE001 - advisory only; convert() reports any problem properly
         pass
+
+
+def cold_start_depth() -> int:
+    """The start-up depth beside cold libraries: COLD_START_DEPTH, or the bytes PREQUANT_READAHEAD_COLD_DEPTH says."""
+    try:
+        return max(0, int(os.environ.get(COLD_ENV, COLD_START_DEPTH)))
+    except ValueError:
+        return COLD_START_DEPTH
+
+
+def libraries_cold() -> bool:
+    """Whether torch's main shared library is mostly outside the page cache (then its imports will read the disk),
+    found without importing torch. False when it cannot tell."""
+    try:
+        lib = _torch_library()
+        fraction = resident_fraction(lib) if lib is not None else None
+    except (OSError, ImportError, ValueError):
+        return False
+    return fraction is not None and fraction < COLD_FRACTION
+
+
+def _torch_library() -> Path | None:
+    """torch's libtorch_cpu.so, found as an import would find it, without importing torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "lib" / "libtorch_cpu.so"
+
+
+def resident_fraction(path: Path) -> float | None:
+    """The share of a file's pages in the page cache (mincore on a map of it, which reads none of them), or None
+    where that cannot be asked."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    if not size:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(address, size, vec) != 0:
+                return None
+            return 1 - bytes(vec).count(0) / pages  # only bit 0 (resident) is ever set
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)

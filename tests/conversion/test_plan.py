@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
 from safetensors.torch import save_file
 
 import prequant
+from prequant.conversion import plan as plan_module
 
 
 def test_dry_run_predicts_shard_sizes_headers_included(tmp_path):
@@ -25,3 +27,73 @@ def test_dry_run_predicts_shard_sizes_headers_included(tmp_path):
     predicted = plan.shard_bytes()["model.safetensors"]
     assert abs(predicted - actual) <= 64, (predicted, actual)  # one quant state's JSON length is estimated
     assert plan.to_dict()["output_bytes"] == predicted
+
+
+# --- shards: one when everything fits, else tapering towards the end (their hashes end with the writes) ---------
+
+GB = 10**9
+
+
+def _shard_sizes(sizes: list[int], max_shard_size: int) -> list[int]:
+    shard_of = plan_module._assign_shards(sizes, max_shard_size)
+    assert shard_of == sorted(shard_of) and sorted(set(shard_of)) == list(range(max(shard_of) + 1)), shard_of
+    totals = [0] * (max(shard_of) + 1)
+    for shard, size in zip(shard_of, sizes):
+        totals[shard] += size
+    return totals
+
+
+def _groups(sizes: list[int], max_shard_size: int) -> list[list[int]]:
+    shard_of = plan_module._assign_shards(sizes, max_shard_size)
+    return [[s for s, k in zip(sizes, shard_of) if k == shard] for shard in range(max(shard_of) + 1)]
+
+
+def test_an_output_that_fits_is_one_shard():
+    assert _shard_sizes([GB] * 5, 5 * GB) == [5 * GB]
+
+
+def test_a_llama_8b_shaped_output_ends_in_shards_hashed_while_the_next_is_written():
+    """70 quantized groups of 80 MB, then the 1.05 GB lm_head kept: the head alone is the last shard (larger than
+    TAIL_SHARD, it cannot share), the one before is at most TAPER times it, and none exceeds the limit."""
+    sizes = [80 * 10**6] * 70 + [1_050_000_000]
+    totals = _shard_sizes(sizes, 5 * GB)
+    assert totals[-1] == 1_050_000_000
+    assert totals[-2] <= plan_module.TAPER * totals[-1]
+    assert all(t <= 5 * GB for t in totals) and sum(totals) == sum(sizes)
+
+
+def test_shards_shrink_towards_the_end_down_to_the_tail_size():
+    """Uniform groups: the last shard holds at most TAIL_SHARD, each one before at most TAPER times the next,
+    and every shard is full to its limit except the first (the remainder)."""
+    group = 100 * 10**6
+    totals = _shard_sizes([group] * 300, 5 * GB)
+    tail = plan_module.TAIL_SHARD
+    assert totals[-1] <= tail and totals[-1] + group > tail
+    for shard, after in itertools.pairwise(totals[1:]):
+        limit = min(5 * GB, plan_module.TAPER * after)
+        assert shard <= limit and shard + group > limit, totals
+    assert totals[1:-3] == [5 * GB] * (len(totals) - 4) and 0 < totals[0] <= 5 * GB
+
+
+def test_a_group_larger_than_the_limit_gets_a_shard_of_its_own():
+    assert _groups([6 * GB, 10, 6 * GB], 5 * GB) == [[6 * GB], [10], [6 * GB]]
+    assert _groups([10, 20, 6 * GB], 5 * GB) == [[10, 20], [6 * GB]]
+
+
+def test_a_conversion_with_tapered_shards_loads_and_verifies(checkpoints, tmp_path, monkeypatch):
+    """The writer, the index and verify take any assignment: a tiny Llama with the tail scaled down to its size."""
+    from transformers import AutoModelForCausalLM
+
+    from prequant.verify.run import verify
+
+    monkeypatch.setattr(plan_module, "TAIL_SHARD", 10_000)
+    src, out = checkpoints("llama"), tmp_path / "out"
+    prequant.convert(src, out, device="cpu", progress=False, max_shard_size="60KB")
+    files = sorted(out.glob("model-*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    assert len(files) >= 3 and sizes[-1] < sizes[-2] <= 60_000, sizes
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == [f.name for f in files]
+    assert verify(out, src, progress=False).ok
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.quantization_config.quant_method == "bitsandbytes"

@@ -179,3 +179,58 @@ def test_cgroup_room_is_what_the_memory_limit_leaves(tmp_path):
     assert readahead._cgroup_room(proc, tmp_path / "fs") is None  # no limit
     proc.write_text("1:memory:/jobs/convert\n")  # cgroup v1 only: not read
     assert readahead._cgroup_room(proc, tmp_path / "fs") is None
+
+
+def _evicted(path: Path, size: int) -> Path:
+    """A file written, flushed and dropped from the page cache (as after `echo 3 > drop_caches`)."""
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_resident_fraction_is_the_share_of_the_file_in_the_page_cache(tmp_path):
+    f = _evicted(tmp_path / "lib.so", 8 << 20)
+    cold = readahead.resident_fraction(f)
+    if cold is None or cold > 0.5:
+        pytest.skip(f"this file system keeps pages DONTNEED asks to drop (resident {cold})")
+    f.read_bytes()
+    warm = readahead.resident_fraction(f)
+    assert warm is not None and warm > 0.9 and cold <= 0.5
+
+
+def test_an_early_readahead_beside_cold_libraries_waits_until_convert_sets_its_depth(two_files, advice, tmp_path,
+                                                                                     monkeypatch):
+    """Cold libraries are read fault by fault, each fault waiting behind the queued advice: the CLI's readahead
+    then asks nothing (cold depth 0) until convert() takes it over with the pipeline's depth."""
+    library = _evicted(tmp_path / "libtorch_cpu.so", 8 << 20)
+    fraction = readahead.resident_fraction(library)
+    if fraction is None or fraction > readahead.COLD_FRACTION:
+        pytest.skip("this file system keeps pages DONTNEED asks to drop")
+    monkeypatch.setattr(readahead, "_torch_library", lambda: library)
+    r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=0)
+    _wait_until_blocked(r)
+    assert r.depth == 0 and _advised(advice) == 0
+    r.set_depth(readahead.PIPELINE_DEPTH)
+    r._thread.join()
+    assert _advised(advice) == 3 * readahead._STEP
+
+
+def test_an_early_readahead_beside_warm_libraries_keeps_its_start_up_depth(two_files, advice, tmp_path, monkeypatch):
+    library = tmp_path / "libtorch_cpu.so"
+    library.write_bytes(b"\1" * (1 << 20))  # just written: in the page cache
+    monkeypatch.setattr(readahead, "_torch_library", lambda: library)
+    r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=0)
+    r._thread.join()
+    assert r.depth == readahead.START_DEPTH and _advised(advice) == 3 * readahead._STEP
+
+
+def test_the_cold_start_depth_can_be_set_for_a_benchmark(monkeypatch):
+    monkeypatch.setenv(readahead.COLD_ENV, str(4 << 20))
+    assert readahead.cold_start_depth() == 4 << 20
+    monkeypatch.setenv(readahead.COLD_ENV, "four")
+    assert readahead.cold_start_depth() == readahead.COLD_START_DEPTH
