@@ -153,8 +153,11 @@ def test_background_readahead_keeps_at_most_depth_bytes_asked_and_not_yet_read(t
     assert any(kind == "wait" for kind, _, _ in events)
 
 
-def test_the_clis_early_readahead_is_shallow_and_deepens_once_convert_takes_it_over(tmp_path):
+def test_the_clis_early_readahead_is_shallow_and_deepens_once_convert_takes_it_over(tmp_path, monkeypatch):
     """Shallow while the imports fault in library pages (they would wait behind it), deep once the pipeline runs."""
+    library = tmp_path / "libtorch_cpu.so"
+    library.write_bytes(b"\1" * (1 << 20))  # warm libraries (cold ones: the test below)
+    monkeypatch.setattr(readahead, "_torch_library", lambda: library)
     (tmp_path / "model.safetensors").write_bytes(b"\1" * (3 * readahead._STEP // 2))
     readahead.start_for_source(str(tmp_path))
     early = readahead._current
