@@ -232,7 +232,7 @@ def libraries_cold() -> bool:
     try:
         lib = _torch_library()
         fraction = resident_fraction(lib) if lib is not None else None
-    except (OSError, ImportError, ValueError):
+    except Exception:  # noqa: BLE001 - advisory only, like the read-ahead itself: then keep the usual depth
         return False
     return fraction is not None and fraction < COLD_FRACTION
 
