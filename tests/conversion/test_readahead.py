@@ -227,7 +227,8 @@ def test_an_early_readahead_beside_warm_libraries_keeps_its_start_up_depth(two_f
     library = tmp_path / "libtorch_cpu.so"
     library.write_bytes(b"\1" * (1 << 20))  # just written: in the page cache
     monkeypatch.setattr(readahead, "_torch_library", lambda: library)
-    r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=0)
+    # A cold depth that still reads (not 0), so that wrongly taking it shows as a wrong depth, not a hang.
+    r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=1 << 20)
     r._thread.join()
     assert r.depth == readahead.START_DEPTH and _advised(advice) == 3 * readahead._STEP
 
