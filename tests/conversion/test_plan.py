@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import prequant
+from prequant.checkpoint.safetensors import read_header
 from prequant.conversion import plan as plan_module
 
 
@@ -90,8 +91,12 @@ def test_a_conversion_with_tapered_shards_loads_and_verifies(checkpoints, tmp_pa
     src, out = checkpoints("llama"), tmp_path / "out"
     prequant.convert(src, out, device="cpu", progress=False, max_shard_size="60KB")
     files = sorted(out.glob("model-*.safetensors"))
-    sizes = [f.stat().st_size for f in files]
-    assert len(files) >= 3 and sizes[-1] < sizes[-2] <= 60_000, sizes
+    shards = [read_header(f)[0] for f in files]
+    data = [sum(t.nbytes for t in tensors) for tensors in shards]
+    assert len(files) >= 3 and all(d <= 60_000 for d in data), data
+    assert data[-1] <= 10_000 or len(shards[-1]) == 1, data  # the tail, as written
+    for shard, tensors, after in zip(data, shards, data[1:]):  # front-to-back shards would break this
+        assert shard <= plan_module.TAPER * max(after, 10_000) or len(tensors) == 1, data
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(set(weight_map.values())) == [f.name for f in files]
     assert verify(out, src, progress=False).ok
