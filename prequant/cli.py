@@ -10,6 +10,7 @@ from . import exits
 
 import typer
 
+from .bnb import tensor_spawn
 from .conversion import layout_worker, readahead
 from .util.helptext import Command as _Command, examples as _examples
 
@@ -96,7 +97,8 @@ def convert(
     if layout_worker.worthwhile():
         layout_worker.start(source, skip or [], trust_remote_code)  # transformers imports there, torch here
     if not (dry_run or resume):
-        readahead.start_for_source(source)  # the disk works while torch imports
+        weight_bytes = readahead.start_for_source(source)  # the disk works while torch imports
+        tensor_spawn.start_early(weight_bytes, device)  # and so do the CPU workers
     from .conversion.options import ConvertOptions
     from .conversion.run import convert as run_convert
 

@@ -206,14 +206,17 @@ def _round(v: float) -> float | None:
 
 
 class Collector:
-    """The pipeline's `inspect` hook: statistics for every quantized tensor, by source name."""
+    """The pipeline's statistics: every quantized tensor's, by source name."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, TensorStats] = {}
         self._lock = threading.Lock()
 
     def inspect(self, step: object, source: torch.Tensor, entries: dict[str, torch.Tensor]) -> None:
-        stats = entry_stats(source, entries)
+        self.add(step, entry_stats(source, entries))
+
+    def add(self, step: object, stats: TensorStats) -> None:
+        """Statistics measured elsewhere (by the worker process that quantized the tensor: `tensor_pool`)."""
         with self._lock:
             self.tensors[step.source.name] = stats  # type: ignore[attr-defined]
 

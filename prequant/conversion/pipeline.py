@@ -10,7 +10,8 @@ model size:
 On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
 CUDA stream, and results come back into pinned buffers that torch's caching host allocator reuses, so host
 memory stays at those buffers and the few tensors in flight. On the CPU the reader hands over zero-copy
-memory-mapped views; `readahead` keeps the kernel reading the files ahead; the quantizing thread spreads
+memory-mapped views; `readahead` keeps the kernel reading the files ahead; the quantizing thread hands
+whole tensors to worker processes, one per core (`quantizing`, `bnb.tensor_pool`), or, on few cores, spreads
 each tensor's quantization and statistics over the kernels' thread pool (`bnb.kernels._parallel`), so this
 stage uses every core rather than one. Tensors kept as they are never enter this process: their values are
 checked on the mapped view (one reduction over the pages the copy reads anyway), then the writer has the
@@ -20,7 +21,6 @@ the quantizing device like a quantized one and is cast there.
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,64 +28,17 @@ from typing import BinaryIO
 
 import torch
 
-from ..bnb.format import entry_key
 from ..bnb.quantize import Quantizer
-from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import BIN_OFFSET
 from ..util import trace
 from .gpu_loader import GpuLoader
 from .journal import Journal
 from .plan import Plan, Step
+from .quantizing import Stats, quantize_all
 from .shardset import FileSlice, ShardSet
+from .stages import END, Stage, Stop
 
-IN_FLIGHT = 2  # tensors queued between stages
-
-
-class _Stop(Exception):
-    """Another stage failed; this one stops quietly and the first error is raised."""
-
-
-class _Stage:
-    """A bounded queue that gives up as soon as any stage has failed."""
-
-    def __init__(self, failed: threading.Event, name: str, size: int = IN_FLIGHT) -> None:
-        self._put_label, self._get_label = f"{name}-put-wait", f"{name}-get-wait"
-        self._q: queue.Queue = queue.Queue(maxsize=size)
-        self._failed = failed
-
-    def put(self, item: object) -> None:
-        with trace.busy(self._put_label):
-            self._put(item)
-
-    def get(self) -> object:
-        with trace.busy(self._get_label):
-            return self._get()
-
-    def _put(self, item: object) -> None:
-        while True:
-            if self._failed.is_set():
-                raise _Stop
-            try:
-                self._q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def _get(self) -> object:
-        while True:
-            if self._failed.is_set():
-                raise _Stop
-            try:
-                return self._q.get(timeout=0.1)
-            except queue.Empty:
-                continue
-
-
-_END = object()
-
-# inspect(step, source tensor, entries by short name ("weight", "absmax", ...)), on the quantizing device.
-Inspect = Callable[[Step, torch.Tensor, dict[str, torch.Tensor]], None]
 # check(name, kept tensor) -> (NaN, Inf) counts when not all finite; raises to refuse it (`kept.KeptCheck`).
 Check = Callable[[str, torch.Tensor], "tuple[int, int] | None"]
 
@@ -97,7 +50,7 @@ def run(
     staging: Path,
     journal: Journal | None = None,
     on_step: Callable[[Step], None] = lambda step: None,
-    inspect: Inspect | None = None,
+    stats: Stats | None = None,
     on_shard: Callable[[str, BinaryIO], None] = lambda name, file: file.close(),
     check: Check | None = None,
 ) -> dict[str, int]:
@@ -105,8 +58,8 @@ def run(
 
     With a journal, finished work is recorded as it lands and work a previous run finished is skipped.
     `on_step` is called (from the writer thread) after each step's outputs are written, or at start for
-    each step already done; `inspect(step, source, entries)` is called on the quantizing thread with both
-    on the quantizing device (statistics are cheap there); `on_shard(name, file)` (writer thread) when a
+    each step already done; `stats` measures each quantized tensor (on the quantizing device, where statistics
+    are cheap, or on the worker process that quantized it: `quantizing`); `on_shard(name, file)` (writer thread) when a
     shard's bytes are all written, with the shard open for reading (the callee closes it), before its flush;
     `check(name, tensor)` on every kept tensor's values as written (its counts go into the journal).
 
@@ -116,7 +69,7 @@ def run(
     """
     failed = threading.Event()
     errors: list[BaseException] = []
-    loaded, quantized = _Stage(failed, "loaded"), _Stage(failed, "quantized")
+    loaded, quantized = Stage(failed, "loaded"), Stage(failed, "quantized")
     shards = ShardSet(plan, staging, journal, on_shard)
     todo = [s for s in plan.steps if not shards.is_done(s)]
     for step in plan.steps:
@@ -128,7 +81,7 @@ def run(
         def body() -> None:
             try:
                 fn()
-            except _Stop:
+            except Stop:
                 pass
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 errors.append(e)
@@ -143,7 +96,7 @@ def run(
         finally:
             if loader is not None:
                 loader.close()
-        loaded.put(_END)
+        loaded.put(END)
 
     def read_steps(loader: GpuLoader | None) -> None:
         # No per-tensor advice: local files are read ahead by readahead.py, Hub shards were just written.
@@ -165,7 +118,7 @@ def run(
     def write_all() -> None:
         try:
             shards.finish_resumed()
-            while (item := quantized.get()) is not _END:
+            while (item := quantized.get()) is not END:
                 step, entries, copied, found = item  # type: ignore[misc]
                 if copied is not None:
                     with trace.busy("device-to-host-wait"):
@@ -181,7 +134,8 @@ def run(
     for t in threads:
         t.start()
     try:
-        guarded(lambda: _quantize_all(loaded, quantized, quantizer, inspect, check))()  # a failure sets `failed`
+        work = sum(s.source.nbytes for s in todo if s.quantize)
+        guarded(lambda: quantize_all(loaded, quantized, quantizer, stats, check, work))()  # a failure sets `failed`
         for t in threads:
             t.join()
     except BaseException:
@@ -194,53 +148,3 @@ def run(
     if errors:
         raise errors[0]
     return shards.sizes
-
-
-def _quantize_all(
-    loaded: _Stage, quantized: _Stage, quantizer: Quantizer, inspect: Inspect | None, check: Check | None
-) -> None:
-    cuda = quantizer.device.type == "cuda"
-    while (item := loaded.get()) is not _END:
-        step, (tensor, ready), found = item  # type: ignore[misc]
-        name = step.source.name
-        if not step.quantize and not step.decision.dtype:
-            quantized.put((step, {name: tensor}, None, found))
-            continue
-        if ready is not None:
-            torch.cuda.current_stream(quantizer.device).wait_event(ready)
-        if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
-            with trace.busy("cast"):
-                tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
-        if step.quantize:
-            entries = _quantized(step, tensor, quantizer, inspect)
-        else:
-            if check is not None:
-                with trace.busy("check-kept"):
-                    found = check(name, tensor)
-            entries = {name: tensor}
-        copied = None
-        if cuda:
-            # Into pinned memory, asynchronously: this thread goes on to the next tensor while the copy runs,
-            # and the writer waits for `copied`. Torch's caching host allocator reuses these buffers (it
-            # holds each until the copy that used it has finished); the queue bounds how many are in use.
-            with trace.busy("device-to-host"):
-                host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in entries.items()}
-                for k, v in entries.items():
-                    host[k].copy_(v, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(torch.cuda.current_stream(quantizer.device))
-                entries = host
-        quantized.put((step, entries, copied, found))
-        del tensor, entries, item
-    quantized.put(_END)
-
-
-def _quantized(step: Step, tensor: torch.Tensor, quantizer: Quantizer, inspect: Inspect | None) -> dict[str, torch.Tensor]:
-    """A weight's checkpoint entries, by key; `inspect` sees them with the tensor as quantized."""
-    x = tensor.t() if step.decision.transpose else tensor
-    with trace.busy("quantize"):
-        entries = quantizer(x, step.source.name)
-    if inspect is not None:
-        with trace.busy("stats"):
-            inspect(step, x, entries)
-    return {entry_key(step.source.name, k): v for k, v in entries.items()}

@@ -221,28 +221,27 @@ def _assign_shards(sizes: list[int], max_shard_size: int) -> list[int]:
 # start earlier. With shards filled front to back (transformers' way) the last full shard completes
 # shortly before the end and its hash runs after everything else: 5 GB at 1.2 GB/s, 3.1 s after the writes
 # of a 16 GB Llama on the GPU machine (`scripts/bench.py --size-gb 16 --shape llama --device cuda
-# --warm-libraries`, 2026-12-01: 1.59x its floor); tapered, 1.7 s (2026-12-02, another lease: 1.26x).
-# A conversion bound by the disk produces output at about a third of the disk's speed or less (the output
-# is a third of the bytes it moves), and sha256 runs at about the disk's speed, so a shard at most 3x the
-# size of the next is hashed while the next is produced; the last is small enough to hash in well under a
-# second. Not so after a large kept tensor, which is copied at the disk's speed: there 1.7 s remain
-# (the bench's Llama ends with its 1 GB lm_head).
+# --warm-libraries`, 2026-12-01: 1.59x its floor). So each shard holds at most as much as all the shards after
+# it together: its hash (at about the disk's speed) is done by the time they are written, even when they are
+# written at the disk's speed, as a large kept tensor is copied. An earlier rule (each shard at most 3x the
+# next one) left 1.7 s after the writes of that Llama, on the GPU (2026-12-02, 1.26x) and 1.9 s on the CPU
+# path: the bench's Llama ends with its 1 GB lm_head, copied in well under a second, after a 3.1 GB shard.
 TAIL_SHARD = 512 * 10**6  # the last shard's bytes, at most (one group larger than that gets a shard alone)
-TAPER = 3  # each shard at most this many times the one after it (and at most max_shard_size)
 
 
 def _tapered(sizes: list[int], max_shard_size: int) -> list[int]:
-    """Shards filled from the end backwards: the last up to TAIL_SHARD, each earlier one up to TAPER times the
-    one after it and max_shard_size; a group larger than its shard's limit gets a shard of its own."""
+    """Shards filled from the end backwards: the last up to TAIL_SHARD, each earlier one up to the bytes of all the
+    shards after it (at least TAIL_SHARD, at most max_shard_size); a group larger than its limit gets a shard alone."""
     bounds: list[int] = []  # index of each shard's first group, last shard first
-    end, limit = len(sizes), min(TAIL_SHARD, max_shard_size)
+    end, after = len(sizes), 0
     while end > 0:
+        limit = min(max_shard_size, max(TAIL_SHARD, after))
         start, used = end - 1, sizes[end - 1]
         while start > 0 and used + sizes[start - 1] <= limit:
             start -= 1
             used += sizes[start]
         bounds.append(start)
-        end, limit = start, min(max_shard_size, max(limit, TAPER * used))
+        end, after = start, after + used
     starts = bounds[::-1]
     ends = [*starts[1:], len(sizes)]
     return [shard for shard, (start, stop) in enumerate(zip(starts, ends)) for _ in range(start, stop)]

@@ -39,6 +39,8 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..util import memory
+
 _STEP = 64 * 1024 * 1024
 # Bytes asked of the disk and not yet read: enough to keep it streaming, little for other reads to wait behind.
 START_DEPTH = 32 * 1024 * 1024  # while torch, bitsandbytes, CUDA and transformers load
@@ -81,10 +83,8 @@ def default_window() -> int:
     process memory: the kernel reclaims it under pressure. It is large on purpose: a cold process spends
     seconds importing torch, transformers and bitsandbytes, and whatever the disk reads meanwhile is what
     the pipeline then gets at memory speed. Past the container's limit, it would evict the pages just read."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+    avail = memory.available()
+    if avail is None:
         return 2 * 10**9
     room = _cgroup_room()
     return max(_STEP, min(avail, room if room is not None else avail) // 4)
@@ -205,17 +205,21 @@ def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None
     return _current
 
 
-def start_for_source(source: str) -> None:
+def start_for_source(source: str) -> int:
     """From the CLI, before torch is imported: the weight files of a local checkpoint directory. (Not for a
-    dry run, which reads headers only, nor a resume, whose finished part convert() reports before it starts.)"""
+    dry run, which reads headers only, nor a resume, whose finished part convert() reports before it starts.)
+    Returns their bytes (0 for anything else), for the CLI to decide what else to start early."""
     from ..source.local import local  # standard library only, like this module
 
     try:
         path = Path(source)
         if path.is_dir():
-            start(list(local(source, path).weight_files), depth=START_DEPTH, cold_depth=cold_start_depth())
+            files = list(local(source, path).weight_files)
+            start(files, depth=START_DEPTH, cold_depth=cold_start_depth())
+            return sum(f.stat().st_size for f in files)
     except Exception:  # noqa: BLE001 - advisory only; convert() reports any problem properly
         pass
+    return 0
 
 
 def cold_start_depth() -> int:

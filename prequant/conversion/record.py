@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,8 +33,8 @@ HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 class Recorder:
-    """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `inspect`
-    hooks), then writes the model card and prequant.json into the staging folder."""
+    """Collects what the manifest needs while convert runs (the pipeline's `on_shard` hook and its
+    `stats`), then writes the model card and prequant.json into the staging folder."""
 
     def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None,
                  job: str | None = None, allow_nan: bool = False) -> None:
@@ -65,10 +64,6 @@ class Recorder:
             for t in self._threads:
                 t.join()
 
-    @property
-    def inspect(self) -> Callable[..., None] | None:
-        """The pipeline's inspect hook (None when statistics are off, so the pipeline skips the call)."""
-        return self.stats.inspect if self.stats is not None else None
 
     def on_shard(self, name: str, file: BinaryIO) -> None:
         """Pipeline hook: shard `name` is complete (`file` reads it); hash it now, in the background."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..bnb import tensor_pool
 from ..bnb.layout import Layout, require_known
 from ..bnb.quantize import Quantizer, check_device, pick_device
 from ..checkpoint import manifest
@@ -64,6 +65,8 @@ def convert(
     # The GPU and bitsandbytes start up while a child process started by the CLI decides the layout.
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device))
+    if quantizer is not None and quantizer.device.type == "cpu":
+        tensor_pool.pool(sum(t.nbytes for t in tensors))  # the CPU workers import torch while the plan is made
     trace.mark("quantizer-ready")
     # Where the architecture is known, the pipeline starts on the layout predicted from names while transformers
     # decides its own (a dry run prints, and a resume's journal fixes, transformers' plan: they wait for it; so
@@ -155,7 +158,7 @@ def _write_shards(
             hooks.append(data.tensor_done)  # a Hub shard: evicted after its last tensor with --delete-source-shards
             trace.mark("pipeline-start")
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=_each(hooks),
-                                 inspect=record.inspect, on_shard=record.on_shard, check=record.kept)
+                                 stats=record.stats, on_shard=record.on_shard, check=record.kept)
             trace.mark("pipeline-end")
             return sizes
     finally:

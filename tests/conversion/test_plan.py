@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import torch
@@ -55,25 +54,27 @@ def test_an_output_that_fits_is_one_shard():
 
 def test_a_llama_8b_shaped_output_ends_in_shards_hashed_while_the_next_is_written():
     """70 quantized groups of 80 MB, then the 1.05 GB lm_head kept: the head alone is the last shard (larger than
-    TAIL_SHARD, it cannot share), the one before is at most TAPER times it, and none exceeds the limit."""
+    TAIL_SHARD, it cannot share), the one before holds at most as much (its hash is done while the head is
+    copied), and none exceeds the limit."""
     sizes = [80 * 10**6] * 70 + [1_050_000_000]
     totals = _shard_sizes(sizes, 5 * GB)
     assert totals[-1] == 1_050_000_000
-    assert totals[-2] <= plan_module.TAPER * totals[-1]
+    assert totals[-2] <= totals[-1]
     assert all(t <= 5 * GB for t in totals) and sum(totals) == sum(sizes)
 
 
 def test_shards_shrink_towards_the_end_down_to_the_tail_size():
-    """Uniform groups: the last shard holds at most TAIL_SHARD, each one before at most TAPER times the next,
-    and every shard is full to its limit except the first (the remainder)."""
+    """Uniform groups: the last shard holds at most TAIL_SHARD, each one before at most all the later ones together
+    (at least TAIL_SHARD), and every shard is full to its limit except the first (the remainder)."""
     group = 100 * 10**6
     totals = _shard_sizes([group] * 300, 5 * GB)
     tail = plan_module.TAIL_SHARD
     assert totals[-1] <= tail and totals[-1] + group > tail
-    for shard, after in itertools.pairwise(totals[1:]):
-        limit = min(5 * GB, plan_module.TAPER * after)
-        assert shard <= limit and shard + group > limit, totals
-    assert totals[1:-3] == [5 * GB] * (len(totals) - 4) and 0 < totals[0] <= 5 * GB
+    for i in range(1, len(totals) - 1):
+        limit = min(5 * GB, max(tail, sum(totals[i + 1 :])))
+        assert totals[i] <= limit and totals[i] + group > limit, totals
+    assert totals[-6:] == [5 * GB, 4 * GB, 2 * GB, GB, 500 * 10**6, 500 * 10**6], totals
+    assert 0 < totals[0] <= 5 * GB
 
 
 def test_a_group_larger_than_the_limit_gets_a_shard_of_its_own():
@@ -95,8 +96,8 @@ def test_a_conversion_with_tapered_shards_loads_and_verifies(checkpoints, tmp_pa
     data = [sum(t.nbytes for t in tensors) for tensors in shards]
     assert len(files) >= 3 and all(d <= 60_000 for d in data), data
     assert data[-1] <= 10_000 or len(shards[-1]) == 1, data  # the tail, as written
-    for shard, tensors, after in zip(data, shards, data[1:]):  # front-to-back shards would break this
-        assert shard <= plan_module.TAPER * max(after, 10_000) or len(tensors) == 1, data
+    for i, (shard, tensors) in enumerate(zip(data[:-1], shards)):  # front-to-back shards would break this
+        assert shard <= max(sum(data[i + 1 :]), 10_000) or len(tensors) == 1, data
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(set(weight_map.values())) == [f.name for f in files]
     assert verify(out, src, progress=False).ok

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...util import trace
+from ...util import memory, trace
 from . import _parallel, _quantize4
 from ._wire import FAILED, NON_FINITE, READY, REPLY, SlotLayout
 
@@ -90,12 +90,8 @@ def workers() -> int:
 
 
 def _memory_available() -> int:
-    """MemAvailable of /proc/meminfo in bytes (0 where it cannot be read: then no workers)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
+    """MemAvailable in bytes (0 where it cannot be read: then no workers)."""
+    return memory.available() or 0
 
 
 def pool_for(elements: int, *, wait: bool = False) -> Pool | None:

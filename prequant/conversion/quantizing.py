@@ -1,0 +1,146 @@
+"""The pipeline's middle stage: each loaded tensor quantized, cast or passed on, in plan order.
+
+On a GPU a tensor is quantized on the device, then copied back into pinned memory asynchronously while this thread
+goes on to the next one. On the CPU, where there are enough cores (`bnb.tensor_pool`), several tensors are in
+flight at once, one per worker process, and are handed on in plan order as they come back; what a worker cannot
+take (a small or cast tensor, a `.bin` shard's, or any tensor while the workers are still starting) is quantized here,
+on the kernel's threads. Either way the bytes and the statistics are the same.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from ..bnb import tensor_pool
+from ..bnb.format import entry_key
+from ..bnb.quantize import Quantizer
+from ..bnb.stats import TensorStats
+from ..checkpoint.dtypes import SAFETENSORS_DTYPES
+from ..util import trace
+from .plan import Step
+from .stages import END, IN_FLIGHT, Stage
+
+
+class Stats(Protocol):
+    """Where each quantized tensor's statistics go (`bnb.stats.Collector`)."""
+
+    def inspect(self, step: Step, source: torch.Tensor, entries: dict[str, torch.Tensor]) -> None:
+        """Measure them from the entries (short names: weight, absmax, ...) and the tensor as quantized."""
+
+    def add(self, step: Step, stats: TensorStats) -> None:
+        """Take them as a worker process measured them."""
+
+
+def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer, stats: Stats | None, check,
+                 work_bytes: int) -> None:  # fmt: skip
+    """Take (step, (tensor, ready event), found) items from `loaded` until END; put (step, entries, copied event,
+    found) items into `quantized`, in the same order, then END. `work_bytes`: what is to be quantized (whether
+    worker processes would pay)."""
+    pool = tensor_pool.pool(work_bytes) if quantizer.device.type == "cpu" else None
+    if pool is None:
+        while (item := loaded.get()) is not END:
+            step, (tensor, ready), found = item  # type: ignore[misc]
+            quantized.put(_here(step, tensor, ready, found, quantizer, stats, check))
+            del item, tensor
+    else:
+        _with_workers(loaded, quantized, quantizer, pool, stats, check)
+    quantized.put(END)
+
+
+def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer, pool: tensor_pool.Pool, stats: Stats | None,
+                  check) -> None:  # fmt: skip
+    # [step, tensor, job (None: done here), result (None: the job's, once answered)], in plan order
+    pending: deque[list] = deque()
+    most = pool.size * tensor_pool.JOBS_PER_WORKER + IN_FLIGHT
+
+    def hand_over(block: bool) -> bool:
+        """Pass the oldest item on once it is done (waiting for it if `block`); whether one was passed."""
+        step, tensor, job, result = pending[0]
+        if job is not None:
+            if not block:
+                pool.poll()
+                if not job.done:
+                    return False
+            pool.wait(job)
+            if job.entries is None:  # the worker could not: here, where any error is the user's to see
+                result = _here(step, tensor, None, result, quantizer, stats, check)
+            else:
+                if stats is not None and job.stats is not None:
+                    stats.add(step, job.stats)
+                result = (step, {entry_key(step.source.name, k): v for k, v in job.entries.items()}, None, result)
+            pool.release(job)
+        pending.popleft()
+        quantized.put(result)
+        return True
+
+    try:
+        while (item := loaded.get()) is not END:
+            step, (tensor, _ready), found = item  # type: ignore[misc]
+            del item
+            job = None
+            if step.quantize and not step.decision.dtype:
+                while pool.full() and pool.busy():  # every worker has its tensors: wait for the oldest
+                    hand_over(block=True)
+                job = pool.take(tensor, step.source.name, quantizer.settings, stats is not None, step.decision.transpose)
+            # A job's slot holds `found` until it is answered; anything else is done now.
+            result = found if job is not None else _here(step, tensor, None, found, quantizer, stats, check)
+            pending.append([step, tensor, job, result])
+            del tensor
+            while pending:  # pass on what is done; past `most` items, wait for the oldest
+                if len(pending) > most:
+                    hand_over(block=True)
+                elif not hand_over(block=False):
+                    break
+        while pending:
+            hand_over(block=True)
+    except BaseException:
+        if pool.busy():  # a tensor may still be in a worker: nothing of this pool is reused
+            pool.close(kill=True)
+        raise
+
+
+def _here(step: Step, tensor: torch.Tensor, ready: torch.cuda.Event | None, found: object, quantizer: Quantizer,
+          stats: Stats | None, check) -> tuple:  # fmt: skip
+    """One item for the writer, computed in this process."""
+    name = step.source.name
+    if not step.quantize and not step.decision.dtype:
+        return (step, {name: tensor}, None, found)
+    if ready is not None:
+        torch.cuda.current_stream(quantizer.device).wait_event(ready)
+    if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
+        with trace.busy("cast"):
+            tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
+    if step.quantize:
+        entries = _quantized(step, tensor, quantizer, stats)
+    else:
+        if check is not None:
+            with trace.busy("check-kept"):
+                found = check(name, tensor)
+        entries = {name: tensor}
+    copied = None
+    if quantizer.device.type == "cuda":
+        # Into pinned memory, asynchronously: this thread goes on to the next tensor while the copy runs,
+        # and the writer waits for `copied`. Torch's caching host allocator reuses these buffers (it
+        # holds each until the copy that used it has finished); the queue bounds how many are in use.
+        with trace.busy("device-to-host"):
+            host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in entries.items()}
+            for k, v in entries.items():
+                host[k].copy_(v, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(quantizer.device))
+            entries = host
+    return (step, entries, copied, found)
+
+
+def _quantized(step: Step, tensor: torch.Tensor, quantizer: Quantizer, stats: Stats | None) -> dict[str, torch.Tensor]:
+    """A weight's checkpoint entries, by key; `stats` sees them with the tensor as quantized."""
+    x = tensor.t() if step.decision.transpose else tensor
+    with trace.busy("quantize"):
+        entries = quantizer(x, step.source.name)
+    if stats is not None:
+        with trace.busy("stats"):
+            stats.inspect(step, x, entries)
+    return {entry_key(step.source.name, k): v for k, v in entries.items()}
