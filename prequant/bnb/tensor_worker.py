@@ -24,11 +24,14 @@ import time
 import torch
 
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
+from ..util import pagecache
 from . import stats
 from .format import Settings
 from .kernels import _parallel, _procs
 from .quantize import Quantizer
 from .tensor_pool import READY, encode_entries
+
+ADVISE = os.environ.get("PREQUANT_WORKER_ADVICE", "1") != "0"
 
 
 def _mapped(request: dict) -> tuple[mmap.mmap, torch.Tensor]:
@@ -44,6 +47,8 @@ def _mapped(request: dict) -> tuple[mmap.mmap, torch.Tensor]:
         start = request["offset"] - request["offset"] % mmap.ALLOCATIONGRANULARITY
         if request["offset"] + nbytes > st.st_size:
             raise OSError(f"{request['path']} ends before byte {request['offset'] + nbytes}")
+        if ADVISE:  # what the read-ahead has not read yet comes in large asynchronous reads, not fault by fault
+            pagecache.will_need(fd, request["offset"], nbytes)
         view = mmap.mmap(fd, request["offset"] + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
     finally:
         os.close(fd)

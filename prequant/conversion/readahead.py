@@ -36,10 +36,10 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..util import memory
+from ..util.pagecache import advice_chunk, pieces
 
 _STEP = 64 * 1024 * 1024
 # Bytes asked of the disk and not yet read: enough to keep it streaming, little for other reads to wait behind.
@@ -52,30 +52,6 @@ COLD_ENV = "PREQUANT_READAHEAD_COLD_DEPTH"
 # Below this share of libtorch_cpu.so in the page cache, the libraries count as cold (a warm process has touched
 # about 55% of it, 236 of its 451 MB on the GPU machine; a dropped cache leaves nearly none).
 COLD_FRACTION = 0.2
-_MIN_ADVICE = 128 * 1024  # the kernel's default readahead: what one WILLNEED call reads at the very least
-
-
-def advice_chunk(fd: int) -> int:
-    """The most bytes one `posix_fadvise(WILLNEED)` call makes Linux read on this file's disk.
-
-    Linux silently caps each call at the device's readahead size or largest I/O, whichever is larger
-    (`force_page_cache_ra`): a 64 MiB request on a disk with 8 MiB readahead reads 8 MiB and drops the rest.
-    Advice must therefore come in pieces of at most this size. Unknown device (overlay, NFS): the default."""
-    try:
-        dev = os.fstat(fd).st_dev
-        base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-        queue = base / "queue" if (base / "queue").is_dir() else base.resolve().parent / "queue"  # a partition
-        kb = max(int((queue / name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb"))
-        return min(_STEP, max(_MIN_ADVICE, kb * 1024))
-    except (OSError, ValueError):
-        return _MIN_ADVICE
-
-
-def pieces(offset: int, length: int, chunk: int) -> Iterator[tuple[int, int]]:
-    """(start, bytes) covering [offset, offset+length) in order, none larger than `chunk`: the pieces one
-    `posix_fadvise(WILLNEED)` call each, so that Linux reads all of them (see `advice_chunk`)."""
-    for start in range(offset, offset + length, chunk):
-        yield start, min(chunk, offset + length - start)
 
 
 def default_window() -> int:
