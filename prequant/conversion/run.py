@@ -53,8 +53,16 @@ def convert(
     downloaded one by one as the conversion reaches them; `delete_source_shards` evicts each one from the
     Hugging Face cache once converted (about two source shards on disk at a time).
     """
+    try:
+        return _convert(source, output_dir, replace(options or ConvertOptions(), **changes))
+    finally:
+        # The CPU workers end with the conversion: each holds its own torch (150-285 MiB), which a long-lived
+        # process (a notebook, a service) should not keep holding after convert() returns.
+        tensor_pool.close()
+
+
+def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -> Plan | Summary:
     started = time.monotonic()
-    opts = replace(options or ConvertOptions(), **changes)
     src = resolve(str(source), stream=True)
     check_delete(src, opts.delete_source_shards)
     out = output.target(output_dir, src.path, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)

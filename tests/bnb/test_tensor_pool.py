@@ -191,8 +191,10 @@ def test_a_conversion_on_the_workers_writes_the_same_bytes_and_statistics(pool, 
     src = checkpoints(kind)
     _without_workers(src, tmp_path / "here")
     pool = tensor_pool.pool()
+    procs = [w.proc for w in pool._workers]
     prequant.convert(src, tmp_path / "workers", device="cpu", progress=False)
     assert pool.tensors > 0 and pool.held == 0 and not pool.busy()
+    assert tensor_pool._pool is None and all(p.poll() is not None for p in procs), "the workers end with convert()"
     names = sorted(p.name for p in (tmp_path / "here").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "workers").iterdir())
     for name in names:

@@ -26,7 +26,9 @@ process from a cold page cache took 26.2 s against 26.8 s (`scripts/bench.py --s
 --device cpu --warm-libraries`, same lease): its pipeline gained 2.5 s, the workers' start-up and the last
 shard's hash took most of it back. Against that, 16 workers hold 4.56 GB (torch's CUDA build) of memory.
 The workers computed 62% of the time they were given: each tensor still goes kernel, double quantization,
-statistics one after another, and tensors below `MIN_ELEMENTS` stay on the threads.
+statistics one after another, and tensors below `MIN_ELEMENTS` stay on the threads. So conversions now hand whole
+tensors to workers of their own instead (`bnb.tensor_pool`, on by default on 4 cores or more); this pool serves
+`kernels.cpu.quantize_4bit` and the statistics when they are called directly, with PREQUANT_CPU_PROCESSES set.
 """
 
 from __future__ import annotations
