@@ -27,13 +27,12 @@ import atexit
 import collections
 import json
 import logging
-import mmap
 import os
 import select
 import socket
 import subprocess
+import threading
 
-import numpy as np
 import torch
 
 from ..checkpoint.dtypes import TORCH_TO_SAFETENSORS
@@ -42,6 +41,7 @@ from . import tensor_spawn
 from .format import Settings
 from .kernels import _parallel, _wire
 from .stats import TensorStats
+from .tensor_wire import READY, decode_entries
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ JOBS_PER_WORKER = 2  # a worker finds its next tensor waiting when it finishes o
 # Memory a tensor's job holds until the caller hands its entries on, per element: the worker's packed codes and
 # absmax while it quantizes, and the memfd they are copied into (about 0.57 bytes per element each).
 BYTES_PER_ELEMENT = 1.2
-READY = b"R"
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -67,44 +66,6 @@ def workers() -> int:
     if text not in ("", "auto") and not text.isdigit():
         log.warning("%s=%r is neither a number of processes nor auto; quantizing in this process", ENV, text)
     return tensor_spawn.count(_parallel.threads())
-
-
-def encode_entries(entries: dict[str, torch.Tensor]) -> tuple[int, list]:
-    """(memfd, layout): the entries' bytes in a fresh memfd, and [key, dtype, shape, offset] for each."""
-    layout, at = [], 0
-    for key, t in entries.items():
-        layout.append([key, TORCH_TO_SAFETENSORS[t.dtype], list(t.shape), at])
-        at += -(-t.numel() * t.element_size() // 64) * 64
-    fd = os.memfd_create("prequant-entries")
-    try:
-        os.ftruncate(fd, max(at, 1))
-        with mmap.mmap(fd, max(at, 1)) as out:
-            for (_, _, _, offset), t in zip(layout, entries.values()):
-                raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                np.frombuffer(out, np.uint8, raw.size, offset)[:] = raw
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, layout
-
-
-def decode_entries(fd: int, layout: list) -> dict[str, torch.Tensor]:
-    """The entries `encode_entries` wrote, as tensors viewing this process' map of the memfd (closed here)."""
-    from ..checkpoint.dtypes import SAFETENSORS_DTYPES
-
-    try:
-        size = os.fstat(fd).st_size
-        # Populated at once: page by page, the writer's pwrite from this map faulted 4 KiB at a time and took twice
-        # as long (7.5 s against 3.9 s for a 16 GB Llama on the GPU machine, 2026-12-02).
-        memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-    out = {}
-    for key, code, shape, offset in layout:
-        dtype = SAFETENSORS_DTYPES[code]
-        count = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        out[key] = torch.from_numpy(np.frombuffer(memory, np.uint8, count, offset)).view(dtype).view(shape)
-    return out
 
 
 class Job:
@@ -130,6 +91,9 @@ class Pool:
 
     def __init__(self, size: int) -> None:
         self.pid, self.size = os.getpid(), size
+        # Held by the conversion using the pool: another thread's conversion quantizes in its own process
+        # meanwhile, and `close()` waits for it (the sockets must not close under it).
+        self.owner = threading.Lock()
         self.broken = self.failed = False  # closed; closed because a worker failed
         self.tensors = 0  # done by the workers, all conversions together
         self.budget = max(1, (memory.available() or 0) // 4)  # bytes the jobs in flight may hold
@@ -290,11 +254,21 @@ def pool(work_bytes: int | None = None) -> Pool | None:
 
 
 def close() -> None:
-    """End the process' pool (tests; at exit, killed: the workers hold nothing worth waiting for)."""
+    """End the process' pool once no conversion uses it (convert() at its end; tests; at exit, killed: the workers
+    hold nothing worth waiting for). A conversion of another thread still using it keeps it."""
     global _pool
-    if _pool is not None and _pool.pid == os.getpid():
-        _pool.close(kill=True)
-    _pool = None
+    current = _pool
+    if current is None or current.pid != os.getpid():
+        _pool = None
+        return
+    if not current.owner.acquire(blocking=False):
+        return  # that conversion's own close() ends it
+    try:
+        current.close(kill=True)
+        if _pool is current:
+            _pool = None
+    finally:
+        current.owner.release()
 
 
 atexit.register(close)

@@ -4,7 +4,7 @@ Each request (one packet of JSON on the socket FD) names a tensor by where its b
 offset, device and inode, as the parent mapped it), its dtype and shape, whether it is quantized transposed, the settings, and whether to measure
 its error. The worker maps those bytes, runs exactly what the conversion runs in its own process (`Quantizer`
 on the CPU, single-threaded, then `stats.entry_stats`), writes the entries into a fresh memfd and sends it back
-with their layout (`tensor_pool.encode_entries`). The parent maps that memfd, so the entries cross without a copy.
+with their layout (`tensor_wire.encode_entries`). The parent maps that memfd, so the entries cross without a copy.
 
 A failure (NaN in the tensor, a file replaced since it was mapped, anything else) is answered with its message:
 the parent redoes that tensor in its own process, which raises the error the user sees. SIGINT and SIGTERM are
@@ -29,7 +29,7 @@ from . import stats
 from .format import Settings
 from .kernels import _parallel, _procs
 from .quantize import Quantizer
-from .tensor_pool import READY, encode_entries
+from .tensor_wire import READY, encode_entries
 
 ADVISE = os.environ.get("PREQUANT_WORKER_ADVICE", "1") != "0"
 

@@ -40,13 +40,16 @@ def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer, stats: S
     found) items into `quantized`, in the same order, then END. `work_bytes`: what is to be quantized (whether
     worker processes would pay)."""
     pool = tensor_pool.pool(work_bytes) if quantizer.device.type == "cpu" else None
-    if pool is None:
+    if pool is not None and pool.owner.acquire(blocking=False):  # else another thread's conversion has it
+        try:
+            _with_workers(loaded, quantized, quantizer, pool, stats, check)
+        finally:
+            pool.owner.release()
+    else:
         while (item := loaded.get()) is not END:
             step, (tensor, ready), found = item  # type: ignore[misc]
             quantized.put(_here(step, tensor, ready, found, quantizer, stats, check))
             del item, tensor
-    else:
-        _with_workers(loaded, quantized, quantizer, pool, stats, check)
     quantized.put(END)
 
 

@@ -258,3 +258,21 @@ def test_workers_the_cli_started_early_are_adopted_by_the_pool(monkeypatch):
         assert started.wait_ready()
     finally:
         tensor_pool.close()
+
+
+def test_a_second_conversion_at_once_quantizes_in_its_own_process(pool, checkpoints, tmp_path):
+    """One conversion at a time uses the workers: while another thread's holds them, a conversion quantizes in its
+    own process (to the same bytes), and close() leaves the pool to the conversion using it."""
+    src = checkpoints("llama")
+    _without_workers(src, tmp_path / "here")
+    pool = tensor_pool.pool()
+    assert pool.owner.acquire(blocking=False)  # as a conversion on another thread holds it
+    try:
+        prequant.convert(src, tmp_path / "second", device="cpu", progress=False)
+        assert pool.tensors == 0 and not pool.broken, "not used, and not closed under its user"
+    finally:
+        pool.owner.release()
+    for shard in sorted(p.name for p in (tmp_path / "here").glob("*.safetensors")):
+        assert (tmp_path / "here" / shard).read_bytes() == (tmp_path / "second" / shard).read_bytes()
+    tensor_pool.close()
+    assert pool.broken and tensor_pool._pool is None
