@@ -68,11 +68,11 @@ _early_pid = 0
 
 
 def start_early(weight_bytes: int, device: str) -> None:
-    """From the CLI, before torch is imported: start the workers a `--device cpu` conversion of a local checkpoint
-    whose weights weigh `weight_bytes` will use, if that is MIN_BYTES or more. Advisory: any problem leaves it to
+    """From the CLI, before torch is imported: start the workers a conversion on the CPU (`_on_the_cpu`) of a local
+    checkpoint whose weights weigh `weight_bytes` will use, if that is MIN_BYTES or more. Advisory: any problem leaves it to
     the pool."""
     global _early_pid
-    if device != "cpu" or _early or weight_bytes < MIN_BYTES:
+    if not _on_the_cpu(device) or _early or weight_bytes < MIN_BYTES:
         return
     try:
         threads = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
@@ -81,6 +81,16 @@ def start_early(weight_bytes: int, device: str) -> None:
             _early.append(spawn())
     except Exception:  # noqa: BLE001, S110 - advisory: the pool starts its own
         pass
+
+
+# What a GPU torch could use leaves one of these behind (NVIDIA's driver; AMD's, for ROCm builds).
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
+def _on_the_cpu(device: str) -> bool:
+    """Whether a conversion with this --device will quantize on the CPU, as far as the CLI can tell before torch:
+    `cpu`, or `auto` on a machine with no GPU device at all. (A wrong guess costs only the workers' start-up.)"""
+    return device == "cpu" or (device == "auto" and not any(os.path.exists(p) for p in GPU_DEVICES))
 
 
 def adopt(n: int) -> list[tuple[subprocess.Popen, socket.socket]]:

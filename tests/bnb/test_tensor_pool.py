@@ -239,7 +239,7 @@ def test_a_nan_tensor_fails_the_conversion_as_without_workers(pool, checkpoints,
     assert not pool.busy()
 
 
-def test_workers_the_cli_started_early_are_adopted_by_the_pool(monkeypatch):
+def test_workers_the_cli_started_early_are_adopted_by_the_pool(monkeypatch, tmp_path):
     """`start_early` (the CLI, before torch) starts workers for a large enough local checkpoint on the CPU only;
     the pool then takes those processes rather than starting others."""
     tensor_pool.close()
@@ -248,7 +248,12 @@ def test_workers_the_cli_started_early_are_adopted_by_the_pool(monkeypatch):
     tensor_spawn.start_early(tensor_spawn.MIN_BYTES - 1, "cpu")
     assert tensor_spawn._early == [], "a small checkpoint is not worth workers"
     tensor_spawn.start_early(tensor_spawn.MIN_BYTES, "cuda")
-    assert tensor_spawn._early == [], "only for --device cpu"
+    assert tensor_spawn._early == [], "only for the CPU"
+    monkeypatch.setattr(tensor_spawn, "GPU_DEVICES", (__file__,))  # a machine with a GPU
+    tensor_spawn.start_early(tensor_spawn.MIN_BYTES, "auto")
+    assert tensor_spawn._early == [], "auto on a machine with a GPU quantizes there"
+    monkeypatch.setattr(tensor_spawn, "GPU_DEVICES", (str(tmp_path / "no-such-device"),))
+    assert tensor_spawn._on_the_cpu("auto") and tensor_spawn._on_the_cpu("cpu") and not tensor_spawn._on_the_cpu("cuda:1")
     tensor_spawn.start_early(tensor_spawn.MIN_BYTES, "cpu")
     early = [proc.pid for proc, _ in tensor_spawn._early]
     assert len(early) == 2
