@@ -32,6 +32,7 @@ from ..bnb.quantize import Quantizer
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import BIN_OFFSET
 from ..util import trace
+from .follow_hash import FollowHash
 from .gpu_loader import GpuLoader
 from .journal import Journal
 from .plan import Plan, Step
@@ -53,6 +54,7 @@ def run(
     stats: Stats | None = None,
     on_shard: Callable[[str, BinaryIO], None] = lambda name, file: file.close(),
     check: Check | None = None,
+    on_follow: Callable[[str, FollowHash], None] | None = None,
 ) -> dict[str, int]:
     """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
@@ -61,7 +63,9 @@ def run(
     each step already done; `stats` measures each quantized tensor (on the quantizing device, where statistics
     are cheap, or on the worker process that quantized it: `quantizing`); `on_shard(name, file)` (writer thread) when a
     shard's bytes are all written, with the shard open for reading (the callee closes it), before its flush;
-    `check(name, tensor)` on every kept tensor's values as written (its counts go into the journal).
+    `check(name, tensor)` on every kept tensor's values as written (its counts go into the journal);
+    `on_follow(name, hash)` (writer thread) when a shard whose header is already known opens: `hash.run()` gives its
+    sha256 as it is written (`follow_hash`), and `on_shard` then only closes that shard's file.
 
     A tensor transformers would load in another dtype (`Decision.dtype`) is cast on the quantizing device first,
     one tensor at a time; a kept tensor that needs no cast never enters this process: its mapped view is checked
@@ -70,7 +74,7 @@ def run(
     failed = threading.Event()
     errors: list[BaseException] = []
     loaded, quantized = Stage(failed, "loaded"), Stage(failed, "quantized")
-    shards = ShardSet(plan, staging, journal, on_shard)
+    shards = ShardSet(plan, staging, journal, on_shard, on_follow)
     todo = [s for s in plan.steps if not shards.is_done(s)]
     for step in plan.steps:
         if shards.is_done(step):

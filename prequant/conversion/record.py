@@ -27,6 +27,7 @@ from ..util import trace
 from ..util.fsio import write_json
 from .card import write_card
 from .kept import KeptCheck
+from .follow_hash import FollowHash
 from .plan import Plan
 
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
@@ -44,7 +45,7 @@ class Recorder:
         self.stats = Collector() if stats else None
         self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest
         self._hashes: dict[str, Future[str]] = {}
-        self._queue: queue.Queue[tuple[BinaryIO, Future[str]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[BinaryIO | FollowHash, Future[str]] | None] = queue.Queue()
         # Shards are hashed side by side: one thread hashes ~1 GB/s, which a fast disk outruns (5 GB shards
         # finishing every 2 s from a 7 GB/s source). Daemon threads: a failed conversion never waits for them.
         self._threads = [threading.Thread(target=self._hash_loop, name=f"prequant-hash-{i}", daemon=True)
@@ -66,17 +67,28 @@ class Recorder:
 
 
     def on_shard(self, name: str, file: BinaryIO) -> None:
-        """Pipeline hook: shard `name` is complete (`file` reads it); hash it now, in the background."""
+        """Pipeline hook: shard `name` is complete (`file` reads it); hash it now, in the background (unless its
+        hash is following its writes already)."""
+        if name in self._hashes:
+            file.close()
+            return
         future: Future[str] = Future()
         self._hashes[name] = future
         self._queue.put((file, future))
 
+    def on_follow(self, name: str, follow: FollowHash) -> None:
+        """Pipeline hook: shard `name` has just opened and its header is known: hash it as it is written."""
+        future: Future[str] = Future()
+        self._hashes[name] = future
+        self._queue.put((follow, future))
+
     def _hash_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            file, future = item
+            source, future = item
             try:
                 with trace.busy("sha256"):
-                    future.set_result(sha256_file(file, mapped=True))
+                    digest = source.run() if isinstance(source, FollowHash) else sha256_file(source, mapped=True)
+                future.set_result(digest)
             except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
                 future.set_exception(e)
 

@@ -166,7 +166,8 @@ def _write_shards(
             hooks.append(data.tensor_done)  # a Hub shard: evicted after its last tensor with --delete-source-shards
             trace.mark("pipeline-start")
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=_each(hooks),
-                                 stats=record.stats, on_shard=record.on_shard, check=record.kept)
+                                 stats=record.stats, on_shard=record.on_shard, check=record.kept,
+                                 on_follow=record.on_follow)
             trace.mark("pipeline-end")
             return sizes
     finally:

@@ -13,6 +13,7 @@ import torch
 
 from ..util import failpoints
 from .journal import Journal
+from .follow_hash import FollowHash
 from .plan import Plan, Step
 from .writer import ShardWriter
 
@@ -30,9 +31,11 @@ class ShardSet:
     """The open shard writers, journaling finished steps and shards (writer thread only)."""
 
     def __init__(
-        self, plan: Plan, staging: Path, journal: Journal | None, on_shard: Callable[[str, BinaryIO], None]
+        self, plan: Plan, staging: Path, journal: Journal | None, on_shard: Callable[[str, BinaryIO], None],
+        on_follow: Callable[[str, FollowHash], None] | None = None,
     ) -> None:
         self.plan, self.staging, self.journal, self.on_shard = plan, staging, journal, on_shard
+        self.on_follow = on_follow  # a new shard whose hash can follow its writes (`follow_hash`)
         self.open: dict[str, ShardWriter] = {}
         self.sizes: dict[str, int] = {}
         self.steps_of: dict[str, list[Step]] = {}
@@ -86,6 +89,8 @@ class ShardSet:
             for step in resumed:
                 for o in step.outputs:
                     writer.restore(o.key, blobs[step.source.name].get(o.key))
+            if self.on_follow is not None and (follow := writer.follow()) is not None:
+                self.on_follow(shard, follow)
             self.open[shard] = writer
         return self.open[shard]
 

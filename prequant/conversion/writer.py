@@ -19,6 +19,7 @@ import torch
 from ..errors import PrequantError
 from ..util import failpoints, trace
 from ..util.fsio import FULL, disk_full, write_error
+from .follow_hash import FollowHash
 from .plan import OutTensor
 from .shard_layout import ShardLayout
 
@@ -38,6 +39,10 @@ class ShardWriter:
         self._pending = {e.key for e in entries}
         self._lock = threading.Lock()
         self._reserved, self._data_start = self.layout.reserved, self.layout.data_start
+        self._resumed = resume
+        self._follow: FollowHash | None = None
+        self._runs: dict[int, int] = {}  # data written and not yet contiguous: start -> end (data offsets)
+        self._contiguous = 0  # data bytes written, contiguous from the first
         # Resuming keeps the bytes already written; the layout is the same, since the plan is.
         self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
         try:
@@ -46,13 +51,22 @@ class ShardWriter:
             os.close(self._fd)
             raise
 
+    def follow(self) -> FollowHash | None:
+        """For a new shard whose header is known now (no quant-state JSON): a hash that follows the writes
+        (`follow_hash`); else None."""
+        if self._variable or self._resumed or self._follow is not None:
+            return None
+        self._follow = FollowHash(self.partial, self._sealed_header({}), self._data_start + self._fixed_end)
+        return self._follow
+
     def copy_range(self, key: str, src_fd: int, src_offset: int, nbytes: int) -> None:
         """Store a tensor straight from another file (a tensor kept as it is): the kernel copies the bytes,
         so they never pass through this process' memory."""
         begin, end = self._offsets[key]
         if nbytes != end - begin:
             raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
-        _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial)
+        _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial,
+                  lambda lo, hi: self._written(begin + lo, begin + hi))  # fmt: skip
         _start_writeback(self._fd, self._data_start + begin, nbytes)
         with self._lock:
             self._pending.discard(key)
@@ -80,11 +94,29 @@ class ShardWriter:
             if raw.numel() != end - begin:
                 raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
             _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
+            self._written(begin, end)
             _start_writeback(self._fd, self._data_start + begin, end - begin)
         else:
             self._blobs[key] = raw.numpy().tobytes()
         with self._lock:
             self._pending.discard(key)
+
+    def _written(self, begin: int, end: int) -> None:
+        """Data [begin, end) is in the file: tell the following hash how far the data is written without a gap."""
+        if self._follow is None:
+            return
+        with self._lock:
+            self._runs[begin] = end
+            while self._contiguous in self._runs:
+                self._contiguous = max(self._contiguous, self._runs.pop(self._contiguous))
+            upto = self._data_start + self._contiguous
+        self._follow.advance(upto)
+
+    def _sealed_header(self, sizes: dict[str, int]) -> bytes:
+        """The file's first bytes once sealed: the header's length, then the header padded to its reserved room."""
+        header = self.layout.header(sizes)
+        padded = header + b" " * (self._reserved - len(header))
+        return len(padded).to_bytes(8, "little") + padded
 
     def finalize(self, on_sealed: Callable[[BinaryIO], None] | None = None) -> Path:
         """Write the quant-state blobs and the header, flush, and rename into place.
@@ -104,9 +136,10 @@ class ShardWriter:
             _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
             pos += len(self._blobs[e.key])
         failpoints.hit("shard-finalize")
-        header = self.layout.header({k: len(v) for k, v in self._blobs.items()})
-        padded = header + b" " * (self._reserved - len(header))
-        _pwrite_all(self._fd, memoryview(len(padded).to_bytes(8, "little") + padded), 0, self.partial)
+        sealed = self._sealed_header({k: len(v) for k, v in self._blobs.items()})
+        if self._follow is not None and sealed != self._follow.prefix:
+            raise PrequantError(f"internal: {self.path.name}'s header changed after its hash began")
+        _pwrite_all(self._fd, memoryview(sealed), 0, self.partial)
         self.data_bytes = pos - self._data_start
         try:
             os.ftruncate(self._fd, pos)
@@ -124,6 +157,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Close without publishing (the .partial file stays for inspection or is cleaned by the caller)."""
+        if self._follow is not None:
+            self._follow.cancel()
         fd, self._fd = self._fd, -1
         if fd >= 0:
             try:
@@ -191,18 +226,26 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
         raise PrequantError(f"{path}: write failed ({e.strerror})") from e
 
 
-def _copy_all(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int, path: Path) -> None:
+COPY_PIECE = 64 * 1024 * 1024  # bytes per copy call, at most: a hash following the writes follows a large copy
+
+
+def _copy_all(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int, path: Path,
+              copied: Callable[[int, int], None] = lambda lo, hi: None) -> None:  # fmt: skip
+    """Copy nbytes from src to dst by the kernel (else through memory); `copied(lo, hi)`: bytes [lo, hi) of the
+    range are in dst."""
     done = 0
     try:
         while done < nbytes:
+            piece = min(COPY_PIECE, nbytes - done)
             try:
-                n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
+                n = os.copy_file_range(src, dst, piece, src_offset + done, dst_offset + done)
             except OSError as e:
                 if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                n = _copy_chunk(src, src_offset + done, dst, dst_offset + done, nbytes - done, path)
+                n = _copy_chunk(src, src_offset + done, dst, dst_offset + done, piece, path)
             if n == 0:
                 raise PrequantError(f"{path}: the source ended early while copying; was it truncated meanwhile?")
+            copied(done, done + n)
             done += n
     except OSError as e:
         if e.errno in FULL:
