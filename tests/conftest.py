@@ -340,3 +340,17 @@ def carded_converted(carded_source, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("upload") / "tiny-llama-nf4"
     prequant.convert(carded_source, out, device="cpu", progress=False)
     return out
+
+
+@pytest.fixture
+def advice(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every posix_fadvise call as (offset, length, advice), the real call still made."""
+    calls: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, how: int) -> None:
+        calls.append((offset, length, how))
+        real(fd, offset, length, how)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    return calls

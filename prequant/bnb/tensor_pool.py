@@ -18,7 +18,7 @@ process. A worker's failure costs no result: its tensors come back as None and t
 
 On by default where it pays (PREQUANT_CPU_WORKERS=auto: one per thread of `kernels._parallel.threads()`, as far as an
 eighth of the available memory holds them, none below 4 cores; `tensor_spawn`), for conversions with at least
-`MIN_BYTES` to quantize; a number sets the count, 0 turns it off.
+`tensor_spawn.MIN_BYTES` to quantize; a number sets the count, 0 turns it off.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ from .tensor_wire import READY, decode_entries
 log = logging.getLogger(__name__)
 
 COUNT: int | None = None  # workers; None: as PREQUANT_CPU_WORKERS says (`tensor_spawn.count`; tests set it)
-ENV, WORKER_BYTES = tensor_spawn.ENV, tensor_spawn.WORKER_BYTES
-MIN_BYTES = tensor_spawn.MIN_BYTES  # bytes to quantize, at least, for a conversion to start workers
+ENV = tensor_spawn.ENV
 MIN_ELEMENTS = 1 << 20  # smaller tensors stay in the caller's process (a few milliseconds there)
 JOBS_PER_WORKER = 2  # a worker finds its next tensor waiting when it finishes one
 # Memory a tensor's job holds until the caller hands its entries on, per element: the worker's packed codes and
@@ -234,10 +233,10 @@ MAX_FAILURES = 3  # pools broken, at most: then this process quantizes in its ow
 
 def pool(work_bytes: int | None = None) -> Pool | None:
     """The process' pool (started on the first call, not waited for), or None where it is off, keeps failing, or
-    has too little to do (`work_bytes` below MIN_BYTES, unless a pool is running already)."""
+    has too little to do (`work_bytes` below `tensor_spawn.MIN_BYTES`, unless a pool is running already)."""
     global _pool, _failures
     count = workers()
-    if work_bytes is not None and work_bytes < MIN_BYTES and (_pool is None or _pool.broken):
+    if work_bytes is not None and work_bytes < tensor_spawn.MIN_BYTES and (_pool is None or _pool.broken):
         return None
     if _pool is not None and (_pool.pid != os.getpid() or _pool.broken or _pool.size != count):
         if _pool.pid == os.getpid():

@@ -29,14 +29,14 @@ from prequant.util import memory
 @pytest.fixture()
 def pool():
     """Two ready workers that take tensors from 4096 elements and conversions of any size."""
-    saved = (tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_pool.MIN_BYTES, tensor_pool._failures)
+    saved = (tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES, tensor_pool._failures)
     tensor_pool.close()
-    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_pool.MIN_BYTES, tensor_pool._failures = 2, 1 << 12, 0, 0
+    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES, tensor_pool._failures = 2, 1 << 12, 0, 0
     started = tensor_pool.pool()
     assert started is not None and started.wait_ready(), "the workers did not start"
     yield started
     tensor_pool.close()
-    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_pool.MIN_BYTES, tensor_pool._failures = saved
+    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES, tensor_pool._failures = saved
 
 
 def _without_workers(src, out) -> None:
@@ -182,7 +182,7 @@ def test_worker_count(monkeypatch):
     assert tensor_pool.workers() == tensor_spawn.AUTO_MIN, "auto is the default"
     monkeypatch.setattr(memory, "available", lambda: 8 * tensor_spawn.WORKER_BYTES * tensor_spawn.AUTO_MIN - 1)
     assert tensor_pool.workers() == 0, "an eighth of the memory must hold them"
-    monkeypatch.setattr(tensor_pool, "MIN_BYTES", 10**9)
+    monkeypatch.setattr(tensor_spawn, "MIN_BYTES", 10**9)
     assert tensor_pool.pool(10**9 - 1) is None, "a small conversion starts no workers"
 
 

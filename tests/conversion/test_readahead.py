@@ -12,20 +12,6 @@ import pytest
 from prequant.conversion import readahead
 
 
-@pytest.fixture
-def advice(monkeypatch) -> list[tuple[int, int, int]]:
-    """Every posix_fadvise call as (offset, length, advice), the real call still made."""
-    calls: list[tuple[int, int, int]] = []
-    real = os.posix_fadvise
-
-    def record(fd: int, offset: int, length: int, how: int) -> None:
-        calls.append((offset, length, how))
-        real(fd, offset, length, how)
-
-    monkeypatch.setattr(os, "posix_fadvise", record)
-    return calls
-
-
 def _advised(advice: list[tuple[int, int, int]]) -> int:
     return sum(n for _, n, how in advice if how == os.POSIX_FADV_WILLNEED)
 

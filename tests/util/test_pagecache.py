@@ -38,17 +38,9 @@ def test_pieces_cover_the_range_in_order_none_larger_than_the_chunk(offset, leng
     assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(got))
 
 
-def test_will_need_advises_exactly_the_range_in_pieces_linux_reads_whole(tmp_path, monkeypatch):
+def test_will_need_advises_exactly_the_range_in_pieces_linux_reads_whole(tmp_path, advice):
     f = tmp_path / "x"
     f.write_bytes(os.urandom(3 << 20))
-    calls: list[tuple[int, int, int]] = []
-    real = os.posix_fadvise
-
-    def record(fd: int, offset: int, length: int, how: int) -> None:
-        calls.append((offset, length, how))
-        real(fd, offset, length, how)
-
-    monkeypatch.setattr(os, "posix_fadvise", record)
     fd = os.open(f, os.O_RDONLY)
     try:
         chunk = pagecache.advice_chunk(fd)
@@ -60,6 +52,6 @@ def test_will_need_advises_exactly_the_range_in_pieces_linux_reads_whole(tmp_pat
             os.close(fd)
         except OSError:
             pass
-    advised = [(o, n) for o, n, how in calls if how == os.POSIX_FADV_WILLNEED]
+    advised = [(o, n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
     assert advised[:-1] == list(pagecache.pieces(4096 + 5, (2 << 20) + 3, chunk))
     assert all(n <= chunk for _, n in advised)

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from ...util import memory, trace
+from .. import tensor_spawn
 from . import _parallel, _quantize4
 from ._wire import FAILED, NON_FINITE, READY, REPLY, SlotLayout
 
@@ -57,9 +58,7 @@ log = logging.getLogger(__name__)
 ENV = "PREQUANT_CPU_PROCESSES"
 PROCESSES: int | None = None  # workers; None: as PREQUANT_CPU_PROCESSES says (tests set it)
 AUTO_MIN = 4  # fewer workers than this: the GIL costs the threads little, and the workers' imports would not pay
-# A worker's own memory, mostly its torch import: RssAnon 148 MiB with a CPU build of torch (the 2-core machine),
-# 285 MiB with a CUDA build (the GPU machine, `bench_cpu_kernel.py`: 4.56 GB for 16 workers).
-WORKER_BYTES = 300 * 2**20
+WORKER_BYTES = tensor_spawn.WORKER_BYTES  # a worker's own memory, mostly its torch import
 MIN_ELEMENTS = 1 << 22  # smaller tensors stay on the threads (a few milliseconds there)
 # Elements per chunk, at most: 2-4 MiB of input, a few milliseconds of one core. The kernel cuts a tensor
 # into whole rounds of chunks (as many per worker); the statistics' chunks are `_compare`'s tasks.
