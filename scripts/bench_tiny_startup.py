@@ -4,11 +4,14 @@ baseline measured in the same run, the runs interleaved so that a shared machine
     python scripts/bench_tiny_startup.py [--repeats 5] [--device cpu] [--before DIR]
 
 Modes, each a fresh `python -m prequant convert` of `scripts/make_tiny_checkpoint.py`'s checkpoint:
-  predicted   this tree: the pipeline starts on the layout predicted from names, transformers' checked before
+  predicted   this tree: the layout predicted from names, settled where the rules are verified for the
+              installed transformers (no modeling code imported), else checked against transformers' before
               publishing
+  head start  this tree with PREQUANT_CONFIRM_LAYOUT=1: the pipeline starts on the prediction, transformers'
+              layout confirmed before publishing (what "predicted" was before settled predictions)
   baseline    this tree with PREQUANT_PREDICT_LAYOUT=0 (the conversion waits for transformers' layout), or, with
               --before DIR, the prequant in DIR (e.g. `git worktree add /tmp/before 288ae15`)
-  dry-run     `--dry-run` of each (which prints transformers' plan, so waits for it in both)
+  dry-run     `--dry-run` of baseline and predicted
 Prints best-of-N wall and CPU seconds (user + system, children included: the layout child's too) per mode and
 the ratio to the baseline, and, from PREQUANT_TRACE, when the pipeline started in the best predicted run.
 """
@@ -64,6 +67,7 @@ def main() -> None:
         modes = {
             "baseline": (before, base_env, []),
             "predicted": (ROOT, {}, []),
+            "head start": (ROOT, {"PREQUANT_CONFIRM_LAYOUT": "1"}, []),
             "dry-run baseline": (before, base_env, ["--dry-run"]),
             "dry-run": (ROOT, {}, ["--dry-run"]),
         }

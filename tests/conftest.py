@@ -53,6 +53,12 @@ def model_config(kind: str):
         return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
     if kind == "qwen2":  # q/k/v projections with biases
         return tf.Qwen2Config(**SMALL, num_key_value_heads=2)
+    if kind == "qwen3":  # q/k norms, head_dim given apart from hidden_size / heads
+        return tf.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=32)
+    if kind == "gemma":  # tied embeddings by default
+        return tf.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=16)
+    if kind == "mistral":
+        return tf.MistralConfig(**SMALL, num_key_value_heads=2)
     if kind == "mixtral":  # native MoE: transformers 5 fuses the experts into 3-D parameters
         return tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
     raise ValueError(kind)

@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..bnb.predict import may_settle
+
 if TYPE_CHECKING:
     from ..bnb.layout import Layout
     from ..checkpoint.tensors import TensorRef
@@ -56,6 +58,8 @@ def start(source: str, skip: list[str], trust_remote_code: bool) -> None:
         path = Path(source).expanduser()
         if not (path / "config.json").is_file():
             return  # a Hub repo or alias, or a bad path: convert() handles it (and reports any problem)
+        if may_settle(json.loads((path / "config.json").read_text())):
+            return  # the layout will most likely be known from names (else convert() decides in-process)
         request = {"source": str(path.resolve()), "skip": list(skip), "trust_remote_code": bool(trust_remote_code)}
         package_parent = str(Path(__file__).resolve().parents[2])  # the child imports this very prequant
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
@@ -93,6 +97,14 @@ def take(source_dir: Path, tensors: list[TensorRef], skip: list[str], trust_remo
     if "error" in answer:  # the same refusal the parent would come to (e.g. a shape the model contradicts)
         raise pickle.loads(base64.b64decode(answer["error"]))
     return _layout_from_dict(answer["layout"])
+
+
+def drop() -> None:
+    """End the child without its answer (the layout is known without it)."""
+    global _child
+    if _child is not None:
+        _kill(_child[0])
+        _child = None
 
 
 def _stop() -> None:

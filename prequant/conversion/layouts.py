@@ -1,12 +1,16 @@
-"""The layout a conversion runs on: predicted from names at once, transformers' own decided meanwhile.
+"""The layout a conversion runs on: transformers' own, predicted from names where the rules are known.
 
 transformers' answer (`bnb.layout.analyze`: the layout child's, else in-process in a thread) takes seconds of
-imports; the pipeline need not wait for it where `bnb.predict` knows the architecture. The conversion starts on
-the prediction and `confirm()` waits for transformers before anything is published: transformers' layout
-always wins. When it differs (or transformers refuses the checkpoint, e.g. a tensor shaped otherwise than
-its parameter), `confirm()` raises, and nothing predicted is ever published: `convert()` starts again on
-transformers' layout, or reports transformers' error as it always has. A dry run and --resume (whose
-journal fixes the plan) wait for transformers from the start.
+imports. Three cases, by what `bnb.predict` knows of the checkpoint:
+
+- settled (`predict.settled`: a known architecture on a verified transformers, every tensor the parameter the
+  model holds, in its shape): the prediction is transformers' layout, and nothing waits for transformers;
+- predicted: the conversion starts on the prediction and `confirm()` waits for transformers before anything is
+  published, so transformers' layout always wins. When it differs (or transformers refuses the checkpoint,
+  e.g. a tensor shaped otherwise than its parameter), `confirm()` raises, and nothing predicted is ever
+  published: `convert()` starts again on transformers' layout, or reports transformers' error as it always has;
+- neither (or a dry run, a --resume whose journal fixes the plan, a run that deletes its downloaded shards,
+  when not settled): transformers decides first.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import threading
 from pathlib import Path
 
 from ..bnb.layout import Layout, analyze
-from ..bnb.predict import predict
+from ..bnb.predict import predict, settled
 from ..checkpoint.tensors import TensorRef
 from ..util import trace
 from . import layout_worker
@@ -31,10 +35,18 @@ class Layouts:
     def __init__(self, config: dict, source_dir: Path, tensors: list[TensorRef], skip: list[str],
                  trust_remote_code: bool, *, predicted: bool = True) -> None:
         self._args = (config, source_dir, tensors, list(skip), trust_remote_code)
-        self.predicted = predict(config, tensors, list(skip), trust_remote_code) if predicted else None
         self._final: Layout | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.predicted: Layout | None = None
+        self.settled = settled(config, tensors)
+        if self.settled:
+            self._final = predict(config, tensors, list(skip), trust_remote_code)
+            assert self._final is not None  # settled implies a prediction
+            layout_worker.drop()  # a child started by the CLI would only take cores from this run
+            trace.mark("layout-settled")
+            return
+        self.predicted = predict(config, tensors, list(skip), trust_remote_code) if predicted else None
         if self.predicted is None:
             self._final = self._decide()  # nothing to start on: wait for transformers, as before
         else:

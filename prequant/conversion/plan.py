@@ -67,6 +67,9 @@ class Plan:
     method: str
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # The layout is transformers' without its model having been built (`predict.settled`): said in the text, not
+    # in to_dict(), whose hash a resume compares (how the same layout was arrived at does not change the job).
+    settled: bool = False
 
     @property
     def input_bytes(self) -> int:
@@ -144,7 +147,8 @@ class Plan:
         s = self.settings
         lines = [
             f"plan: {s.quant_type}, blocksize {s.blocksize}, double quant {'on' if s.double_quant else 'off'}, "
-            f"storage {s.quant_storage}, compute {s.compute_dtype}; decided by {self.method}",
+            f"storage {s.quant_storage}, compute {s.compute_dtype}; decided by {self.method}"
+            + (" (its rules, from names and config.json: verified for this transformers)" if self.settled else ""),
             *(f"note: {n}" for n in self.all_notes()),
             *(f"warning: {w}" for w in self.warnings),
         ]

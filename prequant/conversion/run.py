@@ -76,9 +76,10 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     if quantizer is not None and quantizer.device.type == "cpu":
         tensor_pool.pool(sum(t.nbytes for t in tensors))  # the CPU workers import torch while the plan is made
     trace.mark("quantizer-ready")
-    # Where the architecture is known, the pipeline starts on the layout predicted from names while transformers
-    # decides its own (a dry run prints, and a resume's journal fixes, transformers' plan: they wait for it; so
-    # does a run that deletes its downloaded shards, which a restart on another layout would download again).
+    # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
+    # conversion.layouts) or a head start the pipeline runs on while transformers decides its own (a dry run
+    # prints, and a resume's journal fixes, transformers' plan: they wait for it unless settled; so does a run
+    # that deletes its downloaded shards, which a restart on another layout would download again).
     layouts = Layouts(config, src.path, tensors, list(opts.skip), opts.trust_remote_code,
                       predicted=not (opts.dry_run or opts.resume or opts.delete_source_shards))
     try:
@@ -92,7 +93,7 @@ def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantiz
     """Plan on `layout` and convert (checked against transformers' by `layouts` before publishing, when it is a
     prediction); return the Plan for a dry run, else the Summary."""
     try:
-        plan = _plan(tensors, layout, opts)
+        plan = replace(_plan(tensors, layout, opts), settled=layouts is not None and layouts.settled)
         trace.mark("planned")
         if opts.dry_run:
             return plan

@@ -1,5 +1,7 @@
 """The layout predicted from names is exactly the layout transformers decides, for every architecture built here."""
 
+from dataclasses import replace
+
 import pytest
 
 from prequant.bnb import layout, predict
@@ -9,6 +11,8 @@ from prequant.source import resolve as sources
 from conftest import build_grok
 
 SKIPS = [[], ["mlp.down_proj"], ["lm_head"], ["model.layers.0"], ["h.0.mlp"]]
+KINDS = ["llama", "llama_tied", "gpt2", "qwen2", "qwen3", "gemma", "mistral", "mixtral"]
+VERIFIED_LOW, VERIFIED_HIGH = ("{}.{}.0".format(*v) for v in predict.VERIFIED)
 
 
 def _both(src_dir, skip, trust=False):
@@ -19,11 +23,82 @@ def _both(src_dir, skip, trust=False):
 
 
 @pytest.mark.parametrize("skip", SKIPS, ids=lambda s: ",".join(s) or "no-skip")
-@pytest.mark.parametrize("kind", ["llama", "llama_tied", "gpt2", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_prediction_is_transformers_layout(checkpoints, kind, skip):
     decided, predicted = _both(checkpoints(kind), skip)
     assert predicted is not None, f"no prediction for {kind}"
     assert predicted == decided
+
+
+def _scan(src_dir):
+    src = sources.resolve(str(src_dir))
+    return hf_files.read_config(src.path), sources.scan(src)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_checkpoint_transformers_writes_is_settled_on_a_verified_version(checkpoints, kind):
+    """What transformers saves for each known architecture is exactly what `params.expected` says it holds."""
+    config, tensors = _scan(checkpoints(kind))
+    assert predict.settled(config, tensors, transformers_version=VERIFIED_HIGH)
+    assert predict.settled(config, tensors, transformers_version=VERIFIED_LOW)
+
+
+@pytest.mark.parametrize("version", ["4.57.1", "5.0.0", "5.99.0", "6.0.0"])
+def test_a_transformers_outside_the_verified_versions_settles_nothing(checkpoints, version):
+    config, tensors = _scan(checkpoints("llama"))
+    assert not predict.settled(config, tensors, transformers_version=version)
+
+
+GATE = "model.layers.0.mlp.gate_proj.weight"
+
+
+def _renamed(tensors, old, new):
+    return [replace(t, name=new) if t.name == old else t for t in tensors]
+
+
+# Each edit of a checkpoint's tensors (names and shapes: all `settled` reads of them) or of its config.json.
+TENSOR_EDITS = {
+    "extra tensor": lambda ts: [*ts, replace(next(t for t in ts if t.name == GATE), name="model.layers.0.mlp.x.weight")],
+    "missing tensor": lambda ts: [t for t in ts if t.name != GATE],
+    "renamed tensor": lambda ts: _renamed(ts, GATE, "model.layers.0.mlp.gate.weight"),
+    "transposed weight": lambda ts: [replace(t, shape=t.shape[::-1]) if t.name == GATE else t for t in ts],
+    "a name twice": lambda ts: [*ts, next(t for t in ts if t.name == GATE)],
+    "untied head missing": lambda ts: [t for t in ts if t.name != "lm_head.weight"],
+}
+CONFIG_EDITS = {
+    "fewer layers in config": lambda c: c.update(num_hidden_layers=1),
+    "config without a dimension": lambda c: c.pop("intermediate_size"),
+    "a dimension that is not a number": lambda c: c.update(hidden_size="64"),
+    "unknown architecture": lambda c: c.update(architectures=["LlamaForSequenceClassification"]),
+    "remote code": lambda c: c.update(auto_map={"AutoModelForCausalLM": "modeling.Model"}),
+    "a bias flag that is not a bool": lambda c: c.update(attention_bias="yes"),
+    "untied config of a tied checkpoint": lambda c: c.update(tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("case", [*TENSOR_EDITS, *CONFIG_EDITS, "tied head held too"])
+def test_what_the_rules_do_not_say_exactly_is_not_settled(checkpoints, case):
+    """Each leaves the prediction a head start that transformers confirms (or refuses) instead."""
+    tied = case in ("tied head held too", "untied config of a tied checkpoint")
+    config, tensors = _scan(checkpoints("llama_tied" if tied else "llama"))
+    assert predict.settled(config, tensors, transformers_version=VERIFIED_HIGH)  # before the edit
+    config = dict(config)
+    if case == "tied head held too":
+        embed = next(t for t in tensors if t.name == "model.embed_tokens.weight")
+        tensors = [*tensors, replace(embed, name="lm_head.weight")]
+    elif case in TENSOR_EDITS:
+        tensors = TENSOR_EDITS[case](tensors)
+    else:
+        CONFIG_EDITS[case](config)
+    assert not predict.settled(config, tensors, transformers_version=VERIFIED_HIGH)
+
+
+@pytest.mark.parametrize("env", [{predict.CONFIRM_ENV: "1"}, {predict.ENV: "0"}])
+def test_settling_can_be_turned_off(checkpoints, monkeypatch, env):
+    config, tensors = _scan(checkpoints("llama"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert not predict.settled(config, tensors, transformers_version=VERIFIED_HIGH)
 
 
 @pytest.fixture(scope="module", params=["keyfan", "hpcai"])
@@ -36,6 +111,11 @@ def test_prediction_is_transformers_layout_for_trusted_grok(grok, skip):
     decided, predicted = _both(grok, skip, trust=True)
     assert decided.method.startswith("transformers meta model (Grok1ModelForCausalLM)")
     assert predicted == decided
+
+
+def test_trusted_remote_code_is_never_settled(grok):
+    config, tensors = _scan(grok)
+    assert not predict.settled(config, tensors, transformers_version=VERIFIED_HIGH)
 
 
 def test_untrusted_remote_code_is_not_predicted(grok):

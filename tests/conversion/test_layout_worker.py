@@ -6,11 +6,18 @@ import pytest
 
 import prequant
 from prequant.bnb import layout as architectures
+from prequant.bnb import predict
 from prequant.checkpoint import hf_files
 from prequant.conversion import layout_worker
 from prequant.source import resolve as sources
 
 from conftest import run_main
+
+
+@pytest.fixture(autouse=True)
+def unsettled(monkeypatch):
+    """The child is for layouts not settled from names: here every checkpoint is treated so."""
+    monkeypatch.setenv(predict.CONFIRM_ENV, "1")
 
 
 def _in_process(src_dir, skip=(), trust=False):
@@ -43,6 +50,17 @@ def test_child_answer_to_another_question_is_not_used(checkpoints):
 def test_no_child_for_what_is_not_a_local_checkpoint(tmp_path):
     layout_worker.start("org/some-model", [], False)
     layout_worker.start(str(tmp_path / "missing"), [], False)
+    assert layout_worker._child is None
+
+
+def test_no_child_where_the_layout_may_settle_from_names(checkpoints, monkeypatch):
+    monkeypatch.delenv(predict.CONFIRM_ENV)
+    layout_worker.start(str(checkpoints("llama")), [], False)
+    assert layout_worker._child is None
+    monkeypatch.setenv(predict.CONFIRM_ENV, "1")
+    layout_worker.start(str(checkpoints("llama")), [], False)
+    assert layout_worker._child is not None, "the check above could not have failed"
+    layout_worker.drop()
     assert layout_worker._child is None
 
 

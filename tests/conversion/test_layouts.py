@@ -1,14 +1,19 @@
-"""A conversion started on the predicted layout publishes transformers' layout: checked before publishing, and
-started again on transformers' layout when the prediction was wrong."""
+"""A conversion on the predicted layout publishes transformers' layout: settled where the rules are verified (no
+modeling code imported), else checked before publishing and started again on transformers' layout when the
+prediction was wrong."""
 
 import json
 import shutil
 
-from prequant.bnb.predict import ENV
+import subprocess
+import sys
 
-from conftest import run_cli
+from prequant.bnb.predict import CONFIRM_ENV, ENV
+
+from conftest import cli_env, run_cli
 
 TRANSFORMERS_ONLY = {ENV: "0"}  # the conversion waits for transformers' layout, as before prediction existed
+CONFIRMED = {CONFIRM_ENV: "1"}  # predicted, and transformers confirms even what would be settled
 
 
 def _convert(src, out, tmp_path, env):
@@ -33,7 +38,7 @@ def _record(out):
 
 def test_a_right_prediction_is_confirmed_before_publishing_and_changes_nothing(checkpoints, tmp_path):
     src = checkpoints("llama", "100KB")
-    summary, events = _convert(src, tmp_path / "predicted", tmp_path, {})
+    summary, events = _convert(src, tmp_path / "predicted", tmp_path, CONFIRMED)
     reference, ref_events = _convert(src, tmp_path / "decided", tmp_path, TRANSFORMERS_ONLY)
     assert "layout-predicted" in events and "layout-predicted" not in ref_events
     assert events.index("layout-confirmed") < events.index("manifest-written") < events.index("published")
@@ -57,3 +62,42 @@ def test_a_wrong_prediction_is_caught_before_publishing_and_transformers_layout_
     assert _files(tmp_path / "predicted") == _files(tmp_path / "decided")
     assert _record(tmp_path / "predicted") == _record(tmp_path / "decided")
     assert summary["tensors_quantized"] == 7, "only layer 0's seven projections are quantized, as transformers does"
+
+
+MODELING = ("transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+            "transformers.models.gpt2.modeling_gpt2")
+
+
+def _convert_in_child(src, out, env, *args):
+    """convert() in a fresh interpreter; its summary and which of transformers' modeling modules it imported."""
+    code = ("import json, sys, prequant\n"
+            f"r = prequant.convert({str(src)!r}, {str(out)!r}, device='cpu'{''.join(', ' + a for a in args)})\n"
+            f"print(json.dumps([r.to_dict(), [m for m in {MODELING!r} if m in sys.modules]]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(env))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_settled_prediction_converts_without_transformers_modeling_code_to_the_same_files(checkpoints, tmp_path):
+    for kind in ("llama", "gpt2"):
+        src = checkpoints(kind)
+        summary, events = _convert(src, tmp_path / f"{kind}-settled", tmp_path, {})
+        _convert(src, tmp_path / f"{kind}-decided", tmp_path, TRANSFORMERS_ONLY)
+        assert "layout-settled" in events and "layout-predicted" not in events and "layout-confirmed" not in events
+        assert _files(tmp_path / f"{kind}-settled") == _files(tmp_path / f"{kind}-decided")
+        assert _record(tmp_path / f"{kind}-settled") == _record(tmp_path / f"{kind}-decided")
+        _, imported = _convert_in_child(src, tmp_path / f"{kind}-child", {})
+        assert imported == [], f"{kind}: a settled conversion imported {imported}"
+        _, imported = _convert_in_child(src, tmp_path / f"{kind}-child-confirmed", CONFIRMED)
+        assert "transformers.modeling_utils" in imported, "the check above could not have failed"
+
+
+def test_a_settled_dry_run_prints_transformers_plan_without_its_modeling_code(checkpoints, tmp_path):
+    src = checkpoints("llama")
+    plan, imported = _convert_in_child(src, tmp_path / "out", {}, "dry_run=True")
+    decided, _ = _convert_in_child(src, tmp_path / "out", TRANSFORMERS_ONLY, "dry_run=True")
+    assert imported == [] and plan == decided
+    proc = run_cli("convert", str(src), str(tmp_path / "out"), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "decided by transformers meta model (LlamaForCausalLM) (its rules, from names and config.json: " \
+           "verified for this transformers)" in proc.stdout

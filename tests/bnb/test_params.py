@@ -1,0 +1,116 @@
+"""`params.expected` says exactly what transformers saves for a config, and on what transformers saves the
+prediction settles and is transformers' layout: for configs drawn at random, each built, saved and decided
+by the installed transformers."""
+
+import json
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prequant.bnb import layout, params, predict
+from prequant.checkpoint import hf_files
+from prequant.source import resolve as sources
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+VERIFIED_HIGH = "{}.{}.0".format(*predict.VERIFIED[1])
+
+
+@st.composite
+def decoder_configs(draw, cls, *, head_dim_optional, biases=("attention_bias",), experts=False):
+    heads = draw(st.sampled_from([1, 2, 4]))
+    kv = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    given_dim = not head_dim_optional or draw(st.booleans())
+    hidden = draw(st.sampled_from([8, 24])) if given_dim else heads * head_dim
+    kwargs = dict(hidden_size=hidden, intermediate_size=draw(st.sampled_from([8, 20])),
+                  num_hidden_layers=draw(st.integers(1, 2)), num_attention_heads=heads, num_key_value_heads=kv,
+                  vocab_size=draw(st.sampled_from([16, 40])), tie_word_embeddings=draw(st.booleans()))
+    if given_dim:
+        kwargs["head_dim"] = head_dim
+    kwargs |= {flag: draw(st.booleans()) for flag in biases}
+    if experts:
+        kwargs |= dict(num_local_experts=draw(st.integers(1, 3)), num_experts_per_tok=1)
+    dropped = draw(st.sets(st.sampled_from([*biases, "num_key_value_heads"])))
+    return cls(**kwargs), dropped
+
+
+def _gpt2_configs():
+    return st.builds(
+        lambda heads, per_head, layers, inner, positions, tied: (tf.GPT2Config(
+            n_embd=heads * per_head, n_head=heads, n_layer=layers, n_inner=inner, n_positions=positions,
+            vocab_size=40, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied), set()),
+        st.sampled_from([1, 2, 4]), st.sampled_from([4, 8]), st.integers(1, 2), st.sampled_from([None, 12]),
+        st.sampled_from([8, 16]), st.booleans())
+
+
+ARCHITECTURES = {
+    "llama": decoder_configs(tf.LlamaConfig, head_dim_optional=True, biases=("attention_bias", "mlp_bias")),
+    "mistral": decoder_configs(tf.MistralConfig, head_dim_optional=True, biases=()),
+    "qwen2": decoder_configs(tf.Qwen2Config, head_dim_optional=True, biases=()),
+    "qwen3": decoder_configs(tf.Qwen3Config, head_dim_optional=False),
+    "gemma": decoder_configs(tf.GemmaConfig, head_dim_optional=False),
+    "mixtral": decoder_configs(tf.MixtralConfig, head_dim_optional=True, biases=(), experts=True),
+    "gpt2": _gpt2_configs(),
+}
+
+
+def _save(config, dropped, path):
+    """transformers' own checkpoint of a model built from `config`; then the keys in `dropped` taken out of
+    config.json where they hold the class default (transformers then falls back to that default)."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    defaults = type(config)().to_dict()
+    for key in dropped:
+        default = saved.get("num_attention_heads") if key == "num_key_value_heads" else defaults.get(key)
+        if key in saved and saved[key] == default:
+            saved.pop(key)
+    (path / "config.json").write_text(json.dumps(saved))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_expected_parameters_are_what_transformers_saves_and_the_layout_is_its_own(arch, tmp_path_factory):
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(ARCHITECTURES[arch])
+    def check(drawn):
+        config, dropped = drawn
+        src = sources.resolve(str(_save(config, dropped, tmp_path_factory.mktemp(arch))))
+        tensors = sources.scan(src)
+        cfg = hf_files.read_config(src.path)
+        shapes = params.expected(cfg["architectures"][0], cfg)
+        if shapes is None:  # only where the class' own default decides: not settled, so transformers is asked
+            assert arch != "llama" and "num_key_value_heads" not in cfg, cfg
+            assert not predict.settled(cfg, tensors, transformers_version=VERIFIED_HIGH)
+            return
+        saved = {t.name: tuple(t.shape) for t in tensors}
+        if not cfg.get("tie_word_embeddings", arch in ("gemma", "gpt2")):  # a tied head is saved as the embedding
+            assert saved == shapes
+        else:
+            assert saved == {k: v for k, v in shapes.items() if k != "lm_head.weight"}
+        assert predict.settled(cfg, tensors, transformers_version=VERIFIED_HIGH)
+        assert predict.predict(cfg, tensors, []) == layout.analyze(cfg, src.path, tensors, [])
+
+    check()
+
+
+def test_what_expected_cannot_tell_is_none():
+    base = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, vocab_size=16)
+    assert params.expected("LlamaForCausalLM", base) is not None
+    assert params.expected("Qwen3ForCausalLM", base) is None, "Qwen3's head_dim default is its class's"
+    assert params.expected("LlamaForCausalLM", base | {"hidden_size": 9}) is None
+    assert params.expected("LlamaForCausalLM", base | {"num_key_value_heads": 3, "head_dim": 4}) is None
+    assert params.expected("LlamaForCausalLM", base | {"mlp_bias": None}) is None
+    assert params.expected("LlamaForCausalLM", base | {"num_hidden_layers": True}) is None
+    assert params.expected("MixtralForCausalLM", base) is None, "no num_local_experts"
+    assert params.expected("GPT2LMHeadModel", dict(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8,
+                                                   add_cross_attention=True)) is None
+    assert params.expected("FalconForCausalLM", base) is None
