@@ -1,6 +1,6 @@
-"""`params.expected` says exactly what transformers saves for a config, and on what transformers saves the
-prediction settles and is transformers' layout: for configs drawn at random, each built, saved and decided
-by the installed transformers."""
+"""For configs drawn at random per architecture, each built and saved by the installed transformers (some with keys
+then taken out of config.json): what transformers saves is settled, and whatever is settled transformers
+accepts, with the predicted layout as its own and exactly the parameters `params.expected` says."""
 
 import json
 import warnings
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from prequant.bnb import layout, params, predict
 from prequant.checkpoint import hf_files
+from prequant.errors import PrequantError
 from prequant.source import resolve as sources
 
 torch = pytest.importorskip("torch")
@@ -34,17 +35,19 @@ def decoder_configs(draw, cls, *, head_dim_optional, biases=("attention_bias",),
     kwargs |= {flag: draw(st.booleans()) for flag in biases}
     if experts:
         kwargs |= dict(num_local_experts=draw(st.integers(1, 3)), num_experts_per_tok=1)
-    dropped = draw(st.sets(st.sampled_from([*biases, "num_key_value_heads"])))
+    droppable = [*biases, "num_key_value_heads", "head_dim", "tie_word_embeddings"]
+    dropped = draw(st.one_of(st.just(set()), st.sets(st.sampled_from(droppable), min_size=1)))
     return cls(**kwargs), dropped
 
 
 def _gpt2_configs():
     return st.builds(
-        lambda heads, per_head, layers, inner, positions, tied: (tf.GPT2Config(
+        lambda heads, per_head, layers, inner, positions, tied, dropped: (tf.GPT2Config(
             n_embd=heads * per_head, n_head=heads, n_layer=layers, n_inner=inner, n_positions=positions,
-            vocab_size=40, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied), set()),
+            vocab_size=40, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied), dropped),
         st.sampled_from([1, 2, 4]), st.sampled_from([4, 8]), st.integers(1, 2), st.sampled_from([None, 12]),
-        st.sampled_from([8, 16]), st.booleans())
+        st.sampled_from([8, 16]), st.booleans(),
+        st.one_of(st.just(set()), st.sets(st.sampled_from(["n_inner", "tie_word_embeddings"]), min_size=1)))
 
 
 ARCHITECTURES = {
@@ -59,47 +62,48 @@ ARCHITECTURES = {
 
 
 def _save(config, dropped, path):
-    """transformers' own checkpoint of a model built from `config`; then the keys in `dropped` taken out of
-    config.json where they hold the class default (transformers then falls back to that default)."""
+    """transformers' own checkpoint of a model built from `config`, with the keys in `dropped` then taken out of
+    its config.json (transformers then reads its class default, which may no longer fit the weights)."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(path)
     saved = json.loads((path / "config.json").read_text())
-    defaults = type(config)().to_dict()
-    for key in dropped:
-        default = saved.get("num_attention_heads") if key == "num_key_value_heads" else defaults.get(key)
-        if key in saved and saved[key] == default:
-            saved.pop(key)
-    (path / "config.json").write_text(json.dumps(saved))
+    (path / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k not in dropped}))
     return path
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_expected_parameters_are_what_transformers_saves_and_the_layout_is_its_own(arch, tmp_path_factory):
-    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    outcomes = []
+
+    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(ARCHITECTURES[arch])
     def check(drawn):
         config, dropped = drawn
         src = sources.resolve(str(_save(config, dropped, tmp_path_factory.mktemp(arch))))
         tensors = sources.scan(src)
         cfg = hf_files.read_config(src.path)
+        try:
+            decided = layout.analyze(cfg, src.path, tensors, [])
+        except PrequantError:  # transformers refuses these weights with this config.json
+            decided = None
+        is_settled = predict.settled(cfg, tensors, transformers_version=VERIFIED_HIGH)
+        outcomes.append(is_settled)
+        if not dropped:
+            assert is_settled, "a checkpoint as transformers saves it is settled"
+        if not is_settled:
+            return  # the conversion asks transformers: nothing is assumed
+        assert decided is not None, "settled, yet transformers refuses the checkpoint"
+        assert predict.predict(cfg, tensors, []) == decided
         shapes = params.expected(cfg["architectures"][0], cfg)
-        if shapes is None:  # only where the class' own default decides: not settled, so transformers is asked
-            assert arch != "llama" and "num_key_value_heads" not in cfg, cfg
-            assert not predict.settled(cfg, tensors, transformers_version=VERIFIED_HIGH)
-            return
         saved = {t.name: tuple(t.shape) for t in tensors}
-        if not cfg.get("tie_word_embeddings", arch in ("gemma", "gpt2")):  # a tied head is saved as the embedding
-            assert saved == shapes
-        else:
-            assert saved == {k: v for k, v in shapes.items() if k != "lm_head.weight"}
-        assert predict.settled(cfg, tensors, transformers_version=VERIFIED_HIGH)
-        assert predict.predict(cfg, tensors, []) == layout.analyze(cfg, src.path, tensors, [])
+        assert saved == shapes or saved == {k: v for k, v in shapes.items() if k != "lm_head.weight"}
 
     check()
+    assert sum(outcomes) >= 5, f"only {sum(outcomes)} of {len(outcomes)} drawn checkpoints settled: too few checked"
 
 
 def test_what_expected_cannot_tell_is_none():
