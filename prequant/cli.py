@@ -27,8 +27,9 @@ app = typer.Typer(
 
 
 OutputArg = Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="A folder written by prequant convert.")]
-DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto (a GPU when there is one), cpu, or "
-                                        "cuda[:N].")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto (a GPU when there is one, for "
+                                        "weights of 256 MiB or more: below, CUDA's start-up costs more than the CPU "
+                                        "takes; same bytes), cpu, or cuda[:N].")]
 
 
 @app.command(

@@ -17,6 +17,10 @@ from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..errors import PrequantError, UsageError
 from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
 
+# `--device auto` quantizes checkpoints lighter than this on the CPU even where there is a GPU: CUDA and
+# bitsandbytes take 1.9-3.6 s to start on the GPU machine (PREQUANT_TRACE, 2026-12-01/02), while the CPU kernel
+# quantizes 256 MiB in about 0.7 s on one thread (0.35-0.42 GB/s), and the bytes are the same either way.
+AUTO_CUDA_FROM = 256 * 2**20
 # bitsandbytes' CUDA kernels index elements with int32: bigger tensors go through in block-aligned pieces.
 MAX_KERNEL_ELEMENTS = 2**31 - 2**20
 
@@ -40,10 +44,13 @@ def check_device(device: str) -> None:
         raise UsageError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
 
 
-def pick_device(device: str) -> torch.device:
-    """'auto' -> the current CUDA device when there is one, else the CPU; 'cuda[:N]' must exist."""
+def pick_device(device: str, weight_bytes: int | None = None) -> torch.device:
+    """'auto' -> the current CUDA device when there is one and the checkpoint's weights (`weight_bytes`, when
+    known) weigh at least AUTO_CUDA_FROM, else the CPU; 'cuda[:N]' must exist."""
     check_device(device)
     if device == "auto":
+        if weight_bytes is not None and weight_bytes < AUTO_CUDA_FROM:
+            return torch.device("cpu")  # decided before CUDA is asked anything: that is the point
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dev = torch.device(device)
     if dev.type == "cpu":

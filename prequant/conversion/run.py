@@ -72,9 +72,9 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     config = read_config(src.path)
     # The GPU and bitsandbytes start up while a child process started by the CLI decides the layout.
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
-    quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device))
+    quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device, _src_bytes(tensors)))
     if quantizer is not None and quantizer.device.type == "cpu":
-        tensor_pool.pool(sum(t.nbytes for t in tensors))  # the CPU workers import torch while the plan is made
+        tensor_pool.pool(_src_bytes(tensors))  # the CPU workers import torch while the plan is made
     trace.mark("quantizer-ready")
     # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
     # conversion.layouts) or a head start the pipeline runs on while transformers decides its own (a dry run
@@ -134,6 +134,11 @@ def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Q
         output.publish(out, staging)
         trace.mark("published")
     return written
+
+
+def _src_bytes(tensors: list[TensorRef]) -> int:
+    """The source's weights in bytes (what `--device auto` weighs)."""
+    return sum(t.nbytes for t in tensors)
 
 
 def _plan(tensors: list[TensorRef], layout: Layout, opts: ConvertOptions) -> Plan:

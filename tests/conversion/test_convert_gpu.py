@@ -50,6 +50,14 @@ def test_cpu_convert_is_byte_identical_to_transformers_on_cuda(tiny, tmp_path):
 
 
 @gpu_only
+def test_auto_converts_a_tiny_checkpoint_on_the_cpu_to_the_same_bytes(tiny, tmp_path):
+    src, ref = tiny
+    summary = prequant.convert(src, tmp_path / "out", device="auto", progress=False)
+    assert summary.device == "cpu"
+    _assert_identical_checkpoints(tmp_path / "out", ref)
+
+
+@gpu_only
 def test_cuda_logits_identical_to_on_the_fly_quantization(tiny, tmp_path):
     from conftest import bnb_config
     from transformers import AutoModelForCausalLM
