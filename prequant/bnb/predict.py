@@ -94,6 +94,9 @@ KNOWN = {
     "MixtralForCausalLM": _MIXTRAL,
     "GPT2LMHeadModel": _GPT2,
 }
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "MixtralForCausalLM": "mixtral",
+               "GPT2LMHeadModel": "gpt2"}  # config.json's model_type for each (its config class)
 OUTPUT_EMBEDDING = "lm_head"  # what transformers' get_keys_to_not_convert keeps in these models, tied or not
 
 
@@ -172,7 +175,12 @@ def may_settle(config: dict, transformers_version: str | None = None) -> bool:
     version = transformers_version or _installed_transformers()
     if version is None or not VERIFIED[0] <= _minor(version) <= VERIFIED[1]:
         return False
-    return not config.get("auto_map") and (config.get("architectures") or [None])[0] in KNOWN
+    arch = (config.get("architectures") or [None])[0]
+    if config.get("auto_map") or arch not in KNOWN or "quantization_config" in config:
+        return False
+    # transformers picks the config class by model_type: another than the architecture's would bring other
+    # defaults (e.g. num_key_value_heads) than the ones `params` assumes.
+    return config.get("model_type") == MODEL_TYPES[arch]
 
 
 def _switch(env: str, default: bool) -> bool:

@@ -3,12 +3,11 @@
 from dataclasses import replace
 
 import pytest
+from conftest import build_grok
 
 from prequant.bnb import layout, predict
 from prequant.checkpoint import hf_files
 from prequant.source import resolve as sources
-
-from conftest import build_grok
 
 SKIPS = [[], ["mlp.down_proj"], ["lm_head"], ["model.layers.0"], ["h.0.mlp"]]
 KINDS = ["llama", "llama_tied", "gpt2", "qwen2", "qwen3", "gemma", "mistral", "mixtral"]
@@ -73,6 +72,9 @@ CONFIG_EDITS = {
     "remote code": lambda c: c.update(auto_map={"AutoModelForCausalLM": "modeling.Model"}),
     "a bias flag that is not a bool": lambda c: c.update(attention_bias="yes"),
     "untied config of a tied checkpoint": lambda c: c.update(tie_word_embeddings=False),
+    "another model_type": lambda c: c.update(model_type="mistral"),
+    "no model_type": lambda c: c.pop("model_type"),
+    "a quantized source": lambda c: c.update(quantization_config={"quant_method": "bitsandbytes"}),
 }
 
 
@@ -127,3 +129,12 @@ def test_untrusted_remote_code_is_not_predicted(grok):
 def test_prediction_can_be_turned_off(checkpoints, monkeypatch):
     monkeypatch.setenv(predict.ENV, "0")
     assert _both(checkpoints("llama"), [])[1] is None
+
+
+def test_every_known_architecture_is_built_and_settled_here(checkpoints):
+    """A class added to KNOWN without a checkpoint above (and its config class' model_type) would be unverified."""
+    built = {_scan(checkpoints(kind))[0]["architectures"][0] for kind in KINDS}
+    assert built == set(predict.KNOWN) == set(predict.MODEL_TYPES)
+    for kind in KINDS:
+        config, _ = _scan(checkpoints(kind))
+        assert config["model_type"] == predict.MODEL_TYPES[config["architectures"][0]]

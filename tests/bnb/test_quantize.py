@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import gpu_only
 
 from prequant.bnb import quantize

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import run_main
 
 import prequant
 from prequant.bnb import layout as architectures
@@ -10,8 +11,6 @@ from prequant.bnb import predict
 from prequant.checkpoint import hf_files
 from prequant.conversion import layout_worker
 from prequant.source import resolve as sources
-
-from conftest import run_main
 
 
 @pytest.fixture(autouse=True)

@@ -4,13 +4,12 @@ prediction was wrong."""
 
 import json
 import shutil
-
 import subprocess
 import sys
 
-from prequant.bnb.predict import CONFIRM_ENV, ENV
-
 from conftest import cli_env, run_cli
+
+from prequant.bnb.predict import CONFIRM_ENV, ENV
 
 TRANSFORMERS_ONLY = {ENV: "0"}  # the conversion waits for transformers' layout, as before prediction existed
 CONFIRMED = {CONFIRM_ENV: "1"}  # predicted, and transformers confirms even what would be settled
@@ -73,7 +72,7 @@ def _convert_in_child(src, out, env, *args):
     code = ("import json, sys, prequant\n"
             f"r = prequant.convert({str(src)!r}, {str(out)!r}, device='cpu'{''.join(', ' + a for a in args)})\n"
             f"print(json.dumps([r.to_dict(), [m for m in {MODELING!r} if m in sys.modules]]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(env))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(env), check=False)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -81,7 +80,7 @@ def _convert_in_child(src, out, env, *args):
 def test_a_settled_prediction_converts_without_transformers_modeling_code_to_the_same_files(checkpoints, tmp_path):
     for kind in ("llama", "gpt2"):
         src = checkpoints(kind)
-        summary, events = _convert(src, tmp_path / f"{kind}-settled", tmp_path, {})
+        _, events = _convert(src, tmp_path / f"{kind}-settled", tmp_path, {})
         _convert(src, tmp_path / f"{kind}-decided", tmp_path, TRANSFORMERS_ONLY)
         assert "layout-settled" in events and "layout-predicted" not in events and "layout-confirmed" not in events
         assert _files(tmp_path / f"{kind}-settled") == _files(tmp_path / f"{kind}-decided")
