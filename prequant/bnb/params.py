@@ -15,8 +15,6 @@ transformers 5 (`predict.VERIFIED` says which versions the tests compare them wi
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 Shapes = dict[str, tuple[int, ...]]
 # Decoder families: the options that change which attention parameters exist. `qkv_bias` / `o_bias`: True or
 # False when the architecture fixes it, else the config key that switches both (False when config.json omits
@@ -38,18 +36,18 @@ _DECODERS: dict[str, dict] = {
 def expected(arch: str, config: dict) -> Shapes | None:
     """Every parameter of transformers' `arch` built from this config.json: checkpoint key -> shape (lm_head
     included even when tied: a checkpoint may hold it or not). None where this module cannot tell."""
-    build: Callable[[dict], Shapes | None] | None
     if arch in _DECODERS:
         return _decoder(_DECODERS[arch], config)
-    build = {"GPT2LMHeadModel": _gpt2}.get(arch)
-    return build(config) if build else None
+    return _gpt2(config) if arch == "GPT2LMHeadModel" else None
+
+
+def _positive(*values: object) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
 
 
 def _ints(config: dict, *keys: str) -> list[int] | None:
     values = [config.get(k) for k in keys]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
-        return None
-    return values  # type: ignore[return-value]
+    return values if _positive(*values) else None  # type: ignore[return-value]
 
 
 def _flag(config: dict, rule: bool | str) -> bool | None:
@@ -75,7 +73,7 @@ def _decoder(rules: dict, config: dict) -> Shapes | None:
         head_dim = hidden // heads
     qkv_bias, o_bias = _flag(config, rules["qkv_bias"]), _flag(config, rules["o_bias"])
     mlp_bias = _flag(config, "mlp_bias") if rules.get("mlp_bias") else False
-    if _ints({"kv": kv, "hd": head_dim}, "kv", "hd") is None or None in (qkv_bias, o_bias, mlp_bias) or heads % kv:
+    if not _positive(kv, head_dim) or None in (qkv_bias, o_bias, mlp_bias) or heads % kv:
         return None
     shapes: Shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
                       "lm_head.weight": (vocab, hidden)}
@@ -115,7 +113,7 @@ def _gpt2(config: dict) -> Shapes | None:
     embd, layers, heads, vocab, positions = dims
     inner = config.get("n_inner")
     inner = 4 * embd if inner is None else inner
-    if _ints({"inner": inner}, "inner") is None or embd % heads:
+    if not _positive(inner) or embd % heads:
         return None
     shapes: Shapes = {"transformer.wte.weight": (vocab, embd), "transformer.wpe.weight": (positions, embd),
                       "transformer.ln_f.weight": (embd,), "transformer.ln_f.bias": (embd,),

@@ -120,7 +120,7 @@ def predict(config: dict, tensors: list[TensorRef], skip: list[str], trust_remot
     else:
         return None
     required = list(family.skip_modules) if family else []
-    tied = bool(config.get("tie_word_embeddings", rules.tied_default)) and family is None
+    tied = _tied(config, rules) and family is None
     defaults = [OUTPUT_EMBEDDING, *(rules.tied_keep if tied else ())]
     patterns = [*defaults, *required, *skip]
     decisions: dict[str, Decision] = {}
@@ -160,7 +160,7 @@ def settled(config: dict, tensors: list[TensorRef], transformers_version: str | 
     if load_dtype(config, tensors) is None or (shapes := expected(arch, config)) is None:
         return False
     rules = KNOWN[arch]
-    if bool(config.get("tie_word_embeddings", rules.tied_default)):
+    if _tied(config, rules):
         shapes.pop("lm_head.weight")  # transformers saves a tied head as the embedding alone; both are not assumed
     found = {_model_key(t.name, rules.prefix): tuple(t.shape) for t in tensors}
     return len(found) == len(tensors) and found == shapes
@@ -172,8 +172,7 @@ def may_settle(config: dict, transformers_version: str | None = None) -> bool:
     transformers, neither switch set. The CLI asks it before it would start the layout child."""
     if not _switch(ENV, True) or _switch(CONFIRM_ENV, False):
         return False
-    version = transformers_version or _installed_transformers()
-    if version is None or not VERIFIED[0] <= _minor(version) <= VERIFIED[1]:
+    if not verified(transformers_version):
         return False
     arch = (config.get("architectures") or [None])[0]
     if config.get("auto_map") or arch not in KNOWN or "quantization_config" in config:
@@ -181,6 +180,17 @@ def may_settle(config: dict, transformers_version: str | None = None) -> bool:
     # transformers picks the config class by model_type: another than the architecture's would bring other
     # defaults (e.g. num_key_value_heads) than the ones `params` assumes.
     return config.get("model_type") == MODEL_TYPES[arch]
+
+
+def verified(transformers_version: str | None = None) -> bool:
+    """Whether this transformers (the installed one unless given) is one of the VERIFIED versions."""
+    version = transformers_version or _installed_transformers()
+    return version is not None and VERIFIED[0] <= _minor(version) <= VERIFIED[1]
+
+
+def _tied(config: dict, rules: Rules) -> bool:
+    """Whether the model ties its output embedding to the input one (config.json, else its class' default)."""
+    return bool(config.get("tie_word_embeddings", rules.tied_default))
 
 
 def _switch(env: str, default: bool) -> bool:

@@ -14,10 +14,11 @@ from prequant.checkpoint import hf_files
 from prequant.errors import PrequantError
 from prequant.source import resolve as sources
 
+from test_predict import VERIFIED_HIGH
+
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
-VERIFIED_HIGH = "{}.{}.0".format(*predict.VERIFIED[1])
 
 
 @st.composite

@@ -3,11 +3,12 @@
 from dataclasses import replace
 
 import pytest
-from conftest import build_grok
 
 from prequant.bnb import layout, predict
 from prequant.checkpoint import hf_files
 from prequant.source import resolve as sources
+
+from conftest import build_grok
 
 SKIPS = [[], ["mlp.down_proj"], ["lm_head"], ["model.layers.0"], ["h.0.mlp"]]
 KINDS = ["llama", "llama_tied", "gpt2", "qwen2", "qwen3", "gemma", "mistral", "mixtral"]
@@ -138,3 +139,13 @@ def test_every_known_architecture_is_built_and_settled_here(checkpoints):
     for kind in KINDS:
         config, _ = _scan(checkpoints(kind))
         assert config["model_type"] == predict.MODEL_TYPES[config["architectures"][0]]
+
+
+(_LOW, _HIGH) = predict.VERIFIED
+
+
+@pytest.mark.parametrize("version,expected", [
+    (f"{_LOW[0]}.{_LOW[1]}.0", True), (f"{_HIGH[0]}.{_HIGH[1]}.3", True), (f"{_LOW[0]}.{_LOW[1] - 1}.9", False),
+    (f"{_HIGH[0]}.{_HIGH[1] + 1}.0", False), ("4.57.1", False), ("nightly", False)])
+def test_only_the_verified_versions_are_verified(version, expected):
+    assert predict.verified(version) is expected

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gpu_only
 
 from prequant.bnb import quantize
 from prequant.errors import UsageError
+
+from conftest import gpu_only
 
 
 @pytest.mark.parametrize("value", ["8 parsecs", "GiB", "8XB"])

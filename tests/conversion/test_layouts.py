@@ -7,12 +7,17 @@ import shutil
 import subprocess
 import sys
 
-from conftest import cli_env, run_cli
+import pytest
 
-from prequant.bnb.predict import CONFIRM_ENV, ENV
+from prequant.bnb.predict import CONFIRM_ENV, ENV, verified
+
+from conftest import cli_env, run_cli
 
 TRANSFORMERS_ONLY = {ENV: "0"}  # the conversion waits for transformers' layout, as before prediction existed
 CONFIRMED = {CONFIRM_ENV: "1"}  # predicted, and transformers confirms even what would be settled
+# On a transformers newer than predict.VERIFIED nothing settles (the head-start tests above still run): raise it
+# after scripts/check_layout_rules.py passes with that version.
+SETTLES_HERE = pytest.mark.skipif(not verified(), reason="the installed transformers is outside predict.VERIFIED")
 
 
 def _convert(src, out, tmp_path, env):
@@ -77,6 +82,7 @@ def _convert_in_child(src, out, env, *args):
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@SETTLES_HERE
 def test_a_settled_prediction_converts_without_transformers_modeling_code_to_the_same_files(checkpoints, tmp_path):
     for kind in ("llama", "gpt2"):
         src = checkpoints(kind)
@@ -91,6 +97,7 @@ def test_a_settled_prediction_converts_without_transformers_modeling_code_to_the
         assert "transformers.modeling_utils" in imported, "the check above could not have failed"
 
 
+@SETTLES_HERE
 def test_a_settled_dry_run_prints_transformers_plan_without_its_modeling_code(checkpoints, tmp_path):
     src = checkpoints("llama")
     plan, imported = _convert_in_child(src, tmp_path / "out", {}, "dry_run=True")
