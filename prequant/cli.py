@@ -100,10 +100,9 @@ def convert(
     if not (dry_run or resume):
         weight_bytes = readahead.start_for_source(source)  # the disk works while torch imports
         tensor_spawn.start_early(weight_bytes, device)  # and so do the CPU workers
-    from .conversion.options import ConvertOptions
-    from .conversion.run import convert as run_convert
-
-    signals.check()  # a signal whose exception an import swallowed stops the command here, before any output
+    with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
+        from .conversion.options import ConvertOptions
+        from .conversion.run import convert as run_convert
     trace.mark("imported")
     result = run_convert(source, output_dir, ConvertOptions.pick(arguments))
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
@@ -131,8 +130,9 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Check OUTPUT_DIR: files against prequant.json (size, sha256), index against shards, quant states, config."""
-    from .verify.report import VerificationFailed
-    from .verify.run import verify as run_verify
+    with signals.deferred():  # torch's imports (see convert)
+        from .verify.report import VerificationFailed
+        from .verify.run import verify as run_verify
 
     report = run_verify(output_dir, source, max_rel_error=max_rel_error)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
@@ -160,7 +160,8 @@ def change_storage(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
 ) -> None:
     """Copy OUTPUT_DIR to DEST with its packed weights stored as another dtype (headers, config, card rewritten)."""
-    from .conversion.storage import change_storage as run_change
+    with signals.deferred():  # torch's imports (see convert)
+        from .conversion.storage import change_storage as run_change
 
     result = run_change(output_dir, dest, quant_storage, overwrite=overwrite)
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
@@ -185,7 +186,8 @@ def upload(
     as_json: Annotated[bool, typer.Option("--json", help="Print what was uploaded as JSON on stdout.")] = False,
 ) -> None:
     """Verify OUTPUT_DIR, then upload it to a Hub model repo in one commit (refused if it does not verify)."""
-    from .verify.publish import upload as run_upload
+    with signals.deferred():  # torch's imports (see convert)
+        from .verify.publish import upload as run_upload
 
     result = run_upload(output_dir, repo_id, revision=revision, private=private, commit_message=commit_message)
     if as_json:
@@ -236,8 +238,9 @@ def check_fsdp(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
 ) -> None:
     """Train a few FSDP+QLoRA steps from OUTPUT_DIR on N ranks: memory per rank, losses, packed bytes intact."""
-    from .fsdp.check import CheckFailed, CheckOptions
-    from .fsdp.check import check_fsdp as run_check
+    with signals.deferred():  # torch's imports (see convert)
+        from .fsdp.check import CheckFailed, CheckOptions
+        from .fsdp.check import check_fsdp as run_check
 
     options = CheckOptions.pick({**locals(), "loaders": loader})
     result = run_check(output_dir, options)

@@ -15,6 +15,7 @@ import torch
 
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..errors import PrequantError, UsageError
+from ..util import signals
 from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
 
 # `--device auto` quantizes checkpoints lighter than this on the CPU even where there is a GPU: CUDA and
@@ -68,7 +69,8 @@ class Quantizer:
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
             try:
-                import bitsandbytes.functional as bnbf
+                with signals.deferred():  # a compiled library's import (see util.signals)
+                    import bitsandbytes.functional as bnbf
             except ImportError as e:
                 raise PrequantError(
                     f"bitsandbytes is not importable ({e}); install it (pip install bitsandbytes) or use --device cpu"

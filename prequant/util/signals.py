@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None
+_deferring = False
 
 
 class Signalled(KeyboardInterrupt):
@@ -51,7 +54,8 @@ def _handler(signum: int, frame: object) -> None:
         os.write(2, f"Error: interrupted by {name(signum)}\n".encode())
         os._exit(exit_code(signum))
     _received = signum
-    raise Signalled(signum)
+    if not _deferring:
+        raise Signalled(signum)
 
 
 def check() -> None:
@@ -59,6 +63,23 @@ def check() -> None:
     everything (measured: SIGTERM during torch's imports, the conversion then ran to exit status 0)."""
     if _received is not None:
         raise Signalled(_received)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Around imports of compiled modules (torch, bitsandbytes): a signal is only recorded there, and raised as
+    `Signalled` when the block ends. Raised inside, the exception would cross a C++ frame that cannot carry it
+    (pybind11: "terminate called after throwing an instance of 'pybind11::error_already_set'", measured on
+    torch.distributed's import: the process aborted instead of exiting 130 / 143). A second signal still ends
+    the process at once."""
+    global _deferring
+    outer, _deferring = _deferring, True
+    try:
+        yield
+    finally:
+        _deferring = outer
+    if not outer:
+        check()
 
 
 def install() -> None:

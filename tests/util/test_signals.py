@@ -114,3 +114,44 @@ def test_a_swallowed_signal_still_ends_the_command_with_its_status():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 143, done.stderr
     assert done.stderr.strip() == "Error: interrupted by SIGTERM"
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def test_a_signal_inside_a_deferred_import_is_raised_when_the_import_is_done():
+    """Inside `deferred()` (around torch's and bitsandbytes' imports) the handler only records the signal: the
+    import runs to its end, where the signal is raised, never from inside a compiled module's callback."""
+    done = _run_python("""
+        import os, signal
+        from prequant.util import signals
+
+        signals.install()
+        try:
+            with signals.deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                import json  # the rest of the import still runs
+                print("inside, after the signal", flush=True)
+            print("not reached")
+        except signals.Signalled as e:
+            print("raised after the block:", signals.name(e.signum))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["inside, after the signal", "raised after the block: SIGINT"]
+
+
+def test_a_second_signal_inside_a_deferred_import_ends_the_process_at_once():
+    done = _run_python("""
+        import os, signal
+        from prequant.util import signals
+
+        signals.install()
+        with signals.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("not reached", flush=True)
+    """)
+    assert done.returncode == 143 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr.strip() == "Error: interrupted by SIGTERM"
