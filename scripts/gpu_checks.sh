@@ -2,14 +2,15 @@
 # The GPU machine's measurement set (issue 17) in one command, within PREQUANT_BUDGET_S (default 560 s), JSON
 # results under $OUT, then one table of every figure (scripts/bench_summary.py) and the GPU tests if time is left:
 #   OUT=/some/dir bash scripts/gpu_checks.sh      # from the repository root
+#   PREQUANT_STEPS="gpu-tests startup" ... runs only those steps, in the order below (default: all of them)
 # Steps, each under its own timeout (cut to the time left) and each going on after a failed one:
 #   cpu-kernel   bench_cpu_kernel.py, 14336x4096, threads 1,2,4,8,16, beside bitsandbytes' CPU path
 #   llama16      bench.py 16 GB Llama: cuda with libraries warm, and --device cpu (--also-device), one floor
 #   grok33       bench.py Grok shapes (3 layers, 32.7 GB), everything cold: cuda, then torch capped at 8 GiB,
 #                then from the local Hub server with --delete-source-shards (download alone measured beside it)
 #   startup      a tiny checkpoint's whole conversion and --dry-run, libraries warm, beside a baseline
-#                (bench_tiny_startup.py)
-#   gpu-tests    the CUDA-equality tests (bitsandbytes' kernel as the reference)
+#                (bench_tiny_startup.py), with --device auto: what a user who names no device gets
+#   gpu-tests    every test marked gpu (bitsandbytes' kernel as the reference, FSDP on NCCL, ...)
 # Disk (64 GB): one checkpoint at a time (16 GB, then 33 GB); outputs are deleted once hashed; the Hub path
 # holds the 33 GB source (served by hard links), at most 2 downloaded shards and the 11 GB output.
 set -uo pipefail
@@ -33,8 +34,10 @@ python3 -c "import torch, transformers, bitsandbytes; print('torch', torch.__ver
 python3 -c "import prequant.conversion.run, prequant.bnb.quantize, prequant.bnb.kernels.cpu, bitsandbytes.functional, transformers, huggingface_hub, pytest; from transformers import LlamaForCausalLM, AutoModelForCausalLM, BitsAndBytesConfig"
 
 STATUS=()
+STEPS=${PREQUANT_STEPS:-cpu-kernel llama16 grok33 startup gpu-tests}
 step() {  # step NAME SECONDS COMMAND...: run under min(SECONDS, time left), record how it ended
   local name=$1 limit=$2; shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
   local left=$(( BUDGET - ($(date +%s) - START) ))
   (( limit > left )) && limit=$left
   if (( limit < 15 )); then STATUS+=("$name: skipped (no time left)"); echo "== $name skipped"; return; fi
@@ -64,10 +67,10 @@ step grok33 300 python3 scripts/bench.py --size-gb 33 --shape grok --device cuda
 clear_checkpoints_except none
 # Best of 3 whole processes, interleaved with a baseline measured in the same run (the conversion waiting for
 # transformers' layout, PREQUANT_PREDICT_LAYOUT=0), and --dry-run.
-step startup 100 python3 scripts/bench_tiny_startup.py --repeats 3 --device cuda --json "$OUT/startup.json"
+step startup 130 python3 scripts/bench_tiny_startup.py --repeats 3 --device auto --skip 'head start' \
+  --json "$OUT/startup.json"
 python3 scripts/bench_summary.py "$OUT"
-step gpu-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bnb/test_quantize_gpu.py \
-  tests/conversion/test_convert_gpu.py tests/conversion/test_grok.py ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
+step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
 rm -rf "$WORK"/*gb
 printf '%s\n' "${STATUS[@]}" | tee "$OUT/steps.txt"
 echo "total $(( $(date +%s) - START ))s"
