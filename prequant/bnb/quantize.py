@@ -45,23 +45,37 @@ def check_device(device: str) -> None:
         raise UsageError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
 
 
-def pick_device(device: str, weight_bytes: int | None = None) -> torch.device:
-    """'auto' -> the current CUDA device when there is one and the checkpoint's weights (`weight_bytes`, when
-    known) weigh at least AUTO_CUDA_FROM, else the CPU; 'cuda[:N]' must exist."""
+def uses_cuda(device: str, weight_bytes: int | None = None) -> bool:
+    """Whether `pick_device` will answer a CUDA device, known without starting CUDA (no context is made)."""
     check_device(device)
     if device == "auto":
-        if weight_bytes is not None and weight_bytes < AUTO_CUDA_FROM:
-            return torch.device("cpu")  # decided before CUDA is asked anything: that is the point
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return dev
+        # decided before CUDA is asked anything for a light checkpoint: that is the point
+        return not (weight_bytes is not None and weight_bytes < AUTO_CUDA_FROM) and torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
+
+
+def pick_device(device: str, weight_bytes: int | None = None) -> torch.device:
+    """'auto' -> the current CUDA device when there is one and the checkpoint's weights (`weight_bytes`, when
+    known) weigh at least AUTO_CUDA_FROM, else the CPU; 'cuda[:N]' must exist. A CUDA answer starts CUDA."""
+    if not uses_cuda(device, weight_bytes):
+        return torch.device("cpu")
+    dev = torch.device("cuda" if device == "auto" else device)
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def no_bitsandbytes(reason: object) -> PrequantError:
+    """The error for a CUDA conversion without an importable bitsandbytes."""
+    return PrequantError(
+        f"bitsandbytes is not importable ({reason}); install it (pip install bitsandbytes) or use --device cpu"
+    )
 
 
 @dataclass
 class Quantizer:
-    """Quantizes tensors with fixed settings on one device; `__call__` returns entries on that device."""
+    """Quantizes tensors with fixed settings on one device; `__call__` returns entries on that device.
+
+    The pipeline asks it, as it asks `bnb.starting.Starting`, which quantizer takes the next tensor (`now`) and
+    which one a tensor on a given device (`on`): always this one."""
 
     settings: Settings
     device: torch.device
@@ -72,15 +86,26 @@ class Quantizer:
                 with signals.deferred():  # a compiled library's import (see util.signals)
                     import bitsandbytes.functional as bnbf
             except ImportError as e:
-                raise PrequantError(
-                    f"bitsandbytes is not importable ({e}); install it (pip install bitsandbytes) or use --device cpu"
-                ) from e
+                raise no_bitsandbytes(e) from e
             self._bnb = bnbf
             _limit_cuda_memory(self.device)
         else:
             from .kernels import cpu
 
             self._cpu = cpu
+
+    @property
+    def device_type(self) -> str:
+        """'cpu' or 'cuda': where the conversion runs."""
+        return self.device.type
+
+    def now(self) -> Quantizer:
+        """The quantizer for the next tensor read: this one."""
+        return self
+
+    def on(self, device: torch.device) -> Quantizer:
+        """The quantizer for a tensor on `device`: this one."""
+        return self
 
     def __call__(self, x: torch.Tensor, name: str = "tensor") -> dict[str, torch.Tensor]:
         """The entries that follow `name` in a checkpoint: weight, absmax, quant_map, ... quant_state."""

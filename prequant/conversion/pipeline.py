@@ -9,7 +9,8 @@ model size:
 
 On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
 CUDA stream, and results come back into pinned buffers that torch's caching host allocator reuses, so host
-memory stays at those buffers and the few tensors in flight. On the CPU the reader hands over zero-copy
+memory stays at those buffers and the few tensors in flight. While CUDA is still starting (`bnb.starting`), the
+reader hands over memory-mapped views instead, which the CPU kernel quantizes to the same bytes. On the CPU the reader hands over zero-copy
 memory-mapped views; `readahead` keeps the kernel reading the files ahead; the quantizing thread hands
 whole tensors to worker processes, one per core (`quantizing`, `bnb.tensor_pool`), or, on few cores, spreads
 each tensor's quantization and statistics over the kernels' thread pool (`bnb.kernels._parallel`), so this
@@ -29,8 +30,9 @@ from typing import BinaryIO
 import torch
 
 from ..bnb.quantize import Quantizer
+from ..bnb.starting import Starting
 from ..checkpoint.reader import TensorReader
-from ..checkpoint.tensors import BIN_OFFSET
+from ..checkpoint.tensors import BIN_OFFSET, TensorRef
 from ..util import trace
 from .follow_hash import FollowHash
 from .gpu_loader import GpuLoader
@@ -47,7 +49,7 @@ Check = Callable[[str, torch.Tensor], "tuple[int, int] | None"]
 def run(
     plan: Plan,
     source: TensorReader,
-    quantizer: Quantizer,
+    quantizer: Quantizer | Starting,
     staging: Path,
     journal: Journal | None = None,
     on_step: Callable[[Step], None] = lambda step: None,
@@ -79,7 +81,6 @@ def run(
     for step in plan.steps:
         if shards.is_done(step):
             on_step(step)
-    device = quantizer.device
 
     def guarded(fn: Callable[[], None]) -> Callable[[], None]:
         def body() -> None:
@@ -93,22 +94,33 @@ def run(
 
         return body
 
+    loaders: list[GpuLoader] = []  # made when the first tensor goes to the GPU
+
     def read_all() -> None:
-        loader = GpuLoader(source, device) if device.type == "cuda" else None
         try:
-            read_steps(loader)
+            read_steps()
         finally:
-            if loader is not None:
+            for loader in loaders:
                 loader.close()
         loaded.put(END)
 
-    def read_steps(loader: GpuLoader | None) -> None:
+    def to_device(ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The tensor where the quantizer that takes it now works: the GPU, or a mapped view on the CPU (also
+        while a CUDA quantizer is starting: `bnb.starting`)."""
+        device = quantizer.now().device
+        if device.type != "cuda":
+            return source.view(ref), None
+        if not loaders:
+            loaders.append(GpuLoader(source, device))
+        return loaders[0].load(ref)
+
+    def read_steps() -> None:
         # No per-tensor advice: local files are read ahead by readahead.py, Hub shards were just written.
         for step in todo:
             source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
             found = None
             if step.quantize or step.decision.dtype:  # through the quantizing device, to be quantized or cast
-                data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
+                data = to_device(step.source)
             else:
                 if check is not None:
                     with trace.busy("check-kept"):

@@ -4,7 +4,8 @@ On a GPU a tensor is quantized on the device, then copied back into pinned memor
 goes on to the next one. On the CPU, where there are enough cores (`bnb.tensor_pool`), several tensors are in
 flight at once, one per worker process, and are handed on in plan order as they come back; what a worker cannot
 take (a small or cast tensor, a `.bin` shard's, or any tensor while the workers are still starting) is quantized here,
-on the kernel's threads. Either way the bytes and the statistics are the same.
+on the kernel's threads. Either way the bytes and the statistics are the same. A conversion on a GPU whose CUDA is
+still starting (`bnb.starting`) quantizes the tensors read meanwhile here on the CPU, with the same bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from ..bnb import tensor_pool
 from ..bnb.format import entry_key
 from ..bnb.quantize import Quantizer
+from ..bnb.starting import Starting
 from ..bnb.stats import TensorStats
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..util import trace
@@ -34,12 +36,12 @@ class Stats(Protocol):
         """Take them as a worker process measured them."""
 
 
-def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer, stats: Stats | None, check,
+def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starting, stats: Stats | None, check,
                  work_bytes: int) -> None:  # fmt: skip
     """Take (step, (tensor, ready event), found) items from `loaded` until END; put (step, entries, copied event,
     found) items into `quantized`, in the same order, then END. `work_bytes`: what is to be quantized (whether
     worker processes would pay)."""
-    pool = tensor_pool.pool(work_bytes) if quantizer.device.type == "cpu" else None
+    pool = tensor_pool.pool(work_bytes) if quantizer.device_type == "cpu" else None
     if pool is not None and pool.owner.acquire(blocking=False):  # else another thread's conversion has it
         try:
             _with_workers(loaded, quantized, quantizer, pool, stats, check)
@@ -105,26 +107,27 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer, pool: t
         raise
 
 
-def _here(step: Step, tensor: torch.Tensor, ready: torch.cuda.Event | None, found: object, quantizer: Quantizer,
-          stats: Stats | None, check) -> tuple:  # fmt: skip
+def _here(step: Step, tensor: torch.Tensor, ready: torch.cuda.Event | None, found: object,
+          quantizers: Quantizer | Starting, stats: Stats | None, check) -> tuple:  # fmt: skip
     """One item for the writer, computed in this process."""
     name = step.source.name
     if not step.quantize and not step.decision.dtype:
         return (step, {name: tensor}, None, found)
+    q = quantizers.on(tensor.device)  # the CPU's for a tensor read while CUDA was starting (`bnb.starting`)
     if ready is not None:
-        torch.cuda.current_stream(quantizer.device).wait_event(ready)
+        torch.cuda.current_stream(q.device).wait_event(ready)
     if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
         with trace.busy("cast"):
             tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
     if step.quantize:
-        entries = _quantized(step, tensor, quantizer, stats)
+        entries = _quantized(step, tensor, q, stats, early=q.device_type != quantizers.device_type)
     else:
         if check is not None:
             with trace.busy("check-kept"):
                 found = check(name, tensor)
         entries = {name: tensor}
     copied = None
-    if quantizer.device.type == "cuda":
+    if q.device_type == "cuda":
         # Into pinned memory, asynchronously: this thread goes on to the next tensor while the copy runs,
         # and the writer waits for `copied`. Torch's caching host allocator reuses these buffers (it
         # holds each until the copy that used it has finished); the queue bounds how many are in use.
@@ -133,15 +136,17 @@ def _here(step: Step, tensor: torch.Tensor, ready: torch.cuda.Event | None, foun
             for k, v in entries.items():
                 host[k].copy_(v, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(quantizer.device))
+            copied.record(torch.cuda.current_stream(q.device))
             entries = host
     return (step, entries, copied, found)
 
 
-def _quantized(step: Step, tensor: torch.Tensor, quantizer: Quantizer, stats: Stats | None) -> dict[str, torch.Tensor]:
-    """A weight's checkpoint entries, by key; `stats` sees them with the tensor as quantized."""
+def _quantized(step: Step, tensor: torch.Tensor, quantizer: Quantizer, stats: Stats | None,
+               early: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A weight's checkpoint entries, by key; `stats` sees them with the tensor as quantized. `early`: on the CPU
+    while CUDA starts (traced apart)."""
     x = tensor.t() if step.decision.transpose else tensor
-    with trace.busy("quantize"):
+    with trace.busy("quantize-while-cuda-starts" if early else "quantize"):
         entries = quantizer(x, step.source.name)
     if stats is not None:
         with trace.busy("stats"):

@@ -120,7 +120,9 @@ class Readahead:
             _current = None  # the next conversion in this process starts a fresh one
 
     def _run(self) -> None:
+        global _found_cold
         if self._cold_depth is not None and libraries_cold():
+            _found_cold = True
             with self._cond:
                 if self._cold_depth is not None:
                     self.depth = self._cold_depth
@@ -163,6 +165,13 @@ def _wait_read(fd: int, asked: deque[tuple[int, int]], limit: int) -> None:
 
 
 _current: Readahead | None = None
+_found_cold = False  # whether a start-up read-ahead of this process found the libraries cold
+
+
+def found_libraries_cold() -> bool:
+    """Whether this process started cold: the CLI's start-up read-ahead found torch's library outside the page
+    cache before torch was imported (`libraries_cold`). False where nothing checked (a library caller)."""
+    return _found_cold
 
 
 def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None = None) -> Readahead | None:

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..bnb import tensor_pool
+from ..bnb import starting, tensor_pool
 from ..bnb.layout import Layout, require_known
-from ..bnb.quantize import Quantizer, check_device, pick_device
+from ..bnb.quantize import Quantizer, check_device
+from ..bnb.starting import Starting
 from ..checkpoint import manifest
 from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.tensors import TensorRef
@@ -70,10 +71,14 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     if src.index_file is not None:
         check_index(src.index_file, tensors)
     config = read_config(src.path)
-    # The GPU and bitsandbytes start up while a child process started by the CLI decides the layout.
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
-    quantizer = None if opts.dry_run else Quantizer(opts.settings, pick_device(opts.device, _src_bytes(tensors)))
-    if quantizer is not None and quantizer.device.type == "cpu":
+    # CUDA and bitsandbytes start on a thread while the pipeline runs, the CPU quantizing meanwhile (bnb.starting),
+    # unless this process started with its libraries cold: CUDA's start then reads them page fault by page fault,
+    # behind the pipeline's reads and writes, and took 29 s instead of about 4 beside them (a 33 GB Grok-shaped
+    # checkpoint, `scripts/bench.py --size-gb 33 --shape grok --device cuda`, the GPU machine, 2026-12-02).
+    quantizer = None if opts.dry_run else starting.quantizer(
+        opts.settings, opts.device, _src_bytes(tensors), meanwhile=not readahead.found_libraries_cold())
+    if quantizer is not None and quantizer.device_type == "cpu":
         tensor_pool.pool(_src_bytes(tensors))  # the CPU workers import torch while the plan is made
     trace.mark("quantizer-ready")
     # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
@@ -88,7 +93,7 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
         return _run(out, src, tensors, config, quantizer, layouts.final(), None, opts, started)
 
 
-def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantizer: Quantizer | None, layout: Layout,
+def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantizer: Quantizer | Starting | None, layout: Layout,
          layouts: Layouts | None, opts: ConvertOptions, started: float) -> Summary | Plan:
     """Plan on `layout` and convert (checked against transformers' by `layouts` before publishing, when it is a
     prediction); return the Plan for a dry run, else the Summary."""
@@ -111,7 +116,7 @@ def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantiz
     return _summary(out, src, plan, quantizer, started, side, written or manifest.load(out), hub_url, claim.complete)
 
 
-def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Quantizer, job: dict,
+def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Quantizer | Starting, job: dict,
                   side: list[Path], opts: ConvertOptions, layouts: Layouts | None) -> dict | None:
     """Stream the shards, check a predicted layout against transformers', write config, index, side files and
     manifest into the staging folder, publish; return the manifest (None when an earlier, interrupted run had
@@ -152,7 +157,8 @@ def _plan(tensors: list[TensorRef], layout: Layout, opts: ConvertOptions) -> Pla
 
 
 def _write_shards(
-    src: Source, plan: Plan, quantizer: Quantizer, staging: Path, record: Recorder, job: dict, opts: ConvertOptions
+    src: Source, plan: Plan, quantizer: Quantizer | Starting, staging: Path, record: Recorder, job: dict,
+    opts: ConvertOptions,
 ) -> dict[str, int]:
     """Stream every tensor through the pipeline into the staging folder, journaled for --resume; return each
     shard's data bytes. The disk is kept reading ahead of the pipeline (local files) and a Hub source's shards
@@ -198,7 +204,7 @@ def _each(hooks: list[Callable[[TensorRef], Any]]) -> Callable[[Step], None]:
     return on_step
 
 
-def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer, started: float, side: list[Path],
+def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer | Starting, started: float, side: list[Path],
              written: dict, hub_url: str | None, already_complete: bool) -> Summary:
     return Summary(
         output_dir=str(out),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -71,8 +72,12 @@ def deferred() -> Iterator[None]:
     `Signalled` when the block ends. Raised inside, the exception would cross a C++ frame that cannot carry it
     (pybind11: "terminate called after throwing an instance of 'pybind11::error_already_set'", measured on
     torch.distributed's import: the process aborted instead of exiting 130 / 143). A second signal still ends
-    the process at once."""
+    the process at once. Off the main thread it does nothing: signals are handled in the main thread only, so
+    they never raise inside another thread's import (which must not delay or take the main thread's)."""
     global _deferring
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     outer, _deferring = _deferring, True
     try:
         yield

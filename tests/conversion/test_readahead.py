@@ -174,9 +174,11 @@ def test_an_early_readahead_beside_cold_libraries_waits_until_convert_sets_its_d
     if fraction is None or fraction > readahead.COLD_FRACTION:
         pytest.skip("this file system keeps pages DONTNEED asks to drop")
     monkeypatch.setattr(readahead, "_torch_library", lambda: library)
+    monkeypatch.setattr(readahead, "_found_cold", False)  # what an earlier test of this process found
     r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=0)
     _wait_until_blocked(r)
     assert r.depth == 0 and _advised(advice) == 0
+    assert readahead.found_libraries_cold()  # so convert() waits for CUDA before its pipeline (bnb.starting)
     r.set_depth(readahead.PIPELINE_DEPTH)
     r._thread.join()
     assert _advised(advice) == 3 * readahead._STEP
@@ -186,10 +188,12 @@ def test_an_early_readahead_beside_warm_libraries_keeps_its_start_up_depth(two_f
     library = tmp_path / "libtorch_cpu.so"
     library.write_bytes(b"\1" * (1 << 20))  # just written: in the page cache
     monkeypatch.setattr(readahead, "_torch_library", lambda: library)
+    monkeypatch.setattr(readahead, "_found_cold", False)
     # A cold depth that still reads (not 0), so that wrongly taking it shows as a wrong depth, not a hang.
     r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=1 << 20)
     r._thread.join()
     assert r.depth == readahead.START_DEPTH and _advised(advice) == 3 * readahead._STEP
+    assert not readahead.found_libraries_cold()
 
 
 def test_the_cold_start_depth_can_be_set_for_a_benchmark(monkeypatch):

@@ -155,3 +155,40 @@ def test_a_second_signal_inside_a_deferred_import_ends_the_process_at_once():
     """)
     assert done.returncode == 143 and done.stdout == "", (done.stdout, done.stderr)
     assert done.stderr.strip() == "Error: interrupted by SIGTERM"
+
+
+def test_another_threads_deferred_import_leaves_the_main_threads_signals_alone():
+    """bitsandbytes imports on a thread of its own while the pipeline runs (`bnb.starting`): a signal then still
+    stops the main thread at once, and nothing is raised in the importing thread."""
+    done = _run_python("""
+        import os, signal, threading
+        from prequant.util import signals
+
+        signals.install()
+        inside, release, seen = threading.Event(), threading.Event(), []
+
+        def importer():
+            try:
+                with signals.deferred():
+                    inside.set()
+                    release.wait()
+                seen.append("importer done")
+            except BaseException as e:
+                seen.append(f"importer raised {type(e).__name__}")
+
+        t = threading.Thread(target=importer)
+        t.start()
+        inside.wait()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+            print("not reached", flush=True)
+        except signals.Signalled as e:
+            print("main raised:", signals.name(e.signum))
+        release.set()
+        t.join()
+        print(*seen)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["main raised: SIGINT", "importer done"]
