@@ -108,19 +108,19 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer, pool: t
 
 
 def _here(step: Step, tensor: torch.Tensor, ready: torch.cuda.Event | None, found: object,
-          quantizers: Quantizer | Starting, stats: Stats | None, check) -> tuple:  # fmt: skip
+          quantizer: Quantizer | Starting, stats: Stats | None, check) -> tuple:  # fmt: skip
     """One item for the writer, computed in this process."""
     name = step.source.name
     if not step.quantize and not step.decision.dtype:
         return (step, {name: tensor}, None, found)
-    q = quantizers.on(tensor.device)  # the CPU's for a tensor read while CUDA was starting (`bnb.starting`)
+    q = quantizer.on(tensor.device)  # the CPU's for a tensor read while CUDA was starting (`bnb.starting`)
     if ready is not None:
         torch.cuda.current_stream(q.device).wait_event(ready)
     if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
         with trace.busy("cast"):
             tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
     if step.quantize:
-        entries = _quantized(step, tensor, q, stats, early=q.device_type != quantizers.device_type)
+        entries = _quantized(step, tensor, q, stats, early=q.device_type != quantizer.device_type)
     else:
         if check is not None:
             with trace.busy("check-kept"):
