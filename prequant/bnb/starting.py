@@ -12,7 +12,8 @@ tensor onto the GPU. Which tensors went where depends on timing; the bytes do no
 Not when the process started with its libraries cold (`conversion.run` decides, from the CLI's start-up check): CUDA's
 start then reads its libraries page fault by page fault, and beside the pipeline's reads and writes it took 29 s
 (`cuda-ready` 31.96 s, a 33 GB Grok-shaped checkpoint, `scripts/bench.py --size-gb 33 --shape grok --device cuda`,
-everything cold, 2026-12-02) where it takes 4-12 s alone. PREQUANT_CPU_WHILE_CUDA_STARTS=0 waits for CUDA before the
+everything cold, 2026-12-02) where it took 4-12 s with the pipeline waiting for it (the session before's leases, and
+the same command with the pipeline waiting). PREQUANT_CPU_WHILE_CUDA_STARTS=0 waits for CUDA before the
 first tensor too (the GPU tests of the CUDA path use it, so that every tensor there goes through bitsandbytes'
 kernel).
 """
@@ -59,11 +60,6 @@ class Starting:
         finally:
             trace.mark("cuda-ready")
             self._done.set()
-
-    @property
-    def started(self) -> bool:
-        """Whether the CUDA quantizer's start has ended (ready, or failed)."""
-        return self._done.is_set()
 
     def now(self) -> Quantizer:
         """The quantizer for the next tensor read: the CUDA one once it is ready, else the CPU's."""

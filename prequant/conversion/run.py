@@ -74,8 +74,8 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the pipeline runs, the CPU quantizing meanwhile (bnb.starting),
     # unless this process started with its libraries cold: CUDA's start then reads them page fault by page fault,
-    # behind the pipeline's reads and writes, and took 29 s instead of about 4 beside them (a 33 GB Grok-shaped
-    # checkpoint, `scripts/bench.py --size-gb 33 --shape grok --device cuda`, the GPU machine, 2026-12-02).
+    # behind the pipeline's reads and writes, and took 29 s beside them against 4-12 s with the pipeline waiting (a
+    # 33 GB Grok-shaped checkpoint, `scripts/bench.py --size-gb 33 --shape grok --device cuda`, the GPU machine).
     quantizer = None if opts.dry_run else starting.quantizer(
         opts.settings, opts.device, _src_bytes(tensors), meanwhile=not readahead.found_libraries_cold())
     if quantizer is not None and quantizer.device_type == "cpu":
