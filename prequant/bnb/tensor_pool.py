@@ -157,6 +157,11 @@ class Pool:
                 self._pump(block=True)
         return job
 
+    def wait_any(self) -> None:
+        """Block until some worker says something (a job answered, a worker ready) or the pool breaks."""
+        with trace.busy("cpu-workers-wait"):
+            self._pump(block=True)
+
     def release(self, job: Job) -> None:
         """The caller has handed `job`'s entries on: their memory no longer counts against the budget."""
         self.held -= job.cost

@@ -30,6 +30,17 @@ class Stage:
         with trace.busy(self._get_label):
             return self._get()
 
+    def offer(self, item: object) -> bool:
+        """Put `item` if there is room now; whether it was put (a stage that has work of its own to go on with
+        rather than wait)."""
+        if self._failed.is_set():
+            raise Stop
+        try:
+            self._q.put_nowait(item)
+            return True
+        except queue.Full:
+            return False
+
     def _put(self, item: object) -> None:
         while True:
             if self._failed.is_set():

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import prequant
 from prequant.bnb import stats, tensor_pool, tensor_spawn
-from prequant.bnb.format import Settings
+from prequant.bnb.format import Settings, entry_key
 from prequant.bnb.quantize import Quantizer
 from prequant.checkpoint.reader import TensorReader
 from prequant.checkpoint.safetensors import read_header
@@ -282,3 +282,65 @@ def test_a_second_conversion_at_once_quantizes_in_its_own_process(pool, checkpoi
         assert (tmp_path / "here" / shard).read_bytes() == (tmp_path / "second" / shard).read_bytes()
     tensor_pool.close()
     assert pool.broken and tensor_pool._pool is None
+
+
+def test_the_workers_go_on_while_the_writer_is_held_up(pool, tmp_path):
+    """While the writer takes nothing (a shard's writes held up by the disk), the quantizing stage keeps giving the
+    workers tensors until `most` finished ones wait for the writer; then every item still comes out, in plan order,
+    with the entries this process computes."""
+    import threading
+
+    from prequant.bnb.layout import Decision
+    from prequant.conversion.plan import Step
+    from prequant.conversion.quantizing import quantize_all
+    from prequant.conversion.stages import END, IN_FLIGHT, Stage
+
+    most = pool.size * tensor_pool.JOBS_PER_WORKER + IN_FLIGHT
+    n = IN_FLIGHT + most + 4
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"w{i:02d}": torch.randn(64, 128, generator=g).to(torch.bfloat16) for i in range(n)}
+    path, reader, views = _mapped(tmp_path, tensors)
+    refs = {ref.name: ref for ref in read_header(path)[0]}
+
+    class Counted(Stage):
+        gets = 0
+
+        def get(self):
+            item = super().get()
+            Counted.gets += 1
+            return item
+
+    failed = threading.Event()
+    loaded, quantized = Counted(failed, "loaded", size=n + 1), Stage(failed, "quantized")
+    for name in sorted(tensors):
+        step = Step(refs[name], Decision(True, "a linear weight"), (), "model.safetensors")
+        loaded.put((step, (views[name], None), None))
+    loaded.put(END)
+    quantizer = Quantizer(Settings(), torch.device("cpu"))
+    stage = threading.Thread(target=quantize_all, args=(loaded, quantized, quantizer, None, None, 10**9))
+    out: list[tuple] = []
+    with reader:
+        stage.start()
+        try:
+            # The writer holds: IN_FLIGHT items fill its queue, most + 1 wait here, one more waits to be put.
+            taken = IN_FLIGHT + most + 1
+            for _ in range(200):
+                if Counted.gets >= taken:
+                    break
+                stage.join(0.05)
+            assert Counted.gets >= taken, f"the stage stopped taking tensors at {Counted.gets} while the writer held"
+            while (item := quantized.get()) is not END:
+                out.append(item)
+        finally:
+            if len(out) < n:  # stop the stage where it waits
+                failed.set()
+            stage.join(10)
+    assert [step.source.name for step, *_ in out] == sorted(tensors)
+    assert pool.tensors == n, "the workers quantized every one"
+    for step, entries, copied, found in out:
+        name = step.source.name
+        want = {entry_key(name, k): v for k, v in quantizer(tensors[name], name).items()}
+        assert copied is None and found is None and list(entries) == list(want)
+        for key, tensor in want.items():
+            assert torch.equal(entries[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    assert pool.held == 0 and not pool.busy()
