@@ -12,12 +12,14 @@ import sys
 from types import ModuleType
 
 from .util import trace  # noqa: F401 - first, so a trace's "start" is the process' own start (standard library only)
+from .bnb import importing
 from .util import signals
 
 
 def main() -> None:
     """Run the `prequant` command line (see `prequant.cli`)."""
     signals.install()
+    importing.lean()  # this process is the command's own: no other code here uses bitsandbytes
     try:
         from . import cli
     except KeyboardInterrupt as interrupt:  # while importing: nothing was written yet, so nothing to clean up

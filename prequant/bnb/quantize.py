@@ -16,6 +16,7 @@ import torch
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..errors import PrequantError, UsageError
 from ..util import signals
+from . import importing
 from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
 
 # `--device auto` quantizes checkpoints lighter than this on the CPU even where there is a GPU: CUDA and
@@ -84,11 +85,14 @@ class Quantizer:
         if self.device.type == "cuda":
             try:
                 with signals.deferred():  # a compiled library's import (see util.signals)
-                    import bitsandbytes.functional as bnbf
+                    self._bnb = importing.functional()
             except ImportError as e:
                 raise no_bitsandbytes(e) from e
-            self._bnb = bnbf
             _limit_cuda_memory(self.device)
+            # The first call of bitsandbytes' kernels imports torch._dynamo (torch.library wraps each custom op's
+            # kernel so that it does) and loads them onto the device: paid here, where the quantizer is built (on
+            # CUDA's start thread: bnb.starting), rather than by the pipeline's first tensor.
+            self(torch.ones(4, 2 * self.settings.blocksize, dtype=torch.bfloat16, device=self.device), "warm-up")
         else:
             from .kernels import cpu
 
