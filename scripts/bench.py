@@ -185,13 +185,7 @@ def main() -> None:
         limited["same_bytes"] = limited["weight_sha256"] == report["prequant"]["weight_sha256"]
         report["prequant_limited"] = limited
         shutil.rmtree(args.dir / "out-limited", ignore_errors=True)
-    # The disk's own floor for any converter: read the source while durably writing as many bytes as the output.
-    drop_caches()
-    scratch = args.dir / "write-floor.bin"
-    report["read_write"] = timed(["sh", "-c", 'dd if=/dev/zero of="$1" bs=64M count="$2" conv=fsync status=none & '
-                                  'shift 2; cat "$@" > /dev/null; wait', "sh", str(scratch),
-                                  str(-(-output_bytes // 2**26)), *map(str, shards)])
-    scratch.unlink(missing_ok=True)
+    report["read_write"] = read_write_floor(shards, output_bytes, args.dir)
     if args.hub:
         report["hub"] = bench_hub.hub_path(src, args, report, drop_caches, run_prequant)
     if args.transformers:
@@ -216,6 +210,18 @@ def main() -> None:
         args.json.write_text(text)
     else:
         print(text)
+
+
+def read_write_floor(shards: list[Path], output_bytes: int, work: Path) -> dict:
+    """The disk's own floor for any converter, from a cold page cache: read the source while durably writing as
+    many bytes as the output (dd, fsync'd, into a scratch file under `work`)."""
+    drop_caches()
+    scratch = work / "write-floor.bin"
+    script = 'dd if=/dev/zero of="$1" bs=64M count="$2" conv=fsync status=none & shift 2; cat "$@" > /dev/null; wait'
+    try:
+        return timed(["sh", "-c", script, "sh", str(scratch), str(-(-output_bytes // 2**26)), *map(str, shards)])
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 def read_trace(path: Path, spawned: float) -> dict:

@@ -16,6 +16,20 @@ depth is shallow while the processes start up (32 MiB still reads a cold 16 GB a
 8.5 against 8.35 s), then deeper once the pipeline runs (128 MiB): its shard writes share the queue, and
 with 32 MiB they starved the reads (the 16 GB pipeline took 7.2 s instead of 4.9 s).
 
+On the CPU, once the pipeline runs, the window shrinks to a lead over what the pipeline has written
+(`pipeline_window`). Left at a quarter of the memory, the read-ahead reads the whole source first while the shard
+writes wait behind those reads (in sync_file_range: 17.7 s of a cold Grok-shaped 33 GB's 32.1 s on the GPU machine),
+and what is left once the source is read is every tensor not yet quantized. On the CPU that is the slow part, so a
+lead of 2 GB keeps the quantizing beside the reads. On a GPU what is left is only writes, and a bounded lead made
+the pipeline's own reads wait for the disk instead (18.6 s of reading against 2.0 s), so there the window stays as
+it was. One run each on the GPU machine (`scripts/bench_window.py`, 2026-12-02; floors: 16 GB Llama 11.0 s,
+measured on the same machine a minute later; Grok shapes 22.6 s):
+
+    lead           Llama --device cpu   Llama --device cuda   Grok cuda, all cold
+    2 GB              14.6 s (1.32x)       15.1 s (1.37x)        28.2 s (1.25x)
+    1 GB              14.7 s (1.33x)       13.4 s (1.22x)             -
+    the start-up's    15.5 s (1.40x)       13.5 s (1.22x)        26.0 s (1.15x)
+
 When the libraries themselves are cold (not in the page cache: a fresh machine, a cache dropped), the imports
 read them page fault by page fault, each fault a small read that waits behind whatever the readahead has
 queued: on the GPU machine a cold Grok-shaped 33 GB conversion finished importing at 22.4 s with 32 MiB of
@@ -38,7 +52,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from ..util import memory
+from ..util import memory, trace
 from ..util.pagecache import advice_chunk, pieces
 
 _STEP = 64 * 1024 * 1024
@@ -49,6 +63,11 @@ PIPELINE_DEPTH = 128 * 1024 * 1024  # once the pipeline reads and writes too
 # until the pipeline starts) overrides it, for `scripts/bench.py` to compare depths on a machine.
 COLD_START_DEPTH = 1024 * 1024
 COLD_ENV = "PREQUANT_READAHEAD_COLD_DEPTH"
+# How far the read-ahead may lead the writer once the pipeline runs, by where it quantizes (module docstring); a
+# device not named keeps the start-up's window. PREQUANT_READAHEAD_WINDOW (bytes; 0: the start-up's window) overrides
+# it, for `scripts/bench_window.py` to compare leads.
+PIPELINE_WINDOW = {"cpu": 2 * 10**9}
+WINDOW_ENV = "PREQUANT_READAHEAD_WINDOW"
 # Below this share of libtorch_cpu.so in the page cache, the libraries count as cold (a warm process has touched
 # about 55% of it, 236 of its 451 MB on the GPU machine; a dropped cache leaves nearly none).
 COLD_FRACTION = 0.2
@@ -64,6 +83,19 @@ def default_window() -> int:
         return 2 * 10**9
     room = _cgroup_room()
     return max(_STEP, min(avail, room if room is not None else avail) // 4)
+
+
+def pipeline_window(device_type: str) -> int:
+    """The most bytes the read-ahead leads the pipeline's writes by once the pipeline runs, for a conversion that
+    quantizes on `device_type` ('cpu', 'cuda'): PIPELINE_WINDOW's, or PREQUANT_READAHEAD_WINDOW's bytes; 0 or none
+    is the start-up's `default_window`, and it is never more than that."""
+    start_up = default_window()
+    default = PIPELINE_WINDOW.get(device_type, 0)
+    try:
+        asked = int(os.environ.get(WINDOW_ENV, default))
+    except ValueError:
+        asked = default
+    return start_up if asked <= 0 else max(_STEP, min(asked, start_up))
 
 
 def _cgroup_room(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -101,6 +133,12 @@ class Readahead:
         """The pipeline has finished with `nbytes` more of the source, in file order."""
         with self._cond:
             self._consumed += nbytes
+            self._cond.notify()
+
+    def set_window(self, window: int) -> None:
+        """From now on, stay at most `window` bytes ahead of what the pipeline has consumed."""
+        with self._cond:
+            self.window = window
             self._cond.notify()
 
     def set_depth(self, depth: int) -> None:
@@ -152,6 +190,7 @@ class Readahead:
                     _wait_read(fd, asked, 0)  # before this file's descriptor closes
                 finally:
                     os.close(fd)
+            trace.mark("read-ahead-done")
         except Exception:  # noqa: BLE001 - advisory only
             pass
 
@@ -174,9 +213,10 @@ def found_libraries_cold() -> bool:
     return _found_cold
 
 
-def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None = None) -> Readahead | None:
-    """Start (or keep, if already started on the same files) the process' readahead, at this depth; a new one
-    started with `cold_depth` uses that instead while the libraries are cold (`Readahead`)."""
+def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None = None,
+          window: int | None = None) -> Readahead | None:  # fmt: skip
+    """Start (or keep, if already started on the same files) the process' readahead, at this depth and, if given,
+    window; a new one started with `cold_depth` uses that instead while the libraries are cold (`Readahead`)."""
     global _current
     if not hasattr(os, "posix_fadvise"):
         return None
@@ -184,9 +224,11 @@ def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None
     if _current is None or _current.files != files:
         if _current is not None:
             _current.stop()
-        _current = Readahead(files, depth=depth, cold_depth=cold_depth)
+        _current = Readahead(files, window=window, depth=depth, cold_depth=cold_depth)
     else:
         _current.set_depth(depth)
+        if window is not None:
+            _current.set_window(window)
     return _current
 
 

@@ -168,7 +168,8 @@ def _write_shards(
     if journal.resumed and opts.progress:
         print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
               file=sys.stderr)
-    ahead = readahead.start(list(src.weight_files)) if src.hub is None else None
+    window = readahead.pipeline_window(quantizer.device_type)
+    ahead = readahead.start(list(src.weight_files), window=window) if src.hub is None else None
     data = reader(src, [s.source for s in plan.steps], delete=opts.delete_source_shards)
     try:
         with data, Progress(plan.input_bytes, enabled=opts.progress) as bar:

@@ -201,3 +201,36 @@ def test_the_cold_start_depth_can_be_set_for_a_benchmark(monkeypatch):
     assert readahead.cold_start_depth() == 4 << 20
     monkeypatch.setenv(readahead.COLD_ENV, "four")
     assert readahead.cold_start_depth() == readahead.COLD_START_DEPTH
+
+
+def test_the_pipeline_window_bounds_the_cpu_lead_and_can_be_set_for_a_benchmark(monkeypatch):
+    monkeypatch.delenv(readahead.WINDOW_ENV, raising=False)
+    start_up = readahead.default_window()
+    assert readahead.pipeline_window("cpu") == min(readahead.PIPELINE_WINDOW["cpu"], start_up)
+    assert abs(readahead.pipeline_window("cuda") - start_up) <= start_up // 10, "a GPU keeps the start-up's window"
+    for device in ("cpu", "cuda"):
+        monkeypatch.setenv(readahead.WINDOW_ENV, str(3 * readahead._STEP))
+        assert readahead.pipeline_window(device) == 3 * readahead._STEP
+        monkeypatch.setenv(readahead.WINDOW_ENV, "1")
+        assert readahead.pipeline_window(device) == readahead._STEP, "never below one step"
+        monkeypatch.setenv(readahead.WINDOW_ENV, str(10 * start_up))
+        assert readahead.pipeline_window(device) <= start_up * 1.1, "never past the memory's bound"
+        monkeypatch.setenv(readahead.WINDOW_ENV, "0")  # as far as the start-up's window
+        assert abs(readahead.pipeline_window(device) - start_up) <= start_up // 10
+
+
+def test_a_smaller_window_set_while_running_holds_the_advice_back(two_files, advice):
+    """The pipeline's window, set on the read-ahead the CLI started: nothing more is asked until the pipeline has
+    consumed its way back within it."""
+    step = readahead._STEP
+    r = readahead.Readahead(two_files, window=2 * step)
+    _wait_until_blocked(r)
+    assert _advised(advice) == 5 * step // 2  # s0 whole and s1's first step: 2.5 steps, started within 2
+    r.set_window(step)
+    r.consumed(step)  # 1.5 steps ahead: within the old window, past the new one
+    time.sleep(0.2)  # the thread wakes to the news (else this could pass before it acted on the old window)
+    _wait_until_blocked(r)
+    assert _advised(advice) == 5 * step // 2
+    r.consumed(step)  # half a step ahead: s1's last half step goes
+    r._thread.join()
+    assert _advised(advice) == 3 * step

@@ -1,0 +1,91 @@
+"""Benchmark: how far the read-ahead may lead the pipeline's writes (PREQUANT_READAHEAD_WINDOW), one run.
+
+The same synthetic checkpoint as scripts/bench.py, its cold read and its floor (the read while dd durably writes as
+many bytes as the output), then `prequant convert` as a whole process for every device and window, interleaved,
+each from a cold page cache (libraries warm with --warm-libraries): wall time, its ratio to the floor, when the
+read-ahead had read the whole source and when the pipeline ended (PREQUANT_TRACE), and whether every run wrote the
+same bytes.
+
+    python scripts/bench_window.py --size-gb 16 --shape llama --devices cuda,cpu --windows 2,4,0 --warm-libraries
+    python scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 2,0
+
+A window is GB of source read ahead of what the pipeline has written; 0 is the start-up's window (a quarter of the
+memory: the read-ahead reads the whole source as fast as it can).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from bench import drop_caches, read_write_floor, run_prequant, timed  # this directory
+from bench_checkpoint import SHAPES, generate
+
+WINDOW_ENV = "PREQUANT_READAHEAD_WINDOW"  # prequant/conversion/readahead.py; spelled here to run without torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=16)
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama")
+    ap.add_argument("--devices", default="cuda", help="comma-separated, e.g. cuda,cpu")
+    ap.add_argument("--windows", default="2,0", help="comma-separated GB; 0: the start-up's window")
+    ap.add_argument("--warm-libraries", action="store_true", help="cold checkpoint, warm Python libraries")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/prequant-bench"))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    args.prequant_arg = []
+
+    src = args.dir / f"{args.shape}-{args.size_gb:g}gb"
+    if not (src / "config.json").exists():
+        t = time.monotonic()
+        generate(args.shape, args.size_gb, src)
+        print(f"generated {src} in {time.monotonic() - t:.0f}s", file=sys.stderr)
+    shards = sorted(src.glob("*.safetensors"))
+    report: dict = {"shape": args.shape, "source_bytes": sum(p.stat().st_size for p in shards),
+                    "libraries": "warm" if args.warm_libraries else "cold", "runs": []}  # fmt: skip
+    report["cold_cache"] = drop_caches()
+    report["read"] = timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, shards)])
+    report["read"].pop("stdout")
+    hashes = None
+    for device in args.devices.split(","):
+        for window in args.windows.split(","):
+            drop_caches(args.warm_libraries)
+            out = args.dir / "out-window"
+            run = run_prequant(str(src), out, argparse.Namespace(**{**vars(args), "device": device}),
+                               {WINDOW_ENV: str(int(float(window) * 1e9))})  # fmt: skip
+            shutil.rmtree(out, ignore_errors=True)
+            events = run.get("trace", {}).get("events", {})
+            row = {"device": device, "window_gb": float(window), "seconds": run["seconds"],
+                   "read_ahead_done": events.get("read-ahead-done"), "pipeline_start": events.get("pipeline-start"),
+                   "pipeline_end": events.get("pipeline-end"), "output_bytes": run["output_bytes"],
+                   "busy": run.get("trace", {}).get("busy", {})}  # fmt: skip
+            hashes = hashes or run["weight_sha256"]
+            row["same_bytes"] = run["weight_sha256"] == hashes
+            report["runs"].append(row)
+            print(f"{device} window {window} GB: {row['seconds']} s", file=sys.stderr)
+    report["read_write"] = read_write_floor(shards, report["runs"][0]["output_bytes"], args.dir)
+    report["read_write"].pop("stdout")
+    floor = report["read_write"]["seconds"]
+    print(f"\nsource {report['source_bytes'] / 1e9:.1f} GB {args.shape}, {report['libraries']} libraries: read "
+          f"{report['read']['seconds']} s, floor {floor} s", file=sys.stderr)
+    print(f"{'device':6} {'window GB':>9} {'wall s':>7} {'x floor':>8} {'read-ahead done':>16} {'pipeline':>14} "
+          f"{'same bytes':>10}", file=sys.stderr)
+    for row in report["runs"]:
+        row["ratio_to_floor"] = round(row["seconds"] / floor, 3)
+        span = f"{row['pipeline_start']}-{row['pipeline_end']}"
+        print(f"{row['device']:6} {row['window_gb']:9g} {row['seconds']:7.1f} {row['ratio_to_floor']:8.3f} "
+              f"{row['read_ahead_done']!s:>16} {span:>14} {row['same_bytes']!s:>10}", file=sys.stderr)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
