@@ -68,8 +68,13 @@ def main() -> None:
             row["same_bytes"] = run["weight_sha256"] == hashes
             report["runs"].append(row)
             print(f"{device} window {window} GB: {row['seconds']} s", file=sys.stderr)
-    report["read_write"] = read_write_floor(shards, report["runs"][0]["output_bytes"], args.dir)
-    report["read_write"].pop("stdout")
+            if "read_write" not in report:  # the floor needs the output's size: right after the first run, so
+                # that a run cut short by a time limit still has it
+                report["read_write"] = read_write_floor(shards, row["output_bytes"], args.dir)
+                report["read_write"].pop("stdout")
+                print(f"floor {report['read_write']['seconds']} s (read {report['read']['seconds']} s)", file=sys.stderr)
+            if args.json:  # after every run: what a time limit cuts short is still on disk
+                args.json.write_text(json.dumps(report, indent=1))
     floor = report["read_write"]["seconds"]
     print(f"\nsource {report['source_bytes'] / 1e9:.1f} GB {args.shape}, {report['libraries']} libraries: read "
           f"{report['read']['seconds']} s, floor {floor} s", file=sys.stderr)

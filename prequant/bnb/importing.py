@@ -31,7 +31,7 @@ _lock = threading.Lock()
 
 
 def lean() -> None:
-    """This process is the CLI's own conversion: import bitsandbytes without compiling its fallback kernels."""
+    """This process is the `prequant` command's own: import bitsandbytes without compiling its fallback kernels."""
     global _lean
     _lean = True
 
