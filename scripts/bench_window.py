@@ -7,7 +7,10 @@ read-ahead had read the whole source and when the pipeline ended (PREQUANT_TRACE
 same bytes.
 
     python scripts/bench_window.py --size-gb 16 --shape llama --devices cuda,cpu --windows 2,4,0 --warm-libraries
-    python scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 2,0
+    python scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 2,0 --repeats 2
+
+--repeats N runs every device and window N times, in turn, so that one run's luck with the disk (the same code
+took 28.6-32.1 s for the cold Grok shapes on one lease) does not decide between them.
 
 A window is GB of source read ahead of what the pipeline has written; 0 is the start-up's window (a quarter of the
 memory: the read-ahead reads the whole source as fast as it can).
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--devices", default="cuda", help="comma-separated, e.g. cuda,cpu")
     ap.add_argument("--windows", default="2,0", help="comma-separated GB; 0: the start-up's window")
     ap.add_argument("--warm-libraries", action="store_true", help="cold checkpoint, warm Python libraries")
+    ap.add_argument("--repeats", type=int, default=1, help="run every device and window this many times, in turn")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/prequant-bench"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -52,29 +56,29 @@ def main() -> None:
     report["read"] = timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, shards)])
     report["read"].pop("stdout")
     hashes = None
-    for device in args.devices.split(","):
-        for window in args.windows.split(","):
-            drop_caches(args.warm_libraries)
-            out = args.dir / "out-window"
-            run = run_prequant(str(src), out, argparse.Namespace(**{**vars(args), "device": device}),
-                               {WINDOW_ENV: str(int(float(window) * 1e9))})  # fmt: skip
-            shutil.rmtree(out, ignore_errors=True)
-            events = run.get("trace", {}).get("events", {})
-            row = {"device": device, "window_gb": float(window), "seconds": run["seconds"],
-                   "read_ahead_done": events.get("read-ahead-done"), "pipeline_start": events.get("pipeline-start"),
-                   "pipeline_end": events.get("pipeline-end"), "output_bytes": run["output_bytes"],
-                   "busy": run.get("trace", {}).get("busy", {})}  # fmt: skip
-            hashes = hashes or run["weight_sha256"]
-            row["same_bytes"] = run["weight_sha256"] == hashes
-            report["runs"].append(row)
-            print(f"{device} window {window} GB: {row['seconds']} s", file=sys.stderr)
-            if "read_write" not in report:  # the floor needs the output's size: right after the first run, so
-                # that a run cut short by a time limit still has it
-                report["read_write"] = read_write_floor(shards, row["output_bytes"], args.dir)
-                report["read_write"].pop("stdout")
-                print(f"floor {report['read_write']['seconds']} s (read {report['read']['seconds']} s)", file=sys.stderr)
-            if args.json:  # after every run: what a time limit cuts short is still on disk
-                args.json.write_text(json.dumps(report, indent=1))
+    configs = [(d, w) for d in args.devices.split(",") for w in args.windows.split(",")]
+    for device, window in configs * args.repeats:  # repeats interleaved: a lease's drift spreads over every config
+        drop_caches(args.warm_libraries)
+        out = args.dir / "out-window"
+        run = run_prequant(str(src), out, argparse.Namespace(**{**vars(args), "device": device}),
+                           {WINDOW_ENV: str(int(float(window) * 1e9))})  # fmt: skip
+        shutil.rmtree(out, ignore_errors=True)
+        events = run.get("trace", {}).get("events", {})
+        row = {"device": device, "window_gb": float(window), "seconds": run["seconds"],
+               "read_ahead_done": events.get("read-ahead-done"), "pipeline_start": events.get("pipeline-start"),
+               "pipeline_end": events.get("pipeline-end"), "output_bytes": run["output_bytes"],
+               "busy": run.get("trace", {}).get("busy", {})}  # fmt: skip
+        hashes = hashes or run["weight_sha256"]
+        row["same_bytes"] = run["weight_sha256"] == hashes
+        report["runs"].append(row)
+        print(f"{device} window {window} GB: {row['seconds']} s", file=sys.stderr)
+        if "read_write" not in report:  # the floor needs the output's size: right after the first run, so
+            # that a run cut short by a time limit still has it
+            report["read_write"] = read_write_floor(shards, row["output_bytes"], args.dir)
+            report["read_write"].pop("stdout")
+            print(f"floor {report['read_write']['seconds']} s (read {report['read']['seconds']} s)", file=sys.stderr)
+        if args.json:  # after every run: what a time limit cuts short is still on disk
+            args.json.write_text(json.dumps(report, indent=1))
     floor = report["read_write"]["seconds"]
     print(f"\nsource {report['source_bytes'] / 1e9:.1f} GB {args.shape}, {report['libraries']} libraries: read "
           f"{report['read']['seconds']} s, floor {floor} s", file=sys.stderr)
