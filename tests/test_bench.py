@@ -38,6 +38,24 @@ def test_bench_reports_read_floor_and_prequant_with_ratios_memory_and_timeline(t
     assert not (tmp_path / "work" / "out-prequant").exists()  # outputs removed unless --keep
 
 
+def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_path):
+    report_file = tmp_path / "window.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_window.py"), "--size-gb", "0.05", "--shape", "uniform",
+         "--devices", "cpu", "--windows", "0.1,0", "--repeats", "2", "--dir", str(tmp_path / "work"),
+         "--json", str(report_file)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    report = json.loads(report_file.read_text())
+    runs = report["runs"]
+    assert [(r["device"], r["window_gb"]) for r in runs] == [("cpu", 0.1), ("cpu", 0.0)] * 2  # in turn
+    floor = report["read_write"]["seconds"]
+    for r in runs:
+        assert r["same_bytes"] and r["ratio_to_floor"] == round(r["seconds"] / floor, 3)
+        assert r["pipeline_start"] <= r["pipeline_end"] and r["read_ahead_done"] is not None
+    assert not (tmp_path / "work" / "out-window").exists()
+
+
 def test_bench_modes_report_consistent_ratios_and_equal_bytes(tmp_path):
     """--also-device, --memory-limit-gib and --hub on the CPU: each path has its ratios, the same weight bytes,
     and the Hub path its wall-time ratio, disk bound and the local server's throughput."""
