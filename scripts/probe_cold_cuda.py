@@ -30,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+from prequant.util.pagecache import resident_pages  # standard library only
 
 CHILD = r"""
 import json, os, sys, time, importlib.util
@@ -80,40 +82,17 @@ def read_whole(path: str) -> int:
 
 
 def resident_ranges(path: str) -> list[tuple[int, int]]:
-    """(offset, length) runs of the file's pages now in the page cache (mincore on a map that reads none)."""
-    import ctypes
-
-    size = os.path.getsize(path)
-    if not size:
-        return []
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            return []
-        try:
-            pages = -(-size // mmap.PAGESIZE)
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(address, size, vec) != 0:
-                return []
-        finally:
-            libc.munmap(address, size)
-    finally:
-        os.close(fd)
+    """(offset, length) runs of the file's pages now in the page cache."""
+    pages = resident_pages(path) or b""
     runs, begin = [], None
-    for i, v in enumerate(bytes(vec)):
+    for i, v in enumerate(pages):
         if v & 1 and begin is None:
             begin = i
         elif not v & 1 and begin is not None:
             runs.append((begin * mmap.PAGESIZE, (i - begin) * mmap.PAGESIZE))
             begin = None
     if begin is not None:
-        runs.append((begin * mmap.PAGESIZE, size - begin * mmap.PAGESIZE))
+        runs.append((begin * mmap.PAGESIZE, os.path.getsize(path) - begin * mmap.PAGESIZE))
     return runs
 
 

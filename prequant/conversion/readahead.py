@@ -53,7 +53,7 @@ from collections import deque
 from pathlib import Path
 
 from ..util import memory, trace
-from ..util.pagecache import advice_chunk, pieces
+from ..util.pagecache import advice_chunk, pieces, resident_pages
 
 _STEP = 64 * 1024 * 1024
 # Bytes asked of the disk and not yet read: enough to keep it streaming, little for other reads to wait behind.
@@ -279,31 +279,9 @@ def _torch_library() -> Path | None:
 
 
 def resident_fraction(path: Path) -> float | None:
-    """The share of a file's pages in the page cache (mincore on a map of it, which reads none of them), or None
+    """The share of a file's pages in the page cache (`pagecache.resident_pages`, which reads none of them), or None
     where that cannot be asked."""
-    import ctypes
-    import mmap
-
-    size = path.stat().st_size
-    if not size:
+    pages = resident_pages(path)
+    if not pages:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            pages = -(-size // mmap.PAGESIZE)
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(address, size, vec) != 0:
-                return None
-            return 1 - bytes(vec).count(0) / pages  # only bit 0 (resident) is ever set
-        finally:
-            libc.munmap(address, size)
-    finally:
-        os.close(fd)
+    return 1 - pages.count(0) / len(pages)  # only bit 0 (resident) is ever set
