@@ -161,7 +161,7 @@ def main() -> None:
     report: dict = {"shape": args.shape, "source_bytes": source_bytes, "device": args.device, "cpus": os.cpu_count()}
 
     report["cold_cache"] = drop_caches()
-    report["read"] = timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, shards)])
+    report["read"] = cold_read(shards)
     report["libraries"] = "warm" if args.warm_libraries else "cold"
     out = args.dir / "out-prequant"
     drop_caches(args.warm_libraries)
@@ -210,6 +210,11 @@ def main() -> None:
         args.json.write_text(text)
     else:
         print(text)
+
+
+def cold_read(shards: list[Path]) -> dict:
+    """`cat` of every shard to /dev/null (the caller drops the page cache first): how fast the disk gives the source."""
+    return timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, shards)])
 
 
 def read_write_floor(shards: list[Path], output_bytes: int, work: Path) -> dict:

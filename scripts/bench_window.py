@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import drop_caches, read_write_floor, run_prequant, timed  # this directory
+from bench import cold_read, drop_caches, read_write_floor, run_prequant  # this directory
 from bench_checkpoint import SHAPES, generate
 
 WINDOW_ENV = "PREQUANT_READAHEAD_WINDOW"  # prequant/conversion/readahead.py; spelled here to run without torch
@@ -53,7 +53,7 @@ def main() -> None:
     report: dict = {"shape": args.shape, "source_bytes": sum(p.stat().st_size for p in shards),
                     "libraries": "warm" if args.warm_libraries else "cold", "runs": []}  # fmt: skip
     report["cold_cache"] = drop_caches()
-    report["read"] = timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, shards)])
+    report["read"] = cold_read(shards)
     report["read"].pop("stdout")
     hashes = None
     configs = [(d, w) for d in args.devices.split(",") for w in args.windows.split(",")]

@@ -76,10 +76,11 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     # unless this process started with its libraries cold: CUDA's start then reads them page fault by page fault,
     # behind the pipeline's reads and writes, and took 29 s beside them against 4-12 s with the pipeline waiting (a
     # 33 GB Grok-shaped checkpoint, `scripts/bench.py --size-gb 33 --shape grok --device cuda`, the GPU machine).
+    weight_bytes = _src_bytes(tensors)
     quantizer = None if opts.dry_run else starting.quantizer(
-        opts.settings, opts.device, _src_bytes(tensors), meanwhile=not readahead.found_libraries_cold())
+        opts.settings, opts.device, weight_bytes, meanwhile=not readahead.found_libraries_cold())
     if quantizer is not None and quantizer.device_type == "cpu":
-        tensor_pool.pool(_src_bytes(tensors))  # the CPU workers import torch while the plan is made
+        tensor_pool.pool(weight_bytes)  # the CPU workers import torch while the plan is made
     trace.mark("quantizer-ready")
     # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
     # conversion.layouts) or a head start the pipeline runs on while transformers decides its own (a dry run

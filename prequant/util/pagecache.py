@@ -1,5 +1,6 @@
 """Asking Linux to read a file range ahead (`posix_fadvise(WILLNEED)`) in pieces it does not cut short, and which of
-a file's pages it holds (`resident_pages`): standard library only (the CLI's read-ahead runs before torch is imported; the CPU workers ask for their own tensors)."""
+a file's pages it holds (`resident_pages`): standard library only (the CLI's read-ahead runs before torch is
+imported; the CPU workers ask for their own tensors)."""
 
 from __future__ import annotations
 
