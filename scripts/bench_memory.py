@@ -13,6 +13,7 @@ No GPU or no nvidia-smi: every figure is None.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -137,3 +138,71 @@ def process_tree(pid: int) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+class DiskSampler:
+    """The disk that holds `path`, sampled from /proc/diskstats every `interval` s while a command runs: bytes read
+    and written and the share of time the device was busy, per second (`timeline`). Where the device cannot be
+    found (no /proc/diskstats, an overlay or network filesystem), the timeline is empty."""
+
+    def __init__(self, path: Path, interval: float = 0.1) -> None:
+        self.device = disk_of(path)
+        self.interval, self.rows, self._stop = interval, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while self.device and not self._stop.is_set():
+            counters = diskstats().get(self.device)
+            if counters is not None:
+                self.rows.append((time.monotonic() - start, *counters))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> list[dict]:
+        """Stop sampling; the timeline (`timeline`)."""
+        self._stop.set()
+        self._thread.join()
+        return timeline(self.rows)
+
+
+def diskstats(text: str | None = None) -> dict[str, tuple[int, int, int]]:
+    """{device: (bytes read, bytes written, ms busy)} from /proc/diskstats (or its `text`)."""
+    if text is None:
+        try:
+            text = Path("/proc/diskstats").read_text()
+        except OSError:
+            return {}
+    out = {}
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 13:  # sectors are 512 bytes whatever the device's own size (the kernel's iostats.rst)
+            out[f[2]] = (int(f[5]) * 512, int(f[9]) * 512, int(f[12]))
+    return out
+
+
+def timeline(rows: list[tuple], step: float = 1.0) -> list[dict]:
+    """Per `step` seconds from (t, read, written, busy ms) samples: {t, read_gbps, write_gbps, busy} (busy: 0-1)."""
+    out, last = [], None
+    for row in rows:
+        if last is not None and row[0] - last[0] < step - 1e-6:
+            continue
+        if last is not None:
+            dt = row[0] - last[0]
+            out.append({"t": round(last[0], 1), "read_gbps": round((row[1] - last[1]) / dt / 1e9, 2),
+                        "write_gbps": round((row[2] - last[2]) / dt / 1e9, 2),
+                        "busy": round(min(1.0, (row[3] - last[3]) / dt / 1000), 2)})  # fmt: skip
+        last = row
+    return out
+
+
+def disk_of(path: Path) -> str:
+    """The /proc/diskstats name of the whole disk holding `path` ('' where none is found)."""
+    try:
+        dev = Path(path).stat().st_dev
+        link = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+    except OSError:
+        return ""
+    if (link / "partition").exists():  # a partition: its disk is the folder above it
+        link = link.parent
+    return link.name if link.name in diskstats() else ""

@@ -42,17 +42,22 @@ def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_pa
     report_file = tmp_path / "window.json"
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_window.py"), "--size-gb", "0.05", "--shape", "uniform",
-         "--devices", "cpu", "--windows", "0.1,0", "--repeats", "2", "--dir", str(tmp_path / "work"),
+         "--devices", "cpu", "--windows", "0.1,0", "--repeats", "2", "--env", "PREQUANT_CPU_WORKERS=0,4",
+         "--dir", str(tmp_path / "work"),
          "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=600,
     )
     report = json.loads(report_file.read_text())
     runs = report["runs"]
-    assert [(r["device"], r["window_gb"]) for r in runs] == [("cpu", 0.1), ("cpu", 0.0)] * 2  # in turn
+    assert [(r["device"], r["window_gb"], r["env"]["PREQUANT_CPU_WORKERS"]) for r in runs] == [
+        ("cpu", 0.1, "0"), ("cpu", 0.1, "4"), ("cpu", 0.0, "0"), ("cpu", 0.0, "4")] * 2  # in turn
     floor = report["read_write"]["seconds"]
     for r in runs:
         assert r["same_bytes"] and r["ratio_to_floor"] == round(r["seconds"] / floor, 3)
         assert r["pipeline_start"] <= r["pipeline_end"] and r["read_ahead_done"] is not None
+        if r["disk"]:  # where /proc/diskstats names the work folder's disk: one sample a second, busy a share
+            assert all(0 <= s["busy"] <= 1 and s["read_gbps"] >= 0 for s in r["disk"])
+            assert r["disk_busy"] is not None
     assert not (tmp_path / "work" / "out-window").exists()
 
 
@@ -182,3 +187,15 @@ def test_fetch_bench_times_a_download_four_ways():
     assert all(report[w]["seconds"] > 0 for w in ways) and report["alone"]["ratio_to_alone"] == 1.0
     for w in ways:
         assert report[w]["ratio_to_alone"] == round(report[w]["seconds"] / report["alone"]["seconds"], 2)
+
+
+def test_disk_timeline_reads_diskstats_per_second():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_memory import diskstats, timeline
+
+    line = " 253       0 vda 10 0 {r} 0 0 0 {w} 0 0 {busy} 0 0 0 0 0 0 0"
+    first = diskstats(line.format(r=2_000_000, w=0, busy=100))
+    assert first == {"vda": (2_000_000 * 512, 0, 100)}
+    later = diskstats(line.format(r=2_000_000 + 2 * 10**9 // 512, w=10**9 // 512, busy=600))["vda"]
+    rows = [(0.0, *first["vda"]), (0.5, *first["vda"]), (2.0, *later)]
+    assert timeline(rows) == [{"t": 0.0, "read_gbps": 1.0, "write_gbps": 0.5, "busy": 0.25}]

@@ -43,6 +43,22 @@ cold 33 GB, one machine lease (2026-12-02, PREQUANT_READAHEAD_COLD_DEPTH), again
     4 MiB                 6.2 s        12.6 s           34.6 s (1.36x)
     1 MiB                 4.0 s         8.0 s           33.3 s (1.34x)
     32 MiB (earlier)     22.4 s        25.9 s           37.1 s (1.39x, floor 26.7 s, the lease before)
+
+Since then CUDA starts before the pipeline when the libraries are cold (`conversion.run`), and the read-ahead reads
+the whole source during the start-up. The deeper the queue, the slower the start-up, but the disk then reads at its
+full speed meanwhile, and the run is bound by the disk, not by the start-up. Two runs each, interleaved, one lease
+(2026-12-02 21:05 UTC, `scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 0 --env
+PREQUANT_READAHEAD_COLD_DEPTH=1048576,4194304,8388608,16777216 --repeats 2`; floor 21.1 s, cold read 16.9 s):
+
+    depth while cold    quantizer ready   read-ahead done   whole run
+    1 MiB                 6.8 / 4.0 s      23.8 / 22.3 s     26.4 / 24.5 s (1.25x / 1.16x)
+    4 MiB                 6.8 / 5.9 s      21.2 / 20.7 s     23.9 / 23.8 s (1.13x / 1.12x)
+    8 MiB                 9.3 / 8.4 s      20.0 / 20.3 s     23.9 / 24.6 s (1.13x / 1.16x)
+    16 MiB               16.0 / 16.7 s     16.9 / 17.0 s     23.5 / 23.4 s (1.11x / 1.11x), the default
+
+At 16 MiB the source is read as fast as `cat` reads it (17.0 against 16.9 s), then only the writes are left: 9.3 GB
+in 6.1 s, the writer thread busy 92% of it, the disk 34-97% busy by the second. What is left is the writer's, not
+the disk's.
 """
 
 from __future__ import annotations
@@ -61,7 +77,7 @@ START_DEPTH = 32 * 1024 * 1024  # while torch, bitsandbytes, CUDA and transforme
 PIPELINE_DEPTH = 128 * 1024 * 1024  # once the pipeline reads and writes too
 # While cold libraries are faulted in (module docstring). PREQUANT_READAHEAD_COLD_DEPTH (bytes; 0 asks nothing
 # until the pipeline starts) overrides it, for `scripts/bench.py` to compare depths on a machine.
-COLD_START_DEPTH = 1024 * 1024
+COLD_START_DEPTH = 16 * 1024 * 1024
 COLD_ENV = "PREQUANT_READAHEAD_COLD_DEPTH"
 # How far the read-ahead may lead the writer once the pipeline runs, by where it quantizes (module docstring); a
 # device not named keeps the start-up's window. PREQUANT_READAHEAD_WINDOW (bytes; 0: the start-up's window) overrides
