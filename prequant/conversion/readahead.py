@@ -35,14 +35,8 @@ read them page fault by page fault, each fault a small read that waits behind wh
 queued: on the GPU machine a cold Grok-shaped 33 GB conversion finished importing at 22.4 s with 32 MiB of
 queued advice, where a cold tiny conversion, with nothing read ahead, had imported at 3.2 s (2026-12-01,
 `scripts/bench.py --size-gb 33 --shape grok --device cuda`, and a tiny checkpoint). So the CLI checks whether
-torch's main library is in the page cache (`libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. The same
-cold 33 GB, one machine lease (2026-12-02, PREQUANT_READAHEAD_COLD_DEPTH), against a floor of 24.8-25.5 s:
-
-    depth while cold    imported   quantizer ready   whole run
-    0 (wait)              3.4 s        12.8 s           40.5 s (1.63x the floor)
-    4 MiB                 6.2 s        12.6 s           34.6 s (1.36x)
-    1 MiB                 4.0 s         8.0 s           33.3 s (1.34x)
-    32 MiB (earlier)     22.4 s        25.9 s           37.1 s (1.39x, floor 26.7 s, the lease before)
+torch's main library is in the page cache (`libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. With the
+pipeline waiting for nothing, 1 MiB was best (33.3 s against 34.6 s at 4 MiB and 40.5 s asking nothing, one lease).
 
 Since then CUDA starts before the pipeline when the libraries are cold (`conversion.run`), and the read-ahead reads
 the whole source during the start-up. The deeper the queue, the slower the start-up, but the disk then reads at its
