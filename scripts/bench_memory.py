@@ -13,9 +13,9 @@ No GPU or no nvidia-smi: every figure is None.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -198,11 +198,11 @@ def timeline(rows: list[tuple], step: float = 1.0) -> list[dict]:
 
 def disk_of(path: Path) -> str:
     """The /proc/diskstats name of the whole disk holding `path` ('' where none is found)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's prequant
+    from prequant.util.pagecache import whole_disk  # standard library only, like this script
+
     try:
-        dev = Path(path).stat().st_dev
-        link = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+        name = whole_disk(Path(path).stat().st_dev).resolve().name
     except OSError:
         return ""
-    if (link / "partition").exists():  # a partition: its disk is the folder above it
-        link = link.parent
-    return link.name if link.name in diskstats() else ""
+    return name if name in diskstats() else ""

@@ -66,6 +66,8 @@ def main() -> None:
     report["read"].pop("stdout")
     hashes = None
     name, _, values = (args.env or "").partition("=")
+    if name and not values:
+        ap.error(f"--env {args.env}: give NAME=V1,V2 (the values to run)")
     configs = [(d, w, v) for d in args.devices.split(",") for w in args.windows.split(",")
                for v in (values.split(",") if name else [None])]  # fmt: skip
     for device, window, value in configs * args.repeats:  # repeats interleaved: a lease's drift spreads over all

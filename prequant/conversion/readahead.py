@@ -35,11 +35,12 @@ read them page fault by page fault, each fault a small read that waits behind wh
 queued: on the GPU machine a cold Grok-shaped 33 GB conversion finished importing at 22.4 s with 32 MiB of
 queued advice, where a cold tiny conversion, with nothing read ahead, had imported at 3.2 s (2026-12-01,
 `scripts/bench.py --size-gb 33 --shape grok --device cuda`, and a tiny checkpoint). So the CLI checks whether
-torch's main library is in the page cache (`libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. With the
-pipeline waiting for nothing, 1 MiB was best (33.3 s against 34.6 s at 4 MiB and 40.5 s asking nothing, one lease).
+torch's main library is in the page cache (`libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. Measured
+then, 1 MiB was best (one lease, 2026-12-02, floors 24.8-25.5 s: 33.3 s against 34.6 s at 4 MiB and 40.5 s asking
+nothing; `scripts/bench.py --size-gb 33 --shape grok --device cuda`, the depth set by PREQUANT_READAHEAD_COLD_DEPTH).
 
-Since then CUDA starts before the pipeline when the libraries are cold (`conversion.run`), and the read-ahead reads
-the whole source during the start-up. The deeper the queue, the slower the start-up, but the disk then reads at its
+Now a conversion whose libraries are cold has the pipeline wait for CUDA (`conversion.run`), and the read-ahead reads
+the whole source during that start-up. The deeper the queue, the slower the start-up, but the disk then reads at its
 full speed meanwhile, and the run is bound by the disk, not by the start-up. Two runs each, interleaved, one lease
 (2026-12-02 21:05 UTC, `scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 0 --env
 PREQUANT_READAHEAD_COLD_DEPTH=1048576,4194304,8388608,16777216 --repeats 2`; floor 21.1 s, cold read 16.9 s):

@@ -19,13 +19,19 @@ def advice_chunk(fd: int) -> int:
     (`force_page_cache_ra`): a 64 MiB request on a disk with 8 MiB readahead reads 8 MiB and drops the rest.
     Advice must therefore come in pieces of at most this size. Unknown device (overlay, NFS): the default."""
     try:
-        dev = os.fstat(fd).st_dev
-        base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-        queue = base / "queue" if (base / "queue").is_dir() else base.resolve().parent / "queue"  # a partition
+        queue = whole_disk(os.fstat(fd).st_dev) / "queue"
         kb = max(int((queue / name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb"))
         return min(MAX_ADVICE, max(MIN_ADVICE, kb * 1024))
     except (OSError, ValueError):
         return MIN_ADVICE
+
+
+def whole_disk(dev: int) -> Path:
+    """The sysfs folder of the disk that holds the device `dev` (a file's `st_dev`): the device's own, or for a
+    partition its disk's, which holds the queue settings and names the disk in /proc/diskstats. It need not exist
+    (an overlay, tmpfs or NFS has no block device): what is read from it then raises OSError."""
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    return base if (base / "queue").is_dir() else base.resolve().parent
 
 
 def pieces(offset: int, length: int, chunk: int) -> Iterator[tuple[int, int]]:

@@ -29,6 +29,16 @@ def test_advice_chunk_is_the_devices_readahead_or_the_default(tmp_path):
         assert chunk == 128 << 10
 
 
+def test_whole_disk_is_the_disk_with_the_queue_settings(tmp_path):
+    dev = os.stat(tmp_path).st_dev
+    disk = pagecache.whole_disk(dev)
+    if not Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").exists():
+        pytest.skip("no block device behind the temporary folder (overlay, tmpfs)")
+    assert (disk / "queue" / "read_ahead_kb").is_file() and not (disk / "partition").exists()
+    names = {line.split()[2] for line in Path("/proc/diskstats").read_text().splitlines()}
+    assert disk.resolve().name in names
+
+
 @pytest.mark.parametrize("offset, length, chunk", [(0, 1, 4096), (100, 10_000, 4096), (0, 8 << 20, 1 << 20),
                                                    (5, (3 << 20) + 7, 1 << 20)])
 def test_pieces_cover_the_range_in_order_none_larger_than_the_chunk(offset, length, chunk):
