@@ -28,6 +28,9 @@ from prequant.fsdp.check import SFT_LOSS_RTOL
 
 LORA = {"lora_r": 4, "lora_alpha": 8, "seed": 0}
 BATCH = {"batch": 2, "seq": 16, "seed": 0}
+# After the first step, how far SFTTrainer's loss may be from the plain loop's, as a part of what the steps changed
+# (see test_check_fsdp_all_loaders_agree_on_cpu): ten times the largest gap rounding made on the CPU machine.
+SFT_STEP_RTOL = 0.01
 
 
 def _batch(vocab: int) -> torch.Tensor:
@@ -278,9 +281,18 @@ def test_check_fsdp_all_loaders_agree_on_cpu(tiny, tmp_path):
         assert s["packed_intact"] and s["decreasing"] and s["grads_finite"] and s["ranks_agree"], (loader, s)
         assert s["packed_tensors"] == 14 and s["mismatched_in_forward"] == 0 and len(s["losses"]) == 3
         assert all(rank["load"]["peak_rss_anon"] > 0 for rank in r["runs"][loader]["ranks"])
-    # SFTTrainer trained what the plain loop trains: the same optimizer on the same batch, each step's loss alike.
-    for a, b in zip(r["runs"]["trainer"]["summary"]["losses"], r["runs"]["prequant"]["summary"]["losses"], strict=True):
-        assert math.isclose(a, b, rel_tol=SFT_LOSS_RTOL), (a, b)
+    # SFTTrainer trained what the plain loop trains: the same optimizer on the same batch, so after each step the
+    # losses move alike. Not to SFT_LOSS_RTOL: that bounds one forward on the same weights. The two first gradients
+    # differ in their last bits (TRL's loss kernel), and AdamW's first update, lr * m / sqrt(v), turns each of those
+    # into a step of almost lr wherever rounding decides a tiny gradient's sign. How much that moves later losses
+    # depends on the CPU's kernels: on the CPU machine the third losses were equal to the bit with torch's AVX-512
+    # kernels, 0.07-0.09% of what the steps changed apart with ATEN_CPU_CAPABILITY=default, and a CI runner's differed
+    # likewise (5.436084 against 5.436144). A real difference moves them much further: a learning rate 5% higher,
+    # 4.6% of the change.
+    trainer, plain = r["runs"]["trainer"]["summary"]["losses"], r["runs"]["prequant"]["summary"]["losses"]
+    for step in range(1, len(plain)):
+        moved = abs(plain[0] - plain[step])
+        assert abs(trainer[step] - plain[step]) <= SFT_STEP_RTOL * moved, (step, trainer, plain)
 
 
 def test_check_fsdp_usage_errors(tiny, tmp_path):
