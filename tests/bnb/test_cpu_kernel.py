@@ -51,8 +51,19 @@ def golden():
     return cases, tensors
 
 
+@pytest.fixture(params=["torch-threads", "one-torch-thread"])
+def torch_threads(request):
+    """torch's own thread count as it is, and 1 (a worker process's): where torch has one thread, the kernel
+    runs some passes as torch operations, elsewhere as numpy ones (`_quantize4`)."""
+    before = torch.get_num_threads()
+    if request.param == "one-torch-thread":
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("case", _golden_cases())
-def test_golden_bytes_equal_cuda(golden, case):
+def test_golden_bytes_equal_cuda(golden, case, torch_threads):
     """Packed codes, absmax (or nested codes, nested absmax and nested_offset) equal the CUDA output."""
     cases, t = golden
     meta = cases[case]

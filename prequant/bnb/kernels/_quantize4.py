@@ -7,10 +7,11 @@ Per task (a quarter million to a million elements), as the CUDA kernel's two pha
    floats the integer order of those is their order as numbers, so a masked integer max gives each
    block's absmax exactly, reading the 2 bytes of a bf16 once instead of converting it first; NaN and
    Inf are the bit patterns at or above the exponent's all-ones, so the same max finds them;
-2. the reciprocal of every block's absmax at once (`_fastmath`, MUFU.RCP), then the codes piece by piece
-   (``PIECE`` elements, sized for the core's cache): float32 values, ``y = x * r``, the bucket key of
-   each ``y`` (its top 16 bits), the two table lookups and one compare of `_tables.bucket_tables`,
-   and two codes per byte.
+2. the reciprocal of every block's absmax at once (`_fastmath`, MUFU.RCP; for 16-bit inputs one lookup
+   in a table of the reciprocal of every 16-bit magnitude), then the codes piece by piece (``PIECE``
+   elements, sized for the core's cache): float32 values, ``y = x * r``, the bucket key of each ``y``
+   (its top 16 bits), the rank lookup of `_tables.bucket_tables` (and a compare for the values whose bucket
+   holds a split), and two codes per byte.
 
 Flush-to-zero: a denormal input counts as zero on the GPU. A block of denormals has absmax 0 here too
 (its max is below the smallest normal), and a task whose bits show no denormal at all (the usual case)
@@ -19,6 +20,7 @@ skips flushing its values.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
@@ -29,6 +31,10 @@ from . import _fastmath, _flat, _tables
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _NEG_FLT_MIN = np.float32(-_fastmath.FLT_MIN)
+_RANK_MASK = np.uint8(0xFF ^ _tables.SPLIT_FLAG)
+# torch runs an operation on fewer elements than this on the calling thread (at::internal::GRAIN_SIZE); on more,
+# with several torch threads, it forks onto its own pool, which the kernel's pool threads must not do (`_parallel`).
+_TORCH_GRAIN = 32768
 
 
 class _Format:
@@ -62,8 +68,8 @@ class Job:
         self.task = self.piece * task_pieces
         self.tasks = -(-self.n // self.task)
         self.source = _flat.Flat(x, bits=True)  # the input's bits, read range by range
-        self.base_t, self.split_t, byte_map = _tables.bucket_tables(quant_type)
-        self.byte_map = None if byte_map is None else byte_map.numpy()
+        self.ranks_t, self.split, self.byte_map = _tables.bucket_tables(quant_type)
+        self.reciprocals = _reciprocals(x.dtype) if x.dtype != torch.float32 else None
         self.packed, self.absmax = packed.numpy(), absmax.numpy()
 
     def run_task(self, i: int) -> None:
@@ -75,7 +81,7 @@ class Job:
         blocks = -(-(stop - start) // bs)
         bits = self._bits(start, stop, s.xbits[: blocks * bs])
         mag = np.bitwise_and(bits, fmt.mask, out=s.mag[: blocks * bs])
-        top = mag.reshape(blocks, bs).max(axis=1, out=s.top[:blocks])
+        top = _block_max(s, blocks, bs)
         if top.max() >= fmt.non_finite:
             raise NonFinite("input holds NaN or Inf")
         if fmt.flush:  # fabsf/fmaxf flush denormals: a block of denormals has absmax 0
@@ -84,7 +90,10 @@ class Job:
         _absmax_values(top, self.dtype, absmax)
         zero = absmax == 0
         has_zero = bool(zero.any())
-        scale = _fastmath.rcp_approx_ftz_array(absmax)
+        if self.reciprocals is not None:  # 16-bit inputs: 32768 possible magnitudes, each reciprocal computed once
+            scale = np.take(self.reciprocals, top)
+        else:
+            scale = _fastmath.rcp_approx_ftz_array(absmax)
         if has_zero:  # 1/0 = inf, and 0 * inf = NaN, which every comparison rejects: code 0 (set below)
             scale = np.where(zero, np.float32(0), scale)
         # Any denormal in the task? (|x| - 1, wrapping 0 to the top, is then below the first normal - 1.)
@@ -115,14 +124,20 @@ class Job:
             values = _flat.float32(bits, self.dtype, v.y).reshape(v.y2d.shape)
         else:  # float16 and float32 go straight into the product (float16 converts exactly)
             values = bits.view(np.float16 if self.dtype == torch.float16 else np.float32).reshape(v.y2d.shape)
-        np.multiply(values, scale[:, None], out=v.y2d)  # one IEEE float32 product (FMUL)
+        # One IEEE float32 product (FMUL) per element. torch's takes half numpy's time over rows this short, but
+        # with threads of its own it would fork onto them (see `_block_max`); bf16 values are already in y.
+        if self.dtype == torch.bfloat16 and torch.get_num_threads() == 1:
+            v.y_t.mul_(torch.from_numpy(scale)[:, None])
+        else:
+            np.multiply(values, scale[:, None], out=v.y2d)
         if denormals:  # the GPU sees them as zeros: x * r = 0
             v.y[np.bitwise_and(bits, self.fmt.mask) < self.fmt.normal] = 0
         np.right_shift(v.wide, 16, out=v.keys)  # bucket key: the top 16 bits of y
-        torch.index_select(self.base_t, 0, v.keys_t, out=v.ranks_t)
-        torch.index_select(self.split_t, 0, v.keys_t, out=v.splits_t)
-        np.greater(v.y, v.splits, out=v.above)
-        np.add(v.ranks, v.above, out=v.ranks)
+        torch.index_select(self.ranks_t, 0, v.keys_t, out=v.ranks_t)
+        near = np.flatnonzero(np.greater_equal(v.ranks, _tables.SPLIT_FLAG, out=v.above))
+        if len(near):  # the few values whose bucket holds a split: their rank goes up by one above it
+            above = v.y[near] > self.split[v.keys[near]]
+            v.ranks[near] = np.bitwise_and(v.ranks[near], _RANK_MASK) + above
         if self.byte_map is not None:
             self._fp4_sign_at_flt_min(bits, v.y, scale, v.ranks, v.above)
         packed = _pack(v.ranks, v.pairs, v.packed)
@@ -145,6 +160,25 @@ class Job:
         flushed = _fastmath.mul_ftz_flushes(exact).numpy()
         negative_rank = _tables.FP4_NEGATIVE_ZERO_RANK  # rank of [-0.0026, -FLT_MIN]: code 0b1000
         ranks[where] = np.where(flushed, negative_rank + 1, negative_rank)
+
+
+def _block_max(s: _Scratch, blocks: int, blocksize: int) -> np.ndarray:
+    """The largest magnitude bits of each block of ``s.mag`` into ``s.top``. torch's integer max over rows runs
+    vectorized (3-5x numpy's over a short axis); the magnitudes have no sign bit, so their signed view orders
+    alike. Rows go in calls below torch's grain where torch has threads of its own to fork onto."""
+    mag, top = s.mag_t[: blocks * blocksize].view(blocks, blocksize), s.top_t[:blocks]
+    rows = blocks if torch.get_num_threads() == 1 else max(1, _TORCH_GRAIN // blocksize - 1)
+    for r in range(0, blocks, rows):
+        torch.amax(mag[r : r + rows], dim=1, out=top[r : r + rows])
+    return s.top[:blocks]
+
+
+@functools.cache
+def _reciprocals(dtype: torch.dtype) -> np.ndarray:
+    """float32 [32768]: MUFU.RCP of the value of every 16-bit magnitude pattern of `dtype` (inf for zero; the
+    patterns of Inf and NaN, which the kernel refuses before any reciprocal, give what rcp gives them)."""
+    with np.errstate(invalid="ignore"):
+        return _fastmath.rcp_approx_ftz_array(np.ascontiguousarray(_values(np.arange(0x8000, dtype=np.uint16), dtype)))
 
 
 def _absmax_values(top: np.ndarray, dtype: torch.dtype, out: np.ndarray) -> None:
@@ -183,12 +217,14 @@ class _Scratch:
 
     def __init__(self, task: int, piece: int, bits: np.dtype, blocksize: int) -> None:
         self.xbits = np.empty(task, bits)
-        self.mag = np.empty(task, bits)
-        self.top = np.empty(task // blocksize + 1, bits)
+        signed = torch.int16 if bits.itemsize == 2 else torch.int32  # the magnitudes' view for torch's max
+        self.mag_t = torch.empty(task, dtype=signed)
+        self.mag = self.mag_t.numpy().view(bits)
+        self.top_t = torch.empty(task // blocksize + 1, dtype=signed)
+        self.top = self.top_t.numpy().view(bits)
         self.y = np.empty(piece, np.float32)
         self.keys_t = torch.empty(piece, dtype=torch.int32)
         self.ranks_t = torch.empty(piece, dtype=torch.uint8)
-        self.splits_t = torch.empty(piece, dtype=torch.float32)
         self.above = np.empty(piece, np.bool_)
         self.pairs = np.empty(piece // 2, np.uint16)
         self.packed = np.empty(piece // 2, np.uint8)
@@ -208,13 +244,12 @@ class _Views:
     def __init__(self, s: _Scratch, count: int, blocksize: int) -> None:
         self.y = s.y[:count]
         self.y2d = self.y.reshape(-1, blocksize)
+        self.y_t = torch.from_numpy(self.y2d)
         self.wide = self.y.view(np.uint32)
         self.keys_t = s.keys_t[:count]
         self.keys = self.keys_t.numpy().view(np.uint32)
         self.ranks_t = s.ranks_t[:count]
         self.ranks = self.ranks_t.numpy()
-        self.splits_t = s.splits_t[:count]
-        self.splits = self.splits_t.numpy()
         self.above = s.above[:count]
         self.pairs = s.pairs[: count // 2]
         self.packed = s.packed[: count // 2]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 # bitsandbytes' NF4 table (normal-distribution quantiles, normalised to [-1, 1]).
@@ -120,9 +121,10 @@ def _rank_splits(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _f32(splits), torch.tensor(codes, dtype=torch.uint8)
 
 
-def _bucket_ranks(splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base uint8 [65536], split float32 [65536]) such that #{k : y > splits[k]} is
-    ``base[K] + (y > split[K])`` for every y whose top 16 bits are K (splits ascending, at most 255).
+def _bucket_ranks(splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(base uint8 [65536], split float32 [65536], holds bool [65536]) such that #{k : y > splits[k]} is
+    ``base[K] + (y > split[K])`` for every y whose top 16 bits are K (splits ascending, at most 255), and
+    ``y > split[K]`` can only hold where ``holds[K]``: the bucket has a split inside it.
 
     A bucket K is the set of float32 values sharing their top 16 bits: an interval of y. The tables are
     exact as long as no bucket holds two splits, which is checked here (a bucket is < 0.8% wide).
@@ -138,24 +140,32 @@ def _bucket_ranks(splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(low) & torch.isfinite(high)
     assert bool(((rank_high - rank_low)[finite] <= 1).all()), "a bucket holds two splits"
     padded = torch.cat([splits, torch.tensor([float("inf")])])
-    return rank_low.to(torch.uint8), padded[rank_low]
+    return rank_low.to(torch.uint8), padded[rank_low], (rank_high != rank_low) & finite
+
+
+# Set in a `bucket_tables` rank where the bucket holds a split: the only buckets whose compare can change the rank.
+SPLIT_FLAG = 0x80
 
 
 @functools.cache
-def bucket_tables(quant_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Lookup tables that turn a scaled value y into its 4-bit code with two gathers and one compare.
+def bucket_tables(quant_type: str) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+    """Lookup tables that turn a scaled value y into its 4-bit code with one gather, and a compare only for the
+    few values that fall in a bucket holding one of the kernel's splits.
 
-    Returns (base, split, byte_map): the rank of y among the kernel's splits is ``base[K] + (y > split[K])``
-    for K the top 16 bits of y (see `_bucket_ranks`); byte_map is None when ranks are the codes (NF4),
-    else a uint8 [256] table mapping two packed ranks to two packed codes.
+    Returns (ranks, split, byte_map) for K the top 16 bits of y (see `_bucket_ranks`): ranks uint8 [65536] is
+    the rank of every y of bucket K among the splits, ``| SPLIT_FLAG`` where the bucket holds a split; there the
+    rank is ``(ranks[K] & ~SPLIT_FLAG) + (y > split[K])`` (float32 [65536]). byte_map is None when ranks are the
+    codes (NF4), else a uint8 [256] table mapping two packed ranks to two packed codes. Why one gather: the
+    lookups were the kernel's largest cost, and only about 1% of Gaussian weights land in a bucket with a split.
     """
     splits, codes = _rank_splits(quant_type)
-    base, split = _bucket_ranks(splits)
-    if torch.equal(codes, torch.arange(16, dtype=torch.uint8)):
-        return base, split, None
-    pairs = torch.arange(256)
-    byte_map = (codes[pairs >> 4].to(torch.int32) << 4 | codes[pairs & 15]).to(torch.uint8)
-    return base, split, byte_map
+    base, split, holds = _bucket_ranks(splits)
+    ranks = torch.where(holds, base | SPLIT_FLAG, base)
+    byte_map = None
+    if not torch.equal(codes, torch.arange(16, dtype=torch.uint8)):
+        pairs = torch.arange(256)
+        byte_map = (codes[pairs >> 4].to(torch.int32) << 4 | codes[pairs & 15]).to(torch.uint8).numpy()
+    return ranks, split.numpy(), byte_map
 
 
 @functools.cache
@@ -164,6 +174,6 @@ def dynamic_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ``base[K] + (y > split[K])``, and midpoint[s] = (code[s-1] + code[s]) * 0.5 in float32, the value
     the kernel compares y with (midpoint[0] = -inf: below code[0] there is nothing to choose)."""
     code = dynamic_map()
-    base, split = _bucket_ranks(code[:255])
+    base, split, _ = _bucket_ranks(code[:255])
     midpoint = torch.cat([torch.tensor([float("-inf")]), (code[:-1] + code[1:]) * 0.5])
     return base, split, midpoint
