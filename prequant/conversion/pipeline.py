@@ -14,10 +14,10 @@ reader hands over memory-mapped views instead, which the CPU kernel quantizes to
 memory-mapped views; `readahead` keeps the kernel reading the files ahead; the quantizing thread hands
 whole tensors to worker processes, one per core (`quantizing`, `bnb.tensor_pool`), or, on few cores, spreads
 each tensor's quantization and statistics over the kernels' thread pool (`bnb.kernels._parallel`), so this
-stage uses every core rather than one. Tensors kept as they are never enter this process: their values are
-checked on the mapped view (one reduction over the pages the copy reads anyway), then the writer has the
-kernel copy them file to file (copy_file_range). A tensor transformers loads in another dtype goes through
-the quantizing device like a quantized one and is cast there.
+stage uses every core rather than one. Tensors kept as they are never enter this process: their pages are
+asked for, their values checked on the mapped view (one reduction over the pages the copy reads anyway), then
+the writer has the kernel copy them file to file (copy_file_range). A tensor transformers loads in another
+dtype goes through the quantizing device like a quantized one and is cast there.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ..bnb.quantize import Quantizer
 from ..bnb.starting import Starting
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import BIN_OFFSET, TensorRef
-from ..util import trace
+from ..util import pagecache, trace
 from .follow_hash import FollowHash
 from .gpu_loader import GpuLoader
 from .journal import Journal
@@ -114,8 +114,19 @@ def run(
             loaders.append(GpuLoader(source, device))
         return loaders[0].load(ref)
 
+    def ask_for_pages(ref: TensorRef) -> None:
+        """Have the kernel read a kept tensor's pages now, in large asynchronous requests. The check reads them
+        through the mapped view, and there each page fault is a small read that waits behind everything queued
+        before it: the read-ahead's, and on the CPU the worker processes' reads of their own tensors, which
+        ask for theirs the same way. On the GPU machine's 16 GB --device cpu run the reader spent 8.6 s in the
+        check (0.5 s on cuda, whose read-ahead had already read the source) while the quantizing waited 6.1 s
+        for it (`scripts/bench.py --also-device cpu`, PREQUANT_TRACE, 2026-12-03)."""
+        if ref.offset != BIN_OFFSET:
+            pagecache.will_need(source.fd(ref.file), ref.offset, ref.nbytes)
+
     def read_steps() -> None:
-        # No per-tensor advice: local files are read ahead by readahead.py, Hub shards were just written.
+        # No advice for what the quantizing device takes (local files are read ahead by readahead.py, Hub shards
+        # were just written, CPU workers ask for their own tensor); a kept tensor's is asked for before its check.
         for step in todo:
             source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
             found = None
@@ -124,6 +135,7 @@ def run(
             else:
                 if check is not None:
                     with trace.busy("check-kept"):
+                        ask_for_pages(step.source)
                         found = check(step.source.name, source.view(step.source))
                 if step.source.offset != BIN_OFFSET:
                     data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)

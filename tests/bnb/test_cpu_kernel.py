@@ -15,14 +15,13 @@ import json
 import math
 import os
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import DATA
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from conftest import DATA
 
 from prequant.bnb.kernels import _cuda_mean, _dynamic8, _fastmath, cpu
 

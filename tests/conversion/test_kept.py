@@ -4,14 +4,19 @@ it as it is and records it; Inf recorded and reported, not refused; the records 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import read_checkpoint, run_cli
 
+import prequant
+from prequant.checkpoint.reader import scan_files
+from prequant.conversion import kept
 from prequant.conversion.kept import non_finite
 
 NORM = "model.norm.weight"
@@ -88,3 +93,37 @@ def test_non_finite_counts(dtype):
     t[9] = -float("inf")
     assert non_finite(t) == (3, 3)
     assert non_finite(torch.tensor([1, 2], dtype=torch.int64)) == (0, 0)
+
+
+def test_each_kept_tensor_is_asked_for_in_full_before_its_check(checkpoints, tmp_path, monkeypatch):
+    """The reader asks the kernel for a kept tensor's whole byte range (posix_fadvise WILLNEED) before it checks
+    the values, so the check does not read the tensor page fault by page fault behind the disk's queue."""
+    src = checkpoints("llama")
+    events: list[tuple] = []  # ("advice", file offset, length) from the reader thread, ("check", name)
+    fadvise, check = os.posix_fadvise, kept.KeptCheck.__call__
+
+    def advise(fd: int, offset: int, length: int, how: int) -> None:
+        if how == os.POSIX_FADV_WILLNEED and threading.current_thread().name == "prequant-read_all":
+            events.append(("advice", offset, length))
+        fadvise(fd, offset, length, how)
+
+    def checked(self, name: str, tensor):
+        events.append(("check", name))
+        return check(self, name, tensor)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    monkeypatch.setattr(kept.KeptCheck, "__call__", checked)
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
+
+    refs = {r.name: r for r in scan_files(sorted(src.glob("*.safetensors")))}
+    names = [e[1] for e in events if e[0] == "check"]
+    assert EMBED in names and NORM in names
+    for name in names:
+        at = events.index(("check", name))
+        before = [e for e in events[:at] if e[0] == "advice"]
+        start, end = refs[name].offset, refs[name].offset + refs[name].nbytes
+        covered = start
+        for offset, length in sorted(b[1:] for b in before):  # the pieces of this tensor's range, in order
+            if offset <= covered < offset + length:
+                covered = offset + length
+        assert covered >= end, (name, start, end, covered)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -333,8 +332,6 @@ def test_first_losses_are_compared_across_all_loaders():
 
 
 def test_sft_first_loss_may_differ_by_float32_rounding_only():
-    from prequant.fsdp.check import SFT_LOSS_RTOL
-
     rounding = _report(prequant=5.51758003, trainer=5.51758003 * (1 + SFT_LOSS_RTOL / 2))
     assert rounding.ok and not rounding.comparison["first_loss_equal"] and rounding.comparison["first_loss_agree"]
     assert not _report(prequant=5.51758003, trainer=5.51758003 * (1 + 2 * SFT_LOSS_RTOL)).ok
