@@ -27,14 +27,11 @@ import threading
 import numpy as np
 import torch
 
-from . import _fastmath, _flat, _tables
+from . import _fastmath, _flat, _parallel, _tables
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _NEG_FLT_MIN = np.float32(-_fastmath.FLT_MIN)
 _RANK_MASK = np.uint8(0xFF ^ _tables.SPLIT_FLAG)
-# torch runs an operation on fewer elements than this on the calling thread (at::internal::GRAIN_SIZE); on more,
-# with several torch threads, it forks onto its own pool, which the kernel's pool threads must not do (`_parallel`).
-_TORCH_GRAIN = 32768
 
 
 class _Format:
@@ -167,7 +164,7 @@ def _block_max(s: _Scratch, blocks: int, blocksize: int) -> np.ndarray:
     vectorized (3-5x numpy's over a short axis); the magnitudes have no sign bit, so their signed view orders
     alike. Rows go in calls below torch's grain where torch has threads of its own to fork onto."""
     mag, top = s.mag_t[: blocks * blocksize].view(blocks, blocksize), s.top_t[:blocks]
-    rows = blocks if torch.get_num_threads() == 1 else max(1, _TORCH_GRAIN // blocksize - 1)
+    rows = blocks if torch.get_num_threads() == 1 else max(1, _parallel.TORCH_GRAIN // blocksize - 1)
     for r in range(0, blocks, rows):
         torch.amax(mag[r : r + rows], dim=1, out=top[r : r + rows])
     return s.top[:blocks]
