@@ -5,8 +5,10 @@ small passes pays a fork and a join per pass, its threads spin at every barrier 
 machine), and operations torch runs serially (1-D ``index_select``, the kernel's table lookup, is a plain
 loop) cap the speed-up whatever the thread count. Here a tensor is cut into block-aligned pieces and each
 thread takes a whole piece through every pass while it is in its core's cache. The pieces use numpy
-(always single-threaded) and torch operations that never fork (1-D ``index_select``, operations on fewer
-than torch's grain, `TORCH_GRAIN`), and both release the GIL while they run, so the threads overlap.
+(always single-threaded) and torch operations that never fork (1-D ``index_select``; any operation where
+torch has one thread), and both release the GIL while they run, so the threads overlap. Cutting a torch
+operation below torch's grain (32768 elements) to keep it from forking does not pay: such calls are much
+shorter than a piece, and each hands the GIL over (`_quantize4._block_max`).
 
 The calling thread works too, so one thread means no pool at all; a call made from a pool thread (nested
 use) runs serially. Whatever happens (an error in a piece, KeyboardInterrupt in the caller), `run` returns
@@ -22,9 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-# torch runs an operation on fewer elements than this on the calling thread (at::internal::GRAIN_SIZE); on more,
-# with several torch threads, it forks onto its own pool, which a piece on this pool's threads must not do.
-TORCH_GRAIN = 32768
 # Threads to use; None follows torch.get_num_threads() (one per core unless the user set it), so that
 # torch.set_num_threads and OMP_NUM_THREADS bound this pool as they bound torch's own.
 THREADS: int | None = None
