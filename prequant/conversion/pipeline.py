@@ -14,16 +14,18 @@ reader hands over memory-mapped views instead, which the CPU kernel quantizes to
 memory-mapped views; `readahead` keeps the kernel reading the files ahead; the quantizing thread hands
 whole tensors to worker processes, one per core (`quantizing`, `bnb.tensor_pool`), or, on few cores, spreads
 each tensor's quantization and statistics over the kernels' thread pool (`bnb.kernels._parallel`), so this
-stage uses every core rather than one. Tensors kept as they are never enter this process: their pages are
-asked for, their values checked on the mapped view (one reduction over the pages the copy reads anyway), then
-the writer has the kernel copy them file to file (copy_file_range). A tensor transformers loads in another
-dtype goes through the quantizing device like a quantized one and is cast there.
+stage uses every core rather than one. Tensors kept as they are never enter this process's stages: a thread
+of their own asks for their pages and checks their values on the mapped view (one reduction over the pages the
+copy reads anyway) while the reader goes on, then the writer, once the check has passed, has the kernel copy
+them file to file (copy_file_range). A tensor transformers loads in another dtype goes through the
+quantizing device like a quantized one and is cast there.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -114,15 +116,23 @@ def run(
             loaders.append(GpuLoader(source, device))
         return loaders[0].load(ref)
 
-    def ask_for_pages(ref: TensorRef) -> None:
-        """Have the kernel read a kept tensor's pages now, in large asynchronous requests. The check reads them
-        through the mapped view, and there each page fault is a small read that waits behind everything queued
-        before it: the read-ahead's, and on the CPU the worker processes' reads of their own tensors, which
-        ask for theirs the same way. On the GPU machine's 16 GB --device cpu run the reader spent 8.6 s in the
-        check (0.5 s on cuda, whose read-ahead had already read the source) while the quantizing waited 6.1 s
-        for it (`scripts/bench.py --also-device cpu`, PREQUANT_TRACE, 2026-12-03)."""
-        if ref.offset != BIN_OFFSET:
-            pagecache.will_need(source.fd(ref.file), ref.offset, ref.nbytes)
+    # Kept tensors are checked on a thread of their own, in order, and the writer waits for each one's result
+    # before writing it: the reader goes on handing tensors to the quantizing stage meanwhile. A check reads
+    # its tensor cold when the read-ahead has not reached it (on the CPU the read-ahead leads the writes by only
+    # 2 GB, `readahead`). Done on the reader, a 1 GB embedding's check stopped the pipeline: on the GPU machine's
+    # 16 GB --device cpu run the reader spent 8.6-8.7 s in it (0.65 s on cuda, whose read-ahead had read the
+    # source) while the quantizing stage waited 6.1-6.7 s for the reader, with its pages asked for first or not
+    # (`scripts/bench.py --also-device cpu`, PREQUANT_TRACE, 2026-12-03).
+    checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prequant-check") if check is not None else None
+
+    def check_kept(ref: TensorRef) -> tuple[int, int] | None:
+        """A kept tensor's check, its pages asked for first in large asynchronous requests: through the mapped
+        view each page fault is a small read that waits behind everything queued before it."""
+        assert check is not None
+        with trace.busy("check-kept"):
+            if ref.offset != BIN_OFFSET:
+                pagecache.will_need(source.fd(ref.file), ref.offset, ref.nbytes)
+            return check(ref.name, source.view(ref))
 
     def read_steps() -> None:
         # No advice for what the quantizing device takes (local files are read ahead by readahead.py, Hub shards
@@ -133,10 +143,8 @@ def run(
             if step.quantize or step.decision.dtype:  # through the quantizing device, to be quantized or cast
                 data = to_device(step.source)
             else:
-                if check is not None:
-                    with trace.busy("check-kept"):
-                        ask_for_pages(step.source)
-                        found = check(step.source.name, source.view(step.source))
+                if checks is not None:
+                    found = checks.submit(check_kept, step.source)
                 if step.source.offset != BIN_OFFSET:
                     data = (FileSlice(source.fd(step.source.file), step.source.offset, step.source.nbytes), None)
                 else:  # a .bin shard's tensor: no known byte range, written from its memory-mapped view
@@ -148,6 +156,9 @@ def run(
             shards.finish_resumed()
             while (item := quantized.get()) is not END:
                 step, entries, copied, found = item  # type: ignore[misc]
+                if isinstance(found, Future):  # a kept tensor's check: its NaN refusal stops the run here
+                    with trace.busy("check-kept-wait"):
+                        found = found.result()
                 if copied is not None:
                     with trace.busy("device-to-host-wait"):
                         copied.synchronize()
@@ -173,6 +184,9 @@ def run(
         for t in threads:
             t.join()
         raise
+    finally:
+        if checks is not None:  # no check may go on reading a mapped view once the caller closes the files
+            checks.shutdown(wait=True, cancel_futures=True)
     if errors:
         raise errors[0]
     return shards.sizes

@@ -15,6 +15,7 @@ import torch
 from conftest import read_checkpoint, run_cli
 
 import prequant
+from prequant.bnb.quantize import Quantizer
 from prequant.checkpoint.reader import scan_files
 from prequant.conversion import kept
 from prequant.conversion.kept import non_finite
@@ -96,14 +97,14 @@ def test_non_finite_counts(dtype):
 
 
 def test_each_kept_tensor_is_asked_for_in_full_before_its_check(checkpoints, tmp_path, monkeypatch):
-    """The reader asks the kernel for a kept tensor's whole byte range (posix_fadvise WILLNEED) before it checks
-    the values, so the check does not read the tensor page fault by page fault behind the disk's queue."""
+    """The check's thread asks the kernel for a kept tensor's whole byte range (posix_fadvise WILLNEED) before it
+    checks the values, so the check does not read the tensor page fault by page fault behind the disk's queue."""
     src = checkpoints("llama")
-    events: list[tuple] = []  # ("advice", file offset, length) from the reader thread, ("check", name)
+    events: list[tuple] = []  # ("advice", file offset, length) from the check's thread, ("check", name)
     fadvise, check = os.posix_fadvise, kept.KeptCheck.__call__
 
     def advise(fd: int, offset: int, length: int, how: int) -> None:
-        if how == os.POSIX_FADV_WILLNEED and threading.current_thread().name == "prequant-read_all":
+        if how == os.POSIX_FADV_WILLNEED and threading.current_thread().name.startswith("prequant-check"):
             events.append(("advice", offset, length))
         fadvise(fd, offset, length, how)
 
@@ -127,3 +128,35 @@ def test_each_kept_tensor_is_asked_for_in_full_before_its_check(checkpoints, tmp
             if offset <= covered < offset + length:
                 covered = offset + length
         assert covered >= end, (name, start, end, covered)
+
+
+def test_the_reader_goes_on_while_a_kept_tensor_is_checked(checkpoints, tmp_path, monkeypatch):
+    """A kept tensor's check (a cold 1 GB embedding takes seconds) does not hold up the tensors after it: here
+    the embedding's check waits until a layer after it in the file has been quantized, which never happens if
+    the reader itself checks. The writer still waits for the check, so the output is the usual one."""
+    src = checkpoints("llama")
+    quantized = threading.Event()
+    check, call = kept.KeptCheck.__call__, Quantizer.__call__
+
+    def quantize(self, x, name):
+        if name.startswith("model.layers."):
+            quantized.set()
+        return call(self, x, name)
+
+    during_check: list[bool] = []  # asserted afterwards: a failure's traceback must not hold a mapped view
+
+    def checked(self, name: str, tensor):
+        if name == EMBED:
+            during_check.append(quantized.wait(60))
+        return check(self, name, tensor)
+
+    monkeypatch.setattr(Quantizer, "__call__", quantize)
+    monkeypatch.setattr(kept.KeptCheck, "__call__", checked)
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
+    assert during_check == [True], "no layer was quantized while the embedding was being checked"
+    monkeypatch.undo()
+    prequant.convert(src, tmp_path / "plain", device="cpu", progress=False)
+    shards = sorted(p.name for p in (tmp_path / "plain").glob("*.safetensors"))
+    assert shards and shards == sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    for name in shards:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
