@@ -8,7 +8,7 @@ thread takes a whole piece through every pass while it is in its core's cache. T
 (always single-threaded) and torch operations that never fork (1-D ``index_select``; any operation where
 torch has one thread), and both release the GIL while they run, so the threads overlap. Cutting a torch
 operation below torch's grain (32768 elements) to keep it from forking does not pay: such calls are much
-shorter than a piece, and each hands the GIL over (`_quantize4._block_max`).
+shorter than a piece, and each hands the GIL over (`_quantize4.Job.torch_inline`).
 
 The calling thread works too, so one thread means no pool at all; a call made from a pool thread (nested
 use) runs serially. Whatever happens (an error in a piece, KeyboardInterrupt in the caller), `run` returns

@@ -67,6 +67,11 @@ class Job:
         self.source = _flat.Flat(x, bits=True)  # the input's bits, read range by range
         self.ranks_t, self.split, self.byte_map = _tables.bucket_tables(quant_type)
         self.reciprocals = _reciprocals(x.dtype) if x.dtype != torch.float32 else None
+        # torch's operations run vectorized, often twice as fast as numpy's over short rows, but with threads of
+        # its own torch forks onto them from every pool thread; cut below its grain instead, the calls are much
+        # shorter than a piece and each hands the GIL over (the kernel on the GPU machine's 16 threads: 0.98 GB/s
+        # so, 1.67 with numpy's; 2026-12-03). So torch only where it has one thread: the worker processes.
+        self.torch_inline = torch.get_num_threads() == 1
         self.packed, self.absmax = packed.numpy(), absmax.numpy()
 
     def run_task(self, i: int) -> None:
@@ -78,7 +83,7 @@ class Job:
         blocks = -(-(stop - start) // bs)
         bits = self._bits(start, stop, s.xbits[: blocks * bs])
         mag = np.bitwise_and(bits, fmt.mask, out=s.mag[: blocks * bs])
-        top = _block_max(s, blocks, bs)
+        top = _block_max(s, blocks, bs, self.torch_inline)
         if top.max() >= fmt.non_finite:
             raise NonFinite("input holds NaN or Inf")
         if fmt.flush:  # fabsf/fmaxf flush denormals: a block of denormals has absmax 0
@@ -121,9 +126,9 @@ class Job:
             values = _flat.float32(bits, self.dtype, v.y).reshape(v.y2d.shape)
         else:  # float16 and float32 go straight into the product (float16 converts exactly)
             values = bits.view(np.float16 if self.dtype == torch.float16 else np.float32).reshape(v.y2d.shape)
-        # One IEEE float32 product (FMUL) per element. torch's takes half numpy's time over rows this short, but
-        # with threads of its own it would fork onto them (see `_block_max`); bf16 values are already in y.
-        if self.dtype == torch.bfloat16 and torch.get_num_threads() == 1:
+        # One IEEE float32 product (FMUL) per element, by torch where it may (`torch_inline`: half numpy's time
+        # over rows this short); bf16 values are already in y.
+        if self.dtype == torch.bfloat16 and self.torch_inline:
             v.y_t.mul_(torch.from_numpy(scale)[:, None])
         else:
             np.multiply(values, scale[:, None], out=v.y2d)
@@ -159,13 +164,11 @@ class Job:
         ranks[where] = np.where(flushed, negative_rank + 1, negative_rank)
 
 
-def _block_max(s: _Scratch, blocks: int, blocksize: int) -> np.ndarray:
-    """The largest magnitude bits of each block of ``s.mag`` into ``s.top``. torch's integer max over rows runs
-    vectorized (3-5x numpy's over a short axis; the magnitudes have no sign bit, so their signed view orders
-    alike), but only where torch has one thread (the worker processes): with threads of its own it would fork
-    onto them, and calls cut below its grain are up to 32x shorter than a piece, each handing the GIL over
-    (the kernel on the GPU machine's 16 threads: 0.98 GB/s so, 1.67 with numpy's max; 2026-12-03)."""
-    if torch.get_num_threads() == 1:
+def _block_max(s: _Scratch, blocks: int, blocksize: int, torch_inline: bool) -> np.ndarray:
+    """The largest magnitude bits of each block of ``s.mag`` into ``s.top``: by torch's integer max over rows
+    where it may (`Job.torch_inline`; 3-5x numpy's over a short axis, and the magnitudes have no sign bit, so
+    their signed view orders alike), else by numpy's, one call per task."""
+    if torch_inline:
         mag, top = s.mag_t[: blocks * blocksize].view(blocks, blocksize), s.top_t[:blocks]
         torch.amax(mag, dim=1, out=top)
         return s.top[:blocks]
