@@ -1,4 +1,4 @@
-"""scripts/bench.py runs end to end on a tiny synthetic checkpoint and reports what the README's tables use.
+"""scripts/bench/ runs end to end on a tiny synthetic checkpoint and reports what the README's tables use.
 
 No timing is asserted (timings belong to the benchmark itself); this keeps the script working."""
 
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "scripts" / "bench"
 
 
 def test_bench_reports_read_floor_and_prequant_with_ratios_memory_and_timeline(tmp_path):
     report_file = tmp_path / "bench.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size-gb", "0.05", "--shape", "uniform",
+        [sys.executable, str(BENCH / "convert.py"), "--size-gb", "0.05", "--shape", "uniform",
          "--device", "cpu", "--dir", str(tmp_path / "work"), "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=600,
     )
@@ -41,7 +42,7 @@ def test_bench_reports_read_floor_and_prequant_with_ratios_memory_and_timeline(t
 def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_path):
     report_file = tmp_path / "window.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_window.py"), "--size-gb", "0.05", "--shape", "uniform",
+        [sys.executable, str(BENCH / "window.py"), "--size-gb", "0.05", "--shape", "uniform",
          "--devices", "cpu", "--windows", "0.1,0", "--repeats", "2", "--env", "PREQUANT_CPU_WORKERS=0,4",
          "--dir", str(tmp_path / "work"),
          "--json", str(report_file)],
@@ -52,8 +53,8 @@ def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_pa
     assert [(r["device"], r["window_gb"], r["env"]["PREQUANT_CPU_WORKERS"]) for r in runs] == [
         ("cpu", 0.1, "0"), ("cpu", 0.1, "4"), ("cpu", 0.0, "0"), ("cpu", 0.0, "4")] * 2  # in turn
     floor = report["read_write"]["seconds"]
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_memory import disk_of
+    sys.path.insert(0, str(BENCH))
+    from common import disk_of
 
     sampled = bool(disk_of(tmp_path))  # /proc/diskstats names the work folder's disk (not an overlay, tmpfs)
     for r in runs:
@@ -74,7 +75,7 @@ def test_bench_modes_report_consistent_ratios_and_equal_bytes(tmp_path):
     and the Hub path its wall-time ratio, disk bound and the local server's throughput."""
     report_file = tmp_path / "bench.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size-gb", "0.03", "--shape", "uniform",
+        [sys.executable, str(BENCH / "convert.py"), "--size-gb", "0.03", "--shape", "uniform",
          "--device", "cpu", "--also-device", "cpu", "--memory-limit-gib", "8", "--hub",
          "--dir", str(tmp_path / "work"), "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=900,
@@ -93,17 +94,17 @@ def test_bench_modes_report_consistent_ratios_and_equal_bytes(tmp_path):
     assert c["same_bytes"] is True and c["disk_bound_bytes"] == 2 * hub["largest_shard_bytes"] + c["output_bytes"]
     assert c["within_disk_bound"] == (c["peak_disk_extra_bytes"] <= c["disk_bound_bytes"])
     assert hub["server_gbps"] > 0 and hub["download_gbps"] > 0
-    summary = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_summary.py"), str(tmp_path / "work")],
+    summary = subprocess.run([sys.executable, str(BENCH / "summary.py"), str(tmp_path / "work")],
                              check=True, capture_output=True, text=True).stdout
     assert "figure (issue 17)" in summary  # prints with every input missing (a step that failed)
 
 
 def test_cpu_kernel_bench_reports_scaling_by_thread_count_beside_bitsandbytes(tmp_path):
-    """bench_cpu_kernel.py --threads 1,2: per count each implementation (prequant on threads and on worker
-    processes, bitsandbytes), the ratios, efficiency against one thread and the statistics' speed; bench_summary
+    """cpu_kernel.py --threads 1,2: per count each implementation (prequant on threads and on worker
+    processes, bitsandbytes), the ratios, efficiency against one thread and the statistics' speed; summary.py
     reads it."""
     pytest.importorskip("bitsandbytes")
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_cpu_kernel.py"), "--shapes", "64x4096",
+    done = subprocess.run([sys.executable, str(BENCH / "cpu_kernel.py"), "--shapes", "64x4096",
                            "--repeats", "1", "--threads", "1,2", "--json"],
                           check=True, capture_output=True, text=True, timeout=600)
     report = json.loads(done.stdout)
@@ -120,30 +121,30 @@ def test_cpu_kernel_bench_reports_scaling_by_thread_count_beside_bitsandbytes(tm
     assert rows[1]["prequant"]["efficiency"] == 1.0
     assert rows[2]["prequant"]["efficiency"] == rows[2]["prequant"]["best_gbps"] / (2 * rows[1]["prequant"]["best_gbps"])
     (tmp_path / "cpu_kernel.json").write_text(done.stdout)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_summary
+    sys.path.insert(0, str(BENCH))
+    import summary
 
-    table = {what.split(",")[1].strip(): value for what, value, _, _ in bench_summary.rows(tmp_path) if what.startswith("CPU")}
+    table = {what.split(",")[1].strip(): value for what, value, _, _ in summary.rows(tmp_path) if what.startswith("CPU")}
     assert table["1 thread(s)"] == rows[1]["prequant"]["best_gbps"] and table["16 thread(s)"] is None
 
 
 def test_nvidia_smi_compute_apps_parse_per_process_bytes():
     """`pid, used_memory` lines (MiB) become bytes per pid; N/A and blank lines are skipped."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_memory import parse_compute_apps
+    sys.path.insert(0, str(BENCH))
+    from common import parse_compute_apps
 
     assert parse_compute_apps("1234, 1708\n99, [N/A]\n\n1234, 2\n") == {1234: 1710 * 2**20}
 
 
 def test_grok_checkpoint_with_model_code_loads_with_every_generated_tensor(tmp_path):
-    """scripts/grok_fsdp_check.sh's checkpoint: Grok shapes (here at reduced dimensions) in keyfan naming with the
+    """scripts/gpu/grok_fsdp_check.sh's checkpoint: Grok shapes (here at reduced dimensions) in keyfan naming with the
     model code of tests/grok/, whose auto_map transformers follows; the model's parameters are the files' tensors."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_checkpoint import generate
+    sys.path.insert(0, str(BENCH))
+    from synthetic import generate
 
     dims = {"hidden": 64, "inter": 128, "vocab": 256, "heads": 8}
     ckpt = generate("grok", 0, tmp_path / "grok-bench", layers=2, dims=dims, model_code=True)
@@ -160,10 +161,53 @@ def test_grok_checkpoint_with_model_code_loads_with_every_generated_tensor(tmp_p
     assert all(torch.equal(state[k], v) for k, v in files.items())
 
 
+def test_synthetic_checkpoint_from_the_command_line_as_the_gpu_drivers_generate_it(tmp_path):
+    """scripts/bench/synthetic.py OUT ...: what scripts/gpu/*.sh run for their source (here reduced dimensions)."""
+    dims = {"hidden": 64, "inter": 128, "vocab": 256, "heads": 8}
+    done = subprocess.run([sys.executable, str(BENCH / "synthetic.py"), str(tmp_path / "grok"), "--shape", "grok",
+                           "--layers", "1", "--model-code", "--dims", json.dumps(dims)],
+                          check=True, capture_output=True, text=True, timeout=300)  # fmt: skip
+    config = json.loads((tmp_path / "grok" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["naming"]) == (64, 1, "keyfan")
+    assert (tmp_path / "grok" / "modeling_grok1.py").is_file() and "generated" in done.stderr
+    missing = subprocess.run([sys.executable, str(BENCH / "synthetic.py"), str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert missing.returncode == 2 and "--size-gb or --layers" in missing.stderr and not (tmp_path / "none").exists()
+
+
+@pytest.mark.slow
+def test_startup_bench_times_whole_processes_beside_a_baseline(tmp_path):
+    """startup.py: best wall and CPU seconds per mode (the children's CPU, the layout child's too), the events of
+    prequant's trace as seconds since its first, and the two keys summary.py reads."""
+    report_file = tmp_path / "startup.json"
+    subprocess.run([sys.executable, str(BENCH / "startup.py"), "--repeats", "1", "--device", "cpu",
+                    "--skip", "head start", "--json", str(report_file)],
+                   check=True, capture_output=True, text=True, timeout=600)  # fmt: skip
+    report = json.loads(report_file.read_text())
+    modes = report["modes"]
+    assert set(modes) == {"baseline", "predicted", "dry-run baseline", "dry-run"}
+    assert report["convert_seconds"] == modes["predicted"]["best_wall_s"] > 0
+    assert report["dry_run_seconds"] == modes["dry-run"]["best_wall_s"] > 0
+    for m in modes.values():
+        assert m["best_cpu_s"] > 0 and m["walls"] == [m["best_wall_s"]]
+        events = m["events"]
+        assert list(events)[:1] == ["start"] and events["start"] == 0.0 and events["exit"] <= m["best_wall_s"]
+    assert "pipeline-end" in modes["predicted"]["events"]
+
+
+def test_fsdp_summary_of_each_gpu_driver_prints_and_writes_what_it_found(tmp_path):
+    """scripts/gpu/fsdp_summary.py KIND OUT, the last step of each check-fsdp driver: with no report (every step
+    failed or ran out of time) it still writes summary.md, saying what is missing."""
+    for kind in ("fsdp", "trainer", "grok"):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "fsdp_summary.py"), kind, str(tmp_path)],
+                              check=True, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert "no report" in done.stdout and (tmp_path / "summary.md").read_text() == done.stdout
+
+
 def test_cpu_kernel_profile_reports_each_measurement_by_thread_count():
     """profile_cpu_kernel.py: single operations, the kernel (its own piece rule and a fixed piece), the statistics,
     double quantization and worker processes, each row with its speed-up against the first thread count."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_cpu_kernel.py"), "--shape", "64x4096",
+    done = subprocess.run([sys.executable, str(BENCH / "profile_cpu_kernel.py"), "--shape", "64x4096",
                            "--threads", "1,2", "--seconds", "0.02", "--pieces", "0,8192", "--stats-tasks", "65536",
                            "--repeats", "1"], check=True, capture_output=True, text=True, timeout=600)
     report = json.loads(done.stdout)
@@ -177,29 +221,9 @@ def test_cpu_kernel_profile_reports_each_measurement_by_thread_count():
     assert [r["processes"] for r in report["processes"]] == [1, 2]
 
 
-def test_sha256_bench_hashes_memory_a_map_and_reads(tmp_path):
-    """bench_sha256.py: GB/s of sha256 three ways over a file it writes in --dir and removes."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_sha256.py"), "--size-gb", "0.02",
-                           "--repeats", "1", "--dir", str(tmp_path)], check=True, capture_output=True, text=True)
-    figures = json.loads(done.stdout)
-    assert set(figures) == {"memory_gbps", "mapped_gbps", "read_gbps"} and min(figures.values()) > 0
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_fetch_bench_times_a_download_four_ways():
-    """bench_fetch.py: alone, in-process and in the child beside the kernel, the child alone; ratios to alone."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_fetch.py"), "--size-mb", "5", "--threads", "1",
-                           "--repeats", "1"], check=True, capture_output=True, text=True, timeout=600)
-    report = json.loads(done.stdout)
-    ways = ("alone", "in-process", "child", "child-alone")
-    assert all(report[w]["seconds"] > 0 for w in ways) and report["alone"]["ratio_to_alone"] == 1.0
-    for w in ways:
-        assert report[w]["ratio_to_alone"] == round(report[w]["seconds"] / report["alone"]["seconds"], 2)
-
-
 def test_disk_timeline_reads_diskstats_per_second():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_memory import diskstats, timeline
+    sys.path.insert(0, str(BENCH))
+    from common import diskstats, timeline
 
     line = " 253       0 vda 10 0 {r} 0 0 0 {w} 0 0 {busy} 0 0 0 0 0 0 0"
     first = diskstats(line.format(r=2_000_000, w=0, busy=100))

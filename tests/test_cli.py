@@ -105,7 +105,7 @@ def test_help_shows_examples():
 
 
 def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
-    """PREQUANT_TRACE (what scripts/bench.py reads): events in pipeline order, busy time for every stage that ran."""
+    """PREQUANT_TRACE (what scripts/bench/common.py reads): events in pipeline order, busy time for every stage that ran."""
     trace = tmp_path / "trace.json"
     run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu",
             env={"PREQUANT_TRACE": str(trace)}, check=True)

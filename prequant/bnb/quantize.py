@@ -173,7 +173,7 @@ class Quantizer:
 
 
 # Caps what torch may allocate on the GPU, e.g. "8GiB", "8000MB" or plain bytes: a conversion then proves it
-# fits a smaller GPU (torch raises out-of-memory past the cap rather than using more). bench.py uses it.
+# fits a smaller GPU (torch raises out-of-memory past the cap rather than using more). bench/convert.py uses it.
 CUDA_MEMORY_LIMIT_ENV = "PREQUANT_CUDA_MEMORY_LIMIT"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

@@ -2,7 +2,7 @@
 
 CUDA's context and bitsandbytes' import take seconds: on the GPU machine, libraries warm, a 16 GB Llama's
 quantizer was ready 2.7 s after torch's import (PREQUANT_TRACE `imported` 2.09 s, `quantizer-ready` 4.81 s,
-`scripts/bench.py --size-gb 16 --shape llama --device cuda --warm-libraries`, 2026-12-02), and the pipeline, bound
+`scripts/bench/convert.py --size-gb 16 --shape llama --device cuda --warm-libraries`, 2026-12-02), and the pipeline, bound
 by the disk's writes from then on, never won them back (16.9 s against a floor of 11.9 s). So `Starting` builds the
 CUDA quantizer on a thread and the pipeline runs at once: kept tensors are copied as always, and tensors to
 quantize are read as memory-mapped views and quantized by prequant's CPU kernel, whose bytes are bitsandbytes' CUDA
@@ -11,7 +11,7 @@ tensor onto the GPU. Which tensors went where depends on timing; the bytes do no
 
 Not when the process started with its libraries cold (`conversion.run` decides, from the CLI's start-up check): CUDA's
 start then reads its libraries page fault by page fault, and beside the pipeline's reads and writes it took 29 s
-(`cuda-ready` 31.96 s, a 33 GB Grok-shaped checkpoint, `scripts/bench.py --size-gb 33 --shape grok --device cuda`,
+(`cuda-ready` 31.96 s, a 33 GB Grok-shaped checkpoint, `scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`,
 everything cold, 2026-12-02) where it took 4-12 s with the pipeline waiting for it (the session before's leases, and
 the same command with the pipeline waiting). PREQUANT_CPU_WHILE_CUDA_STARTS=0 waits for CUDA before the
 first tensor too (the GPU tests of the CUDA path use it, so that every tensor there goes through bitsandbytes'

@@ -4,7 +4,7 @@ A worker needs a second or two to import torch. The CLI therefore starts them (`
 torch itself, for a `--device cpu` conversion of a local checkpoint large enough to pay for them, and the pool
 adopts them when the pipeline starts (`adopt`). A 16 GB Llama's 16 workers, started by the pool as the pipeline
 started, were ready 3.0 s later, competing with the kernel's threads quantizing the first tensors; started here,
-beside the CLI's own imports, 0.4-0.5 s after the pipeline started (`scripts/bench.py --size-gb 16 --shape llama
+beside the CLI's own imports, 0.4-0.5 s after the pipeline started (`scripts/bench/convert.py --size-gb 16 --shape llama
 --device cpu --warm-libraries`, the GPU machine, 2026-12-02).
 """
 

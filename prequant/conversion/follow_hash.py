@@ -5,7 +5,7 @@ and holds the quant-state JSONs' lengths, known only once they are quantized. A 
 kept tensors: an embedding or lm_head alone, norms) has its header fixed by the plan, so its hash can follow the
 writes. That matters at the end of a conversion: the bench's 16 GB Llama ends with its 1.05 GB lm_head, kept and
 copied in well under a second, as a shard of its own, and its hash after the copy was the last second of the run on
-the GPU and on the CPU (`scripts/bench.py --size-gb 16 --shape llama`, the GPU machine, 2026-12-02: 1.0 s between
+the GPU and on the CPU (`scripts/bench/convert.py --size-gb 16 --shape llama`, the GPU machine, 2026-12-02: 1.0 s between
 the pipeline's end and the manifest).
 
 The hash reads the file this process is writing (the page cache), never past what the writer has marked written,

@@ -10,7 +10,7 @@ called directly, a child that failed or disagrees) and `convert()` decides in-pr
 only ever saves time, it never changes a decision or an error message.
 
 It needs spare cores: both processes import torch at the same time. On the 2-core CPU machine the child
-made planning 2 s slower (7.7 s -> 9.8 s to "planned", `scripts/bench.py --device cpu`), so the CLI only
+made planning 2 s slower (7.7 s -> 9.8 s to "planned", `scripts/bench/convert.py --device cpu`), so the CLI only
 starts it where there are at least `MIN_CPUS` (the GPU machine has 16).
 """
 

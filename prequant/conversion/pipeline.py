@@ -122,7 +122,7 @@ def run(
     # 2 GB, `readahead`). Done on the reader, a 1 GB embedding's check stopped the pipeline: on the GPU machine's
     # 16 GB --device cpu run the reader spent 8.6-8.7 s in it (0.65 s on cuda, whose read-ahead had read the
     # source) while the quantizing stage waited 6.1-6.7 s for the reader, with its pages asked for first or not
-    # (`scripts/bench.py --also-device cpu`, PREQUANT_TRACE, 2026-12-03).
+    # (`scripts/bench/convert.py --also-device cpu`, PREQUANT_TRACE, 2026-12-03).
     checks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prequant-check") if check is not None else None
 
     def check_kept(ref: TensorRef) -> tuple[int, int] | None:

@@ -224,7 +224,7 @@ def _assign_shards(sizes: list[int], max_shard_size: int) -> list[int]:
 # written, and the header, which comes first, holds every quant-state JSON's length, so the hash cannot
 # start earlier. With shards filled front to back (transformers' way) the last full shard completes
 # shortly before the end and its hash runs after everything else: 5 GB at 1.2 GB/s, 3.1 s after the writes
-# of a 16 GB Llama on the GPU machine (`scripts/bench.py --size-gb 16 --shape llama --device cuda
+# of a 16 GB Llama on the GPU machine (`scripts/bench/convert.py --size-gb 16 --shape llama --device cuda
 # --warm-libraries`, 2026-12-01: 1.59x its floor). So each shard holds at most as much as all the shards after
 # it together: its hash (at about the disk's speed) is done by the time they are written, even when they are
 # written at the disk's speed, as a large kept tensor is copied. An earlier rule (each shard at most 3x the

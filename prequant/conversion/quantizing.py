@@ -73,7 +73,7 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer, pool: t
     # Why the writer is offered items rather than waited for: while this thread waits for the writer (a shard's
     # writes held up by the disk, a kept tensor copied), no worker gets its next tensor, and once the writer is
     # free it waits in turn for tensors just sent. On the GPU machine's 16 GB Llama this thread waited 8.4 s for
-    # the writer and the writer 5.4 s for it (`scripts/bench.py --size-gb 16 --shape llama --device cuda
+    # the writer and the writer 5.4 s for it (`scripts/bench/convert.py --size-gb 16 --shape llama --device cuda
     # --also-device cpu --warm-libraries`, 2026-12-02). So finished items wait here, up to `most`, while the
     # workers go on; the wait for the writer comes only past that. The writer then waited 2.6 s (the same command:
     # 19.6 s, 1.40x the floor, then 16.1 s, 1.38x, on another lease).

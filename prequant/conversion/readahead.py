@@ -22,7 +22,7 @@ writes wait behind those reads (in sync_file_range: 17.7 s of a cold Grok-shaped
 and what is left once the source is read is every tensor not yet quantized. On the CPU that is the slow part, so a
 lead of 2 GB keeps the quantizing beside the reads. On a GPU what is left is only writes, and a bounded lead made
 the pipeline's own reads wait for the disk instead (18.6 s of reading against 2.0 s), so there the window stays as
-it was. One run each on the GPU machine (`scripts/bench_window.py`, 2026-12-02; floors: 16 GB Llama 11.0 s,
+it was. One run each on the GPU machine (`scripts/bench/window.py`, 2026-12-02; floors: 16 GB Llama 11.0 s,
 measured on the same machine a minute later; Grok shapes 22.6 s):
 
     lead           Llama --device cpu   Llama --device cuda   Grok cuda, all cold
@@ -34,15 +34,15 @@ When the libraries themselves are cold (not in the page cache: a fresh machine, 
 read them page fault by page fault, each fault a small read that waits behind whatever the readahead has
 queued: on the GPU machine a cold Grok-shaped 33 GB conversion finished importing at 22.4 s with 32 MiB of
 queued advice, where a cold tiny conversion, with nothing read ahead, had imported at 3.2 s (2026-12-01,
-`scripts/bench.py --size-gb 33 --shape grok --device cuda`, and a tiny checkpoint). So the CLI checks whether
+`scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`, and a tiny checkpoint). So the CLI checks whether
 torch's main library is in the page cache (`libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. Measured
 then, 1 MiB was best (one lease, 2026-12-02, floors 24.8-25.5 s: 33.3 s against 34.6 s at 4 MiB and 40.5 s asking
-nothing; `scripts/bench.py --size-gb 33 --shape grok --device cuda`, the depth set by PREQUANT_READAHEAD_COLD_DEPTH).
+nothing; `scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`, the depth set by PREQUANT_READAHEAD_COLD_DEPTH).
 
 Now a conversion whose libraries are cold has the pipeline wait for CUDA (`conversion.run`), and the read-ahead reads
 the whole source during that start-up. The deeper the queue, the slower the start-up, but the disk then reads at its
 full speed meanwhile, and the run is bound by the disk, not by the start-up. Two runs each, interleaved, one lease
-(2026-12-02 21:05 UTC, `scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 0 --env
+(2026-12-02 21:05 UTC, `scripts/bench/window.py --size-gb 33 --shape grok --devices cuda --windows 0 --env
 PREQUANT_READAHEAD_COLD_DEPTH=1048576,4194304,8388608,16777216 --repeats 2`; floor 21.1 s, cold read 16.9 s):
 
     depth while cold    quantizer ready   read-ahead done   whole run
@@ -71,12 +71,12 @@ _STEP = 64 * 1024 * 1024
 START_DEPTH = 32 * 1024 * 1024  # while torch, bitsandbytes, CUDA and transformers load
 PIPELINE_DEPTH = 128 * 1024 * 1024  # once the pipeline reads and writes too
 # While cold libraries are faulted in (module docstring). PREQUANT_READAHEAD_COLD_DEPTH (bytes; 0 asks nothing
-# until the pipeline starts) overrides it, for `scripts/bench.py` to compare depths on a machine.
+# until the pipeline starts) overrides it, for `scripts/bench/convert.py` to compare depths on a machine.
 COLD_START_DEPTH = 16 * 1024 * 1024
 COLD_ENV = "PREQUANT_READAHEAD_COLD_DEPTH"
 # How far the read-ahead may lead the writer once the pipeline runs, by where it quantizes (module docstring); a
 # device not named keeps the start-up's window. PREQUANT_READAHEAD_WINDOW (bytes; 0: the start-up's window) overrides
-# it, for `scripts/bench_window.py` to compare leads.
+# it, for `scripts/bench/window.py` to compare leads.
 PIPELINE_WINDOW = {"cpu": 2 * 10**9}
 WINDOW_ENV = "PREQUANT_READAHEAD_WINDOW"
 # Below this share of libtorch_cpu.so in the page cache, the libraries count as cold (a warm process has touched

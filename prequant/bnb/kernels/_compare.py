@@ -21,7 +21,7 @@ from . import _flat, _parallel, _procs, _wire
 # those of whole tasks, so the figures do not depend on the machine. Large, so that each numpy call
 # outlasts the GIL's hand-overs (`_parallel.task_elements`): on the GPU machine's 16 cores 128 Ki-element
 # tasks made 0.69 GB/s on 16 threads (1.0 on one), 1 Mi-element tasks 3.25 GB/s (0.79 on one)
-# (`scripts/profile_cpu_kernel.py --only stats`).
+# (`scripts/bench/profile_cpu_kernel.py --only stats`).
 TASK_ELEMENTS = 1 << 20
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ def task_elements(base: int, cap: int) -> int:
     Why pieces grow with the threads: each numpy call holds the GIL for its Python part and must take it
     back when its loop ends, and every hand-over wakes a sleeping thread, so a call's loop must outlast
     the hand-overs of all the other threads. Measured on the GPU machine's 16 cores (Xeon, Python 3.12,
-    `scripts/profile_cpu_kernel.py`): a float32 product runs 1.45x faster on 16 threads than on one for 64 Ki
+    `scripts/bench/profile_cpu_kernel.py`): a float32 product runs 1.45x faster on 16 threads than on one for 64 Ki
     elements and 14x for 1 Mi; the 4-bit kernel on 16 threads made 0.54 GB/s with 64 Ki pieces, 2.6 GB/s
     with 1 Mi. On one thread the small pieces are as fast and stay in the core's cache; the cap bounds
     each thread's buffers (about 18 bytes per element in the 4-bit kernel).

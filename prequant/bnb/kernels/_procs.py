@@ -19,10 +19,10 @@ redone on the threads; an interrupt kills the workers (they only ever touch the 
 
 Off unless asked (PREQUANT_CPU_PROCESSES=N, or =auto: one per thread of `_parallel.threads()`, as many as an
 eighth of the available memory holds at `WORKER_BYTES` each, none below `AUTO_MIN`). Measured on the GPU
-machine's 16 cores, 2026-12-01: the kernel alone (`scripts/bench_cpu_kernel.py --shapes 14336x4096 --threads 16`)
+machine's 16 cores, 2026-12-01: the kernel alone (`scripts/bench/cpu_kernel.py --shapes 14336x4096 --threads 16`)
 made 2.13-2.32 GB/s on 16 workers against 1.65-1.80 on the threads, and a 16 GB Llama-shaped conversion run
 in-process with its source in the page cache took 17.2 s against 23.4 s; but the whole `prequant convert`
-process from a cold page cache took 26.2 s against 26.8 s (`scripts/bench.py --size-gb 16 --shape llama
+process from a cold page cache took 26.2 s against 26.8 s (`scripts/bench/convert.py --size-gb 16 --shape llama
 --device cpu --warm-libraries`, same lease): its pipeline gained 2.5 s, the workers' start-up and the last
 shard's hash took most of it back. Against that, 16 workers hold 4.56 GB (torch's CUDA build) of memory.
 The workers computed 62% of the time they were given: each tensor still goes kernel, double quantization,

@@ -145,7 +145,7 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
     # Steps of torch operations on the calling thread, not tasks on the pool: there are 64x fewer absmax
     # values than weights, too few for tasks long enough to outlast the GIL's hand-overs, while torch spreads
     # each operation of a large step over its own threads. The 917 Ki values of a 14336x4096 weight took
-    # 12.9 ms on one thread and 4.9 ms on 16 of the GPU machine (`scripts/profile_cpu_kernel.py --only nested`).
+    # 12.9 ms on one thread and 4.9 ms on 16 of the GPU machine (`scripts/bench/profile_cpu_kernel.py --only nested`).
     step = max(blocksize, NESTED_CHUNK // blocksize * blocksize)
     for start in range(0, n, step):
         # bitsandbytes subtracts with a plain torch op (IEEE, no flush); the kernel then flushes.

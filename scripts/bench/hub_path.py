@@ -1,4 +1,4 @@
-"""bench.py's Hub path: `prequant convert org/name OUT --delete-source-shards` from the project's local Hub server.
+"""convert.py's Hub path: `prequant convert org/name OUT --delete-source-shards` from the project's local Hub server.
 
 The server (tests/hub_server.py, the one the tests use) serves the generated checkpoint from the same disk,
 its files hard-linked into its store (no copy, nothing read into memory). Measured, each from cold page cache:
@@ -15,19 +15,20 @@ and the ratio of the Hub conversion's wall time to max(download alone, the local
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, DiskUsagePeak, drop_caches, run_prequant
+
+from prequant.checkpoint.manifest import sha256_file  # standard library only (common puts this checkout first)
+
 REPO_PREFIX = "bench"
 HASHES = ".bench-sha256.json"  # beside the generated checkpoint: its files' sha256, for the server
 
@@ -48,44 +49,15 @@ def source_hashes(src: Path) -> dict[str, str]:
     if cached.is_file():
         return json.loads(cached.read_text())
     files = sorted(p for p in src.iterdir() if p.is_file() and p.name != HASHES)
-
-    def digest(path: Path) -> str:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)  # releases the GIL: the shards hash side by side
-        return h.hexdigest()
-
-    with ThreadPoolExecutor(max_workers=min(16, len(files) or 1)) as pool:
-        hashes = dict(zip((p.name for p in files), pool.map(digest, files)))
+    with ThreadPoolExecutor(max_workers=min(16, len(files) or 1)) as pool:  # hashlib releases the GIL: side by side
+        hashes = dict(zip((p.name for p in files), pool.map(sha256_file, files)))
     cached.write_text(json.dumps(hashes, indent=1))
     return hashes
 
 
-class DiskSampler:
-    """Peak bytes used on the file system of `path` beyond what was used when sampling started."""
-
-    def __init__(self, path: Path, interval: float = 0.05) -> None:
-        self.path, self.interval = path, interval
-        self.base = shutil.disk_usage(path).used
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, shutil.disk_usage(self.path).used - self.base)
-            self._stop.wait(self.interval)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
-def hub_path(src: Path, args, report: dict, drop_caches, run_prequant) -> dict:
-    """Serve `src` from a local Hub, then time download alone and the Hub conversion (see the module doc)."""
+def measure(src: Path, args, report: dict) -> dict:
+    """Serve `src` from a local Hub, then time download alone and the Hub conversion (see the module doc); `args`:
+    convert.py's (--dir, --device, --warm-libraries, --prequant-arg), `report`: its local conversion's."""
     sys.path.insert(0, str(ROOT / "tests"))
     from hub_server import HubServer  # the tests' local Hub (it imports pytest, a test dependency)
 
@@ -97,20 +69,22 @@ def hub_path(src: Path, args, report: dict, drop_caches, run_prequant) -> dict:
     shards = [p for p in files.values() if p.suffix == ".safetensors"]
     with HubServer(server_root) as server:
         server.add_repo(repo, files, link=True, sha256s=hashes)
-        env = {**os.environ, **server.env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0",
-               "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
+        hub_env = {**server.env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0",
+                   "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # fmt: skip
         out: dict = {"repo": repo, "files": len(files), "largest_shard_bytes": max(p.stat().st_size for p in shards),
                      "filesystem": filesystem(args.dir)}
         shutil.rmtree(hf_home, ignore_errors=True)
         drop_caches()
         start = time.monotonic()
-        subprocess.run([sys.executable, "-c", DOWNLOAD, repo, str(hf_home / "hub")], check=True, env=env)
+        subprocess.run([sys.executable, "-c", DOWNLOAD, repo, str(hf_home / "hub")], check=True,
+                       env={**os.environ, **hub_env})
         out["download_seconds"] = round(time.monotonic() - start, 2)
         shutil.rmtree(hf_home, ignore_errors=True)
 
         drop_caches(args.warm_libraries)
-        disk = DiskSampler(args.dir)
-        converted = run_prequant(repo, args.dir / "out-hub", args, env, ("--delete-source-shards",))
+        disk = DiskUsagePeak(args.dir)
+        converted = run_prequant(repo, args.dir / "out-hub", args.device, args.dir,
+                                 [*args.prequant_arg, "--delete-source-shards"], hub_env)
         converted["peak_disk_extra_bytes"] = disk.stop()
         converted["disk_bound_bytes"] = 2 * out["largest_shard_bytes"] + converted["output_bytes"]
         converted["within_disk_bound"] = converted["peak_disk_extra_bytes"] <= converted["disk_bound_bytes"]
@@ -147,7 +121,7 @@ def _server_throughput(server, repo: str, name: str) -> float:
     return round(total / (time.monotonic() - start) / 1e9, 3)
 
 
-def print_hub(h: dict) -> None:
+def print_report(h: dict) -> None:
     c = h["convert"]
     print(f"hub path ({h['repo']}, {h['files']} files): download alone {h['download_seconds']:.1f} s "
           f"({h['download_gbps']:.2f} GB/s), prequant convert --delete-source-shards {c['seconds']:.1f} s = "

@@ -4,7 +4,7 @@
 # transformers' FSDP-QLoRA path and with load_for_fsdp, side by side; then the GPU tests of tests/fsdp/test_fsdp.py;
 # then, if time is left, load_for_fsdp with bf16 packed storage (bitsandbytes #1945 diagnosis).
 #
-#   OUT=/some/dir bash scripts/fsdp_gpu_check.sh        # from the repository root, prequant importable
+#   OUT=/some/dir bash scripts/gpu/fsdp_gpu_check.sh    # from the repository root, prequant importable
 #
 # Files in $OUT: log.txt (everything), check-fsdp.json (both loaders, per rank), summary.md (the figures for
 # the README), pytest-gpu.txt, check-fsdp-bf16-storage.json (if run).
@@ -27,8 +27,8 @@ CKPT=$WORK/llama-${SIZE_GB}gb-nf4
 START=$(date +%s)
 FAILED=()
 
-# shellcheck source=scripts/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"  # left, step, finish
+# shellcheck source=scripts/gpu/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"  # left, step, summary, finish
 
 trap finish EXIT
 
@@ -39,12 +39,7 @@ print(sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.vers
 \"bitsandbytes\", bitsandbytes.__version__, bitsandbytes.__file__)"' "$WORK"
 
 if [ ! -f "$SRC/config.json" ]; then
-  step generate 200 python3 -c "
-import sys, time; sys.path.insert(0, 'scripts')
-from pathlib import Path
-from bench import generate
-t = time.monotonic(); p = generate('llama', $SIZE_GB, Path('$SRC'))
-print(f'generated {sum(f.stat().st_size for f in p.glob(\"*.safetensors\")) / 1e9:.2f} GB in {time.monotonic() - t:.0f}s')"
+  step generate 200 python3 scripts/bench/synthetic.py "$SRC" --shape llama --size-gb "$SIZE_GB"
 fi
 [ -f "$SRC/config.json" ] || { echo "no source checkpoint: stopping"; exit 1; }
 
@@ -71,45 +66,4 @@ if [ "$(left)" -gt 100 ]; then
     --steps 2 --timeout 90 --report "$OUT/check-fsdp-bf16-storage.json"
 fi
 
-echo "=== summary"  # always, however little time is left: it only reads the reports
-timeout 30 python3 - "$OUT" <<'EOF' || echo "=== summary: failed"
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1]); G = 2**30
-lines = []
-p = out / "check-fsdp.json"
-if p.is_file():
-    r = json.loads(p.read_text())
-    lines += ["| loader | load s | peak GPU load (GiB/rank) | peak GPU train (GiB/rank) | peak RssAnon (GiB/rank) "
-              "| peak RssFile (GiB/rank) | packed bytes intact | first-step loss | last loss |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for loader, run in r["runs"].items():
-        s = run.get("summary")
-        if not s:
-            lines.append(f"| {loader} | failed: {run.get('error')} |")
-            continue
-        per = lambda phase, key: " / ".join(f"{x[phase][key] / G:.2f}" for x in run["ranks"])
-        anon = " / ".join(f"{max(x['load']['peak_rss_anon'], x['train']['peak_rss_anon']) / G:.2f}" for x in run["ranks"])
-        rfile = " / ".join(f"{max(x['load']['peak_rss_file'], x['train']['peak_rss_file']) / G:.2f}" for x in run["ranks"])
-        lines.append(f"| {loader} | {s['load_seconds']:.0f} | {per('load', 'peak_gpu_allocated')} | "
-                     f"{per('train', 'peak_gpu_allocated')} | {anon} | {rfile} | "
-                     f"{'yes' if s['packed_intact'] else 'NO'} ({s['packed_tensors']} tensors, {s['nan_patterns']} NaN "
-                     f"patterns) | {s['losses'][0]:.6f} | {s['losses'][-1]:.6f} |")
-    lim = next(iter(r["runs"].values())).get("limits", {})
-    if lim:
-        lines.append(f"\ncheckpoint {lim['checkpoint'] / 1e9:.2f} GB, largest layer {lim['largest_layer'] / G:.2f} GiB; "
-                     f"limit for load_for_fsdp's GPU load peak {lim['gpu_load'] / G:.2f} GiB, RssAnon 2 GiB")
-    lines.append(f"first-step loss comparison: {json.dumps(r['comparison'])}; overall ok: {r['ok']}")
-    for loader, run in r["runs"].items():
-        if run.get("summary"):
-            lines.append(f"{loader}: problems {run['summary']['problems'] or 'none'}; losses {run['summary']['losses']}")
-p = out / "check-fsdp-bf16-storage.json"
-if p.is_file():
-    s = json.loads(p.read_text())["runs"]["prequant"].get("summary", {})
-    lines.append(f"\nbf16 packed storage under FSDP2: mismatched bytes at rest {s.get('mismatched_at_rest')}, in forward "
-                 f"{s.get('mismatched_in_forward')}, words turned into a canonical NaN {s.get('nan_canonicalized')} "
-                 f"(of {s.get('nan_patterns')} NaN patterns); first loss {s.get('losses', [None])[0]}")
-text = "\n".join(lines) or "no report"
-(out / "summary.md").write_text(text + "\n")
-print(text)
-EOF
+summary fsdp

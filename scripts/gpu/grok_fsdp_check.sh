@@ -5,18 +5,18 @@
 # converted by prequant on the GPU; then 8 gloo ranks on the machine's CPU (CUDA hidden) load it with load_for_fsdp
 # and train: `prequant check-fsdp --nproc 8 --trust-remote-code`, loaders prequant and trainer, 16 tokens a step.
 #
-#   OUT=/some/dir bash scripts/grok_fsdp_check.sh      # on the GPU machine, from the repository root, .whl carried
+#   OUT=/some/dir bash scripts/gpu/grok_fsdp_check.sh  # on the GPU machine, from the repository root, .whl carried
 #
 # Smoke test without a GPU (reduced dimensions, 2 ranks):
 #   PREQUANT_DEVICE=cpu PREQUANT_CPU_RANKS=2 PREQUANT_LAYERS=2 PREQUANT_DEADLINE=1500 \
-#   PREQUANT_DIMS='{"hidden": 256, "inter": 512, "vocab": 1024, "heads": 8}' OUT=/tmp/grok-smoke bash scripts/grok_fsdp_check.sh
+#   PREQUANT_DIMS='{"hidden": 256, "inter": 512, "vocab": 1024, "heads": 8}' OUT=/tmp/grok-smoke bash scripts/gpu/grok_fsdp_check.sh
 #
 # Steps: the prequant loader runs first with PREQUANT_FIRST_STEPS (3); its measured seconds per step and per run
 # then size the trainer loader's run (up to PREQUANT_STEPS, 10) to the time left, and, if time is still left, a second
 # prequant run with more steps replaces the first. transformers' own path is not run: it puts the whole model on
 # every rank (8 x the checkpoint in host memory, more than the machine's RAM at 4 layers).
-# The wheels in .whl go into a directory named site-packages (see scripts/trainer_gpu_check.sh for why).
-# Files in $OUT: log.txt, plan.json, check-prequant.json, check-trainer.json, summary.md.
+# The wheels in .whl go into a directory named site-packages (see scripts/gpu/trainer_gpu_check.sh for why).
+# Files in $OUT: log.txt, plan.json, check-prequant.json, check-trainer.json, summary.md (scripts/gpu/fsdp_summary.py).
 set -euo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 export PYTHONPYCACHEPREFIX=/tmp/pycache   # the GPU image keeps no bytecode between processes
@@ -28,7 +28,7 @@ DEADLINE=${PREQUANT_DEADLINE:-560}             # seconds from start: the device 
 DEVICE=${PREQUANT_DEVICE:-cuda}                # where convert quantizes (and the generator draws)
 CPU_RANKS=${PREQUANT_CPU_RANKS:-8}
 LAYERS=${PREQUANT_LAYERS:-}                    # default: 4, fewer if disk or RAM (8 training ranks) cannot hold them
-DIMS=${PREQUANT_DIMS:-}                        # JSON overriding bench_checkpoint.SHAPES["grok"] (smoke tests)
+DIMS=${PREQUANT_DIMS:-}                        # JSON overriding SHAPES["grok"] of scripts/bench/synthetic.py
 STEPS=${PREQUANT_STEPS:-10}
 FIRST_STEPS=${PREQUANT_FIRST_STEPS:-3}
 mkdir -p "$OUT" "$WORK"
@@ -37,24 +37,16 @@ TEE_PID=$!
 START=$(date +%s)
 FAILED=()
 
-# shellcheck source=scripts/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"  # left, step, finish
-
-summary() {
-  echo "=== summary"  # always, however little time is left: it only reads the reports
-  timeout 30 python3 scripts/grok_fsdp_summary.py "$OUT" || echo "=== summary: failed"
-}
+# shellcheck source=scripts/gpu/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"  # left, step, install_wheels, summary, finish
 
 finish() {
-  summary
+  summary grok
   finish_steps
 }
 trap finish EXIT
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-fi
-export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+install_wheels "$SITE"
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv || true
 nproc; free -g | head -2; df -h "$WORK" /dev/shm | tail -2; lscpu | grep -E "^Model name|^Flags" | cut -c1-200 || true
@@ -69,8 +61,8 @@ for m in (transformers, peft, accelerate, bitsandbytes, trl, datasets, pyarrow):
 # fit in 90% of the RAM; an out-of-memory rank would leave no report at all.
 python3 - "$WORK" "$OUT/plan.json" "$LAYERS" "$DIMS" "$CPU_RANKS" <<'EOF'
 import json, os, shutil, sys
-sys.path.insert(0, "scripts")
-from bench_checkpoint import sizes
+sys.path.insert(0, "scripts/bench")
+from synthetic import sizes
 work, plan_file, want, dims = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4] or "{}")
 ranks, ram = int(sys.argv[5]), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 layer, fixed = sizes("grok", dims)
@@ -103,13 +95,8 @@ CKPT=$WORK/grok-$N-nf4
 
 if [ ! -f "$CKPT/prequant.json" ]; then
   rm -rf "$WORK"/grok-*-nf4 /dev/shm/prequant-grok-*-bf16 "$WORK"/prequant-grok-*-bf16   # earlier runs' leftovers
-  step generate 200 env PREQUANT_DIMS="$DIMS" python3 -c "
-import json, os, sys, time; sys.path.insert(0, 'scripts')
-from pathlib import Path
-from bench_checkpoint import generate
-t = time.monotonic()  # on the GPU when there is one (bench_checkpoint.generate)
-p = generate('grok', 0, Path('$SRC'), layers=$N, dims=json.loads(os.environ['PREQUANT_DIMS'] or '{}'), model_code=True)
-print(f'generated {sum(f.stat().st_size for f in p.glob(\"*.safetensors\")) / 1e9:.2f} GB, $N layers, in {time.monotonic() - t:.0f}s')"
+  step generate 200 python3 scripts/bench/synthetic.py "$SRC" --shape grok --layers "$N" --model-code \
+    ${DIMS:+--dims "$DIMS"}
   [ -f "$SRC/config.json" ] || { echo "no source checkpoint: stopping"; exit 1; }
   step convert 240 python3 -m prequant convert "$SRC" "$CKPT" --device "$DEVICE" --trust-remote-code --no-stats --overwrite
   rm -rf "$SRC"   # the CPU ranks need the RAM (/dev/shm) or the disk

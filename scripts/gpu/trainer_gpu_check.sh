@@ -8,7 +8,7 @@
 #      per-rank RssFile/RssAnon and the bytes of the checkpoint each rank's shards hold.
 #
 #   bash scripts/train_wheels.sh                     # where PyPI is reachable: ./.whl with TRL, datasets, pyarrow...
-#   OUT=/some/dir bash scripts/trainer_gpu_check.sh   # on the GPU machine, from the repository root, .whl carried
+#   OUT=/some/dir bash scripts/gpu/trainer_gpu_check.sh   # on the GPU machine, from the repository root, .whl carried
 #
 # The wheels in .whl (bitsandbytes' too) are installed into a directory named site-packages, first on PYTHONPATH:
 # datasets fingerprints with dill, and dill pickles by value any module that is neither under the interpreter's
@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATAS
 export PYTHONPYCACHEPREFIX=/tmp/pycache   # the GPU image keeps no bytecode between processes
 unset PYTHONDONTWRITEBYTECODE
 OUT=${OUT:-/tmp/prequant-trainer-out}
-WORK=${PREQUANT_WORK:-/tmp/prequant-fsdp}      # the same checkpoint as scripts/fsdp_gpu_check.sh
+WORK=${PREQUANT_WORK:-/tmp/prequant-fsdp}      # the same checkpoint as scripts/gpu/fsdp_gpu_check.sh
 SITE=${PREQUANT_SITE:-/tmp/prequant-train/site-packages}
 DEADLINE=${PREQUANT_DEADLINE:-540}             # seconds from start: the device tool kills a command at 600
 SIZE_GB=${PREQUANT_SIZE_GB:-16}
@@ -36,15 +36,12 @@ CKPT=$WORK/$SHAPE-${SIZE_GB}gb-nf4
 START=$(date +%s)
 FAILED=()
 
-# shellcheck source=scripts/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"  # left, step, finish
+# shellcheck source=scripts/gpu/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"  # left, step, install_wheels, summary, finish
 
 trap finish EXIT
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
-fi
-export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+install_wheels "$SITE"
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv || true
 nproc; free -g | head -2; df -h "$WORK" | tail -1
@@ -53,12 +50,7 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
 for m in (transformers, peft, accelerate, bitsandbytes, trl, datasets, pyarrow): print(m.__name__, m.__version__, m.__file__)"
 
 if [ ! -f "$SRC/config.json" ]; then
-  step generate 180 python3 -c "
-import sys, time; sys.path.insert(0, 'scripts')
-from pathlib import Path
-from bench import generate
-t = time.monotonic(); p = generate('$SHAPE', $SIZE_GB, Path('$SRC'))
-print(f'generated {sum(f.stat().st_size for f in p.glob(\"*.safetensors\")) / 1e9:.2f} GB in {time.monotonic() - t:.0f}s')"
+  step generate 180 python3 scripts/bench/synthetic.py "$SRC" --shape "$SHAPE" --size-gb "$SIZE_GB"
 fi
 [ -f "$SRC/config.json" ] || { echo "no source checkpoint: stopping"; exit 1; }
 if [ ! -f "$CKPT/prequant.json" ]; then
@@ -79,41 +71,4 @@ THREADS=$(( $(nproc) / CPU_RANKS > 0 ? $(nproc) / CPU_RANKS : 1 ))   # torchrun 
 step check-fsdp-cpu8 "$CPU_LIMIT" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS python3 -m prequant check-fsdp "$CKPT" --nproc "$CPU_RANKS" \
   --loader trainer --steps 2 --seq-len 16 --batch-size 1 --timeout $((CPU_LIMIT - 15)) --report "$OUT/check-fsdp-cpu8.json"
 
-echo "=== summary"  # always, however little time is left: it only reads the reports
-timeout 30 python3 - "$OUT" <<'EOF' || echo "=== summary: failed"
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1]); G = 2**30
-lines = []
-for name, title in (("check-fsdp-gpu.json", "one GPU (--nproc 1)"), ("check-fsdp-cpu8.json", "CPU, gloo ranks")):
-    p = out / name
-    if not p.is_file():
-        lines.append(f"{title}: no report")
-        continue
-    r = json.loads(p.read_text())
-    lines += [f"\n{title}: {r['checkpoint']} on {r['nproc']} ranks; ok: {r['ok']}; comparison: {json.dumps(r['comparison'])}",
-              "| loader | rank | load s | peak GPU load GiB | peak GPU train GiB | peak RssAnon load / train GiB | "
-              "peak RssFile load GiB | RssFile at start GiB | checkpoint bytes in its shards GB | first loss | last loss |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for loader, run in r["runs"].items():
-        s = run.get("summary")
-        if not s:
-            lines.append(f"| {loader} | failed: {run.get('error')} |")
-            continue
-        for x in run["ranks"]:
-            ld, tr = x["load"], x["train"]
-            shard = ld.get("checkpoint_bytes_held")
-            lines.append(f"| {loader} | {x['rank']} | {ld['seconds']:.1f} | {ld['peak_gpu_allocated'] / G:.2f} | "
-                         f"{tr['peak_gpu_allocated'] / G:.2f} | {ld['peak_rss_anon'] / G:.2f} / {tr['peak_rss_anon'] / G:.2f} | "
-                         f"{ld['peak_rss_file'] / G:.2f} | {ld.get('at_start_rss_file', 0) / G:.2f} | "
-                         f"{'-' if shard is None else f'{shard / 1e9:.3f}'} | {x['losses'][0]:.6f} | {x['losses'][-1]:.6f} |")
-        lines.append(f"{loader}: problems {s['problems'] or 'none'}; packed intact {s['packed_intact']} "
-                     f"({s['packed_tensors']} tensors); losses {s['losses']}")
-    lim = next(iter(r["runs"].values())).get("limits", {})
-    if lim:
-        lines.append(f"checkpoint {lim['checkpoint'] / 1e9:.2f} GB, largest layer {lim['largest_layer'] / G:.2f} GiB; "
-                     f"load_for_fsdp's GPU load limit {lim['gpu_load'] / G:.2f} GiB, RssAnon 2 GiB")
-text = "\n".join(lines)
-(out / "summary.md").write_text(text + "\n")
-print(text)
-EOF
+summary trainer

@@ -12,7 +12,7 @@ Four measurements, each against the same machine's one-thread figure:
    one shared-memory tensor: what the machine gives when nothing is shared but memory.
 4. ``topology``: which logical CPUs share a core (hyperthreads count as one core for SIMD work).
 
-    python scripts/profile_cpu_kernel.py --threads 1,2,4,8,16 --json out.json
+    python scripts/bench/profile_cpu_kernel.py --threads 1,2,4,8,16 --json out.json
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common  # noqa: F401 - this directory: puts this checkout's prequant first on sys.path
 
 
 def topology() -> dict:

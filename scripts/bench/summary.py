@@ -1,16 +1,17 @@
-"""Every figure issue 17 asks for, from the JSON files one gpu_checks.sh run leaves in a folder, in one table.
+"""Every figure issue 17 asks for, from the JSON files one scripts/gpu/gpu_checks.sh run leaves in a folder, in one
+table.
 
-    python scripts/bench_summary.py OUT_DIR            # prints the table, writes OUT_DIR/summary.json
+    python scripts/bench/summary.py OUT_DIR            # prints the table, writes OUT_DIR/summary.json
 
-Reads cpu_kernel.json (bench_cpu_kernel.py --json), bench-llama16.json (bench.py --also-device cpu
---warm-libraries), bench-grok33.json (bench.py --memory-limit-gib --hub) and startup.json; a missing file
-or field (a step that failed or ran out of time) shows as "missing", so the table always prints.
+Reads cpu_kernel.json (cpu_kernel.py --json), bench-llama16.json (convert.py --also-device cpu --warm-libraries),
+bench-grok33.json (convert.py --memory-limit-gib --hub) and startup.json (startup.py); a missing file or field (a
+step that failed or ran out of time) shows as "missing", so the table always prints.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 GIB = 2**30
@@ -94,7 +95,9 @@ def _pair(a, b) -> str | None:
 
 
 def main() -> None:
-    folder = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path, help="where one scripts/gpu/gpu_checks.sh run left its JSON files")
+    folder = ap.parse_args().folder
     table = rows(folder)
     width = max(len(r[0]) for r in table)
     print(f"\n{'figure (issue 17)':{width}}  {'measured':>14}  {'target':>14}  verdict")

@@ -1,7 +1,7 @@
 """Benchmark: a tiny checkpoint's whole `prequant convert` process (and `--dry-run`), libraries warm, against a
 baseline measured in the same run, the runs interleaved so that a shared machine's load hits both alike.
 
-    python scripts/bench_tiny_startup.py [--repeats 5] [--device cpu] [--before DIR]
+    python scripts/bench/startup.py [--repeats 5] [--device cpu] [--before DIR]
 
 Modes, each a fresh `python -m prequant convert` of `scripts/make_tiny_checkpoint.py`'s checkpoint:
   predicted   this tree: the layout predicted from names, settled where the rules are verified for the
@@ -20,33 +20,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+from common import ROOT, read_trace, run_env, timed  # this directory
 
 
 def _run(tree: Path, args: list[str], env: dict, trace: Path) -> tuple[float, float, dict]:
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
-           "PREQUANT_TRACE": str(trace)}
-    cpu, t = _cpu(), time.monotonic()
-    subprocess.run([sys.executable, "-m", "prequant", "convert", *args], check=True, capture_output=True, env=env,
-                   cwd=tree)
-    wall = time.monotonic() - t
-    events = json.loads(trace.read_text())["events"] if trace.exists() else []
-    start = events[0][1] if events else 0.0
-    return wall, _cpu() - cpu, {name: round(at - start, 2) for name, at in events}
+    """One whole `prequant convert` of `tree`'s prequant: wall and CPU seconds (memory not sampled: the sampler's
+    own CPU would blur a 2-second figure), and its trace's events as seconds since its first."""
+    trace.unlink(missing_ok=True)  # a tree that writes none must not show the last run's
+    r = timed([sys.executable, "-m", "prequant", "convert", *args], env=run_env(tree, **env, PREQUANT_TRACE=str(trace)),
+              memory=False, cwd=tree)
+    return r["seconds"], r["cpu_seconds"], read_trace(trace).get("events", {})
 
 
 def main() -> None:
@@ -103,7 +92,7 @@ def main() -> None:
               f"baseline), best CPU {r['best_cpu_s']:5.2f} s; all: {r['walls']}")
     ev = report["predicted"]["events"]
     print("predicted, best run: " + ", ".join(f"{k} {v}" for k, v in ev.items()))
-    if args.json:  # the two keys scripts/bench_summary.py reads, beside every mode's figures
+    if args.json:  # the two keys summary.py reads, beside every mode's figures
         summary = {"convert_seconds": report["predicted"]["best_wall_s"],
                    "dry_run_seconds": report["dry-run"]["best_wall_s"]}
         args.json.write_text(json.dumps(summary | {"modes": report}, indent=1))

@@ -4,16 +4,27 @@ written shard by shard so that generating 30+ GB never holds more than one shard
 `generate(..., model_code=True)` (Grok only) also writes the remote-code model of tests/grok/ beside the weights,
 with an auto_map pointing to it: a checkpoint that transformers (trust_remote_code=True), `load_for_fsdp` and
 check-fsdp can load, in keyfan/grok-1-hf naming, at Grok-1's real dimensions (or `dims` overrides).
+
+`generated(shape, size_gb, work)` is the checkpoint convert.py and window.py measure, generated once under `work`.
+The GPU machine's drivers (scripts/gpu/) generate theirs from the command line:
+
+    python scripts/bench/synthetic.py OUT --shape llama --size-gb 16
+    python scripts/bench/synthetic.py OUT --shape grok --layers 4 --model-code [--dims '{"hidden": 256}']
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
+import sys
+import time
 from pathlib import Path
 
-GROK_CODE = Path(__file__).resolve().parents[1] / "tests" / "grok"  # configuration_grok1.py, modeling_grok1.py
+from common import ROOT  # this directory
+
+GROK_CODE = ROOT / "tests" / "grok"  # configuration_grok1.py, modeling_grok1.py
 
 SHAPES = {
     # name: model dimensions; layer_tensors() and config_for() turn them into tensors and a config.json
@@ -78,10 +89,17 @@ def sizes(shape: str, dims: dict | None = None) -> tuple[int, int]:
     return per_layer, 2 * (2 * c["vocab"] * c["hidden"] + c["hidden"])
 
 
+WEIGHTS = {  # fmt: (shard name pattern, index name), as transformers names them
+    "safetensors": ("model-{i:05d}-of-{n:05d}.safetensors", "model.safetensors.index.json"),
+    "bin": ("pytorch_model-{i:05d}-of-{n:05d}.bin", "pytorch_model.bin.index.json"),  # keyfan/grok-1-hf's
+}
+
+
 def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0, *, layers: int | None = None,
-             dims: dict | None = None, model_code: bool = False) -> Path:
+             dims: dict | None = None, model_code: bool = False, fmt: str = "safetensors") -> Path:
     """Write a random bf16 checkpoint of about size_gb (or of `layers` decoder layers), shard by shard (one shard in
-    memory at a time). `dims` overrides SHAPES[shape]'s entries; `model_code` (grok) adds the remote-code model."""
+    memory at a time). `dims` overrides SHAPES[shape]'s entries; `model_code` (grok) adds the remote-code model;
+    `fmt` "bin" writes PyTorch pickle shards (torch.save) instead of safetensors."""
     import torch
     from safetensors.torch import save_file
 
@@ -107,18 +125,65 @@ def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0, *, la
         shards[-1].append((name, s))
         used += nbytes
     weight_map, gen = {}, torch.Generator(device).manual_seed(0)
+    pattern, index = WEIGHTS[fmt]
     for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        fname = pattern.format(i=i + 1, n=len(shards))
         data = {n: (torch.randn(s, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
                 for n, s in shard}
-        save_file(data, out / fname, metadata={"format": "pt"})
+        if fmt == "bin":
+            torch.save(data, out / fname)
+        else:
+            save_file(data, out / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(data, fname))
         del data
     total = sum(2 * math.prod(s) for _, s in tensors)
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / index).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(config_for(shape, layers, dims, model_code), indent=2))
     if model_code:
         for name in ("configuration_grok1.py", "modeling_grok1.py"):
             shutil.copy(GROK_CODE / name, out / name)
     return out
+
+
+def source_arguments(ap: argparse.ArgumentParser) -> None:
+    """--size-gb, --shape and --dir (where it is generated, and the benchmark's scratch): the source to measure."""
+    ap.add_argument("--size-gb", type=float, default=16)
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/prequant-bench"))
+
+
+def generated(shape: str, size_gb: float, work: Path) -> Path:
+    """work/SHAPE-SIZEgb, generated unless a checkpoint is already there (the benchmarks' source)."""
+    src = work / f"{shape}-{size_gb:g}gb"
+    if not (src / "config.json").exists():
+        _generate_timed(shape, size_gb, src)
+    return src
+
+
+def _generate_timed(shape: str, size_gb: float, out: Path, **kwargs) -> Path:
+    t = time.monotonic()  # on the GPU when there is one (generate)
+    generate(shape, size_gb, out, **kwargs)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".safetensors", ".bin"))
+    print(f"generated {out}: {size / 1e9:.2f} GB in {time.monotonic() - t:.0f}s", file=sys.stderr)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("output", type=Path)
+    ap.add_argument("--shape", choices=list(SHAPES), default="llama")
+    ap.add_argument("--size-gb", type=float, default=0, help="about this many GB (or --layers)")
+    ap.add_argument("--layers", type=int, help="this many decoder layers, whatever the size")
+    ap.add_argument("--dims", type=json.loads, default=None, metavar="JSON",
+                    help="entries of SHAPES[shape] to override, e.g. '{\"hidden\": 256, \"heads\": 8}'")
+    ap.add_argument("--model-code", action="store_true", help="grok: the remote-code model of tests/grok/ beside it")
+    ap.add_argument("--format", choices=list(WEIGHTS), default="safetensors", help="safetensors, or PyTorch .bin shards")
+    args = ap.parse_args()
+    if not args.size_gb and not args.layers:
+        ap.error("give --size-gb or --layers")
+    _generate_timed(args.shape, args.size_gb, args.output, layers=args.layers, dims=args.dims or None,
+                    model_code=args.model_code, fmt=args.format)
+
+
+if __name__ == "__main__":
+    main()

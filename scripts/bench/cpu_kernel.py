@@ -9,9 +9,9 @@ quantization added on top of the input tensor (outputs included), and for prequa
 error statistics (`bnb.stats`, which a conversion computes for every tensor on the quantizing device).
 With several thread counts it adds each count's scaling efficiency: GB/s / (threads x GB/s on one thread).
 
-    python scripts/bench_cpu_kernel.py                             # 4096x4096 and 14336x4096, torch's threads
-    python scripts/bench_cpu_kernel.py --shapes 14336x4096 --repeats 2 --threads 1,2,4,8,16
-    python scripts/bench_cpu_kernel.py --json                      # machine-readable
+    python scripts/bench/cpu_kernel.py                             # 4096x4096 and 14336x4096, torch's threads
+    python scripts/bench/cpu_kernel.py --shapes 14336x4096 --repeats 2 --threads 1,2,4,8,16
+    python scripts/bench/cpu_kernel.py --json                      # machine-readable
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
+
+from common import Periodic, run_env, status_bytes  # this directory
 
 # prequant: its kernel on the thread pool only; prequant-workers: on one worker process per thread (what a
 # conversion uses for large tensors on a machine of 4 cores or more, `bnb.kernels._procs`), started beforehand.
 IMPLEMENTATIONS = ("prequant", "prequant-workers", "bitsandbytes")
-ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
 
@@ -41,14 +40,7 @@ def _rss_bytes() -> int:
 
 def _hwm_bytes() -> int | None:
     """Peak resident set (VmHWM) of this process, or None where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return (status_bytes("self", ("VmHWM",)) or {}).get("VmHWM") or None
 
 
 def _reset_hwm() -> bool:
@@ -61,25 +53,18 @@ def _reset_hwm() -> bool:
         return False
 
 
-class _PeakSampler:
+class _PeakSampler(Periodic):
     """Fallback peak-RSS meter: samples /proc/self/statm every millisecond in a thread."""
 
     def __init__(self) -> None:
         self.peak = _rss_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(0.001)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(0.001)
-
-    def start(self) -> None:
-        self._thread.start()
+    def sample(self) -> None:
+        self.peak = max(self.peak, _rss_bytes())
 
     def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
+        self._halt()
         self.peak = max(self.peak, _rss_bytes())
         return self.peak
 
@@ -122,7 +107,6 @@ def child(impl: str, shape: tuple[int, int], repeats: int, threads: int | None) 
     exact_peak = _reset_hwm()
     times, cpu_times = [], []
     sampler = _PeakSampler()
-    sampler.start()
     for _ in range(repeats):
         start, cpu_start = time.perf_counter(), time.process_time()
         out = run(x)
@@ -136,7 +120,8 @@ def child(impl: str, shape: tuple[int, int], repeats: int, threads: int | None) 
     extra = _stats_speed(x, repeats) if impl.startswith("prequant") else {}
     if workers is not None:
         extra.update(processes=workers.size, worker_chunks=workers.chunks,
-                     workers_rss_anon_mib=sum(_rss_anon(p.pid) for p in workers._procs) / MIB)
+                     workers_rss_anon_mib=sum(status_bytes(p.pid, ("RssAnon",))["RssAnon"]
+                                              for p in workers._procs) / MIB)  # fmt: skip
     return {**extra,
         "impl": impl,
         "shape": list(shape),
@@ -165,11 +150,6 @@ def _workers(impl: str, threads: int):
     return _procs.pool_for(1, wait=True)
 
 
-def _rss_anon(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-
-
 def _stats_speed(x, repeats: int) -> dict:
     """GB/s (wall, and per CPU-second) of prequant's error statistics on the tensor's quantized entries."""
     import prequant
@@ -191,8 +171,7 @@ def _run_child(impl: str, shape: tuple[int, int], repeats: int, threads: int | N
     cmd = [sys.executable, __file__, "--child", impl, "--shapes", f"{shape[0]}x{shape[1]}", "--repeats", str(repeats)]
     if threads:
         cmd += ["--threads", str(threads)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=run_env())
     if done.returncode != 0:
         raise RuntimeError(f"{impl} {shape} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,6 +1,9 @@
 # Sourced by the GPU machine's check scripts (trainer_gpu_check.sh, fsdp_gpu_check.sh, grok_fsdp_check.sh), after
 # they set OUT, TEE_PID (the tee of their log), START (date +%s), DEADLINE (seconds from START) and FAILED=():
-# steps that share one time budget, and one way to end (`trap finish EXIT`, or a finish() that calls finish_steps).
+# steps that share one time budget, their summary, and one way to end (`trap finish EXIT`, or a finish() that calls
+# finish_steps).
+
+GPU_DIR=$(dirname "${BASH_SOURCE[0]}")
 
 left() { echo $((DEADLINE - ($(date +%s) - START))); }
 
@@ -20,6 +23,22 @@ step() {
   echo "=== $name: exit $rc after $(($(date +%s) - t0))s"
   if [ "$rc" -ne 0 ]; then FAILED+=("$name:$rc"); fi
   return 0
+}
+
+# install_wheels DIR: the wheels carried in .whl (scripts/train_wheels.sh's, bitsandbytes') installed into DIR, which
+# goes on PYTHONPATH after the checkout (the current directory: the repository root).
+install_wheels() {
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$1" .whl/*.whl
+  fi
+  export PYTHONPATH=$PWD:$1${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# summary KIND: $OUT/summary.md from the reports (fsdp_summary.py KIND), printed; always, however little time is
+# left: it only reads them.
+summary() {
+  echo "=== summary"
+  timeout 30 python3 "$GPU_DIR/fsdp_summary.py" "$1" "$OUT" || echo "=== summary: failed"
 }
 
 # The last lines of the log, then close it so that tee has written all of log.txt before $OUT is collected.

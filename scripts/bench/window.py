@@ -1,19 +1,19 @@
 """Benchmark: how far the read-ahead may lead the pipeline's writes (PREQUANT_READAHEAD_WINDOW), one run.
 
-The same synthetic checkpoint as scripts/bench.py, its cold read and its floor (the read while dd durably writes as
+The same synthetic checkpoint as convert.py, its cold read and its floor (the read while dd durably writes as
 many bytes as the output), then `prequant convert` as a whole process for every device and window, interleaved,
 each from a cold page cache (libraries warm with --warm-libraries): wall time, its ratio to the floor, when the
 read-ahead had read the whole source and when the pipeline ended (PREQUANT_TRACE), and whether every run wrote the
 same bytes.
 
-    python scripts/bench_window.py --size-gb 16 --shape llama --devices cuda,cpu --windows 2,4,0 --warm-libraries
-    python scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 2,0 --repeats 2
+    python scripts/bench/window.py --size-gb 16 --shape llama --devices cuda,cpu --windows 2,4,0 --warm-libraries
+    python scripts/bench/window.py --size-gb 33 --shape grok --devices cuda --windows 2,0 --repeats 2
 
 --env NAME=V1,V2 also runs each of those values of one environment variable (e.g. the read-ahead's depth beside
 cold libraries, PREQUANT_READAHEAD_COLD_DEPTH, or PREQUANT_CPU_WORKERS); every run records the disk's timeline
 (/proc/diskstats: GB/s read and written and how busy it was, per second), where the disk can be found.
 
-    python scripts/bench_window.py --size-gb 33 --shape grok --devices cuda --windows 0 \
+    python scripts/bench/window.py --size-gb 33 --shape grok --devices cuda --windows 0 \
         --env PREQUANT_READAHEAD_COLD_DEPTH=1048576,8388608 --repeats 2
 
 --repeats N runs every device, window and value N times, in turn, so that one run's luck with the disk (the same code
@@ -29,35 +29,26 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
-from bench import cold_read, drop_caches, read_write_floor, run_prequant  # this directory
-from bench_checkpoint import SHAPES, generate
-from bench_memory import DiskSampler
+from common import DiskSampler, cold_read, drop_caches, emit, read_write_floor, run_prequant  # this directory
+from synthetic import generated, source_arguments
 
 WINDOW_ENV = "PREQUANT_READAHEAD_WINDOW"  # prequant/conversion/readahead.py; spelled here to run without torch
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=16)
-    ap.add_argument("--shape", choices=list(SHAPES), default="llama")
+    source_arguments(ap)
     ap.add_argument("--devices", default="cuda", help="comma-separated, e.g. cuda,cpu")
     ap.add_argument("--windows", default="2,0", help="comma-separated GB; 0: the start-up's window")
     ap.add_argument("--warm-libraries", action="store_true", help="cold checkpoint, warm Python libraries")
     ap.add_argument("--env", metavar="NAME=V1,V2", help="also sweep these values of one environment variable")
     ap.add_argument("--repeats", type=int, default=1, help="run every device and window this many times, in turn")
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/prequant-bench"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    args.prequant_arg = []
 
-    src = args.dir / f"{args.shape}-{args.size_gb:g}gb"
-    if not (src / "config.json").exists():
-        t = time.monotonic()
-        generate(args.shape, args.size_gb, src)
-        print(f"generated {src} in {time.monotonic() - t:.0f}s", file=sys.stderr)
+    src = generated(args.shape, args.size_gb, args.dir)
     shards = sorted(src.glob("*.safetensors"))
     report: dict = {"shape": args.shape, "source_bytes": sum(p.stat().st_size for p in shards),
                     "libraries": "warm" if args.warm_libraries else "cold", "runs": []}  # fmt: skip
@@ -75,7 +66,7 @@ def main() -> None:
         out = args.dir / "out-window"
         env = {WINDOW_ENV: str(int(float(window) * 1e9)), **({name: value} if name else {})}
         disk = DiskSampler(src)
-        run = run_prequant(str(src), out, argparse.Namespace(**{**vars(args), "device": device}), env)
+        run = run_prequant(str(src), out, device, args.dir, extra_env=env)
         disk_timeline = disk.stop()
         shutil.rmtree(out, ignore_errors=True)
         events = run.get("trace", {}).get("events", {})
@@ -111,11 +102,7 @@ def main() -> None:
         print(f"{row['device']:6} {row['window_gb']:9g} {value:>10} {row['seconds']:7.1f} {row['ratio_to_floor']:8.3f} "
               f"{row['read_ahead_done']!s:>16} {span:>14} {row['disk_busy']!s:>9} {row['same_bytes']!s:>10}",
               file=sys.stderr)
-    text = json.dumps(report, indent=1)
-    if args.json:
-        args.json.write_text(text)
-    else:
-        print(text)
+    emit(report, args.json)
 
 
 if __name__ == "__main__":
