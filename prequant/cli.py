@@ -12,6 +12,7 @@ import typer
 
 from .bnb import tensor_spawn
 from .conversion import layout_worker, readahead
+from .source import hub_early
 from .util.helptext import Command as _Command, examples as _examples
 
 app = typer.Typer(
@@ -100,6 +101,7 @@ def convert(
     if not (dry_run or resume):
         weight_bytes = readahead.start_for_source(source)  # the disk works while torch imports
         tensor_spawn.start_early(weight_bytes, device)  # and so do the CPU workers
+        hub_early.start(source, delete=delete_source_shards)  # and the network, for a Hub source
     with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
         from .conversion.options import ConvertOptions
         from .conversion.run import convert as run_convert

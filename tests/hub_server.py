@@ -109,7 +109,9 @@ class Fault:
     """An injected failure when serving ``filename`` of ``repo_id``.
 
     kind "status": answer ``status`` instead of the file; kind "drop": send the headers of the full
-    answer, then the body up to absolute file offset ``after_bytes``, then cut the connection.
+    answer, then the body up to absolute file offset ``after_bytes``, then cut the connection; kind "hold":
+    send the body up to ``after_bytes``, set ``arrived``, and send the rest only once ``release`` is set (or
+    after 60 s): a download caught mid-body, for as long as the test needs.
     ``times``: how many matching requests it hits (None: all of them). ``ranged``: True hits only requests
     with a Range header (e.g. header reads), False only requests without one (e.g. whole-file downloads),
     None both.
@@ -117,12 +119,14 @@ class Fault:
 
     repo_id: str
     filename: str
-    kind: Literal["status", "drop"] = "status"
+    kind: Literal["status", "drop", "hold"] = "status"
     status: int = 500
     after_bytes: int = 0
     times: int | None = None
     methods: tuple[str, ...] = ("GET",)
     ranged: bool | None = None
+    arrived: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -188,6 +192,7 @@ class HubServer:
         self.request_log: list[RequestRecord] = []
         self.served: list[tuple[str, str]] = []  # (repo_id, filename) of every file body sent
         self._faults: list[Fault] = []
+        self._made: list[Fault] = []  # every fault, also those used up
         self._stalls: dict[str, Stall] = {}
         self._repos: dict[str, Repo] = {}
         self._lock = threading.RLock()
@@ -210,6 +215,8 @@ class HubServer:
     def stop(self) -> None:
         for stall in self._stalls.values():
             stall.release.set()
+        for fault in self._made:  # a held body, too, goes on (and ends) with the server
+            fault.release.set()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -309,11 +316,12 @@ class HubServer:
 
     # -- faults and logs
 
-    def fail(self, repo_id: str, filename: str, kind: Literal["status", "drop"] = "status", **options: Any) -> Fault:
+    def fail(self, repo_id: str, filename: str, kind: Literal["status", "drop", "hold"] = "status", **options: Any) -> Fault:
         """Inject a failure when serving a file (see `Fault`); returns it."""
         fault = Fault(repo_id, filename, kind, **options)
         with self._lock:
             self._faults.append(fault)
+            self._made.append(fault)
         return fault
 
     def stall(self, route: str) -> Stall:
@@ -741,15 +749,24 @@ class _Handler(BaseHTTPRequestHandler):
         stop = end if fault is None else max(start, min(end, fault.after_bytes))
         with open(self.hub.blob_path(blob), "rb") as f:
             f.seek(start)
-            remaining = stop - start
-            while remaining > 0:
-                chunk = f.read(min(_CHUNK, remaining))
-                self.wfile.write(chunk)
-                remaining -= len(chunk)
+            self._copy(f, stop - start)
+            if fault is not None and fault.kind == "hold":
+                self.wfile.flush()
+                fault.arrived.set()
+                fault.release.wait(60)
+                self._copy(f, end - stop)
+                return
         if fault is not None:  # "drop": cut the connection mid-body
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
+
+    def _copy(self, f: Any, length: int) -> None:
+        """Send the next `length` bytes of file `f`."""
+        while length > 0:
+            chunk = f.read(min(_CHUNK, length))
+            self.wfile.write(chunk)
+            length -= len(chunk)
 
     # -- write endpoints
 
@@ -1009,6 +1026,9 @@ def hub_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubS
 
     server = HubServer(tmp_path / "hub-server").start()
     point_huggingface_hub_at(server, tmp_path / "hf-home", monkeypatch)
+    # prequant retries a failing download for 2 minutes by default; 3 s (waits of 1 and 2 s) keeps a test of a
+    # failure that lasts short. A test of riding out an outage sets its own.
+    monkeypatch.setenv("PREQUANT_HUB_RETRY_S", "3")
     try:
         yield server
     finally:

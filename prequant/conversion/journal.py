@@ -4,7 +4,9 @@ Lives in the staging folder next to the partial shards. `job.json` fingerprints 
 the whole plan, prequant's version); `journal.jsonl` gets one line per finished tensor (with its
 quant-state JSON, the only bytes the shard header still needs) and one per finished shard. A tensor
 is journaled only after its bytes are in the shard file, so after a kill, SIGKILL included, every
-journaled tensor is on disk (in the page cache at least; shards are fsynced when finished).
+journaled tensor is on disk (in the page cache at least; shards are fsynced when finished). A Hub source's shard
+that the run downloaded, to delete once converted (`--delete-source-shards`), gets a line too: a resume deletes it
+in its turn, rather than taking it for one the user had in the cache before.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +48,7 @@ class Finished:
     steps: dict[str, dict[str, bytes]] = field(default_factory=dict)  # source name -> variable-size blobs
     shards: set[str] = field(default_factory=set)
     non_finite: dict[str, tuple[int, int]] = field(default_factory=dict)  # kept tensor -> (NaN, Inf) counts
+    downloaded: set[str] = field(default_factory=set)  # Hub shards the interrupted run downloaded (to delete)
 
 
 class Journal:
@@ -67,6 +71,7 @@ class Journal:
             write_json(job_path, job)
             (staging / JOURNAL).unlink(missing_ok=True)
         self._file = open(staging / JOURNAL, "a")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()  # the writer's lines, and the download thread's (`source_downloaded`)
 
     @property
     def resumed(self) -> bool:
@@ -81,10 +86,15 @@ class Journal:
     def shard_done(self, shard: str) -> None:
         self._append({"shard": shard})
 
+    def source_downloaded(self, name: str) -> None:
+        """A Hub source's shard `name` was downloaded by this run, which deletes it once converted."""
+        self._append({"downloaded": name})
+
     def _append(self, record: dict) -> None:
         try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()  # into the kernel: survives SIGKILL of this process
+            with self._lock:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()  # into the kernel: survives SIGKILL of this process
         except OSError as e:  # a full disk or quota: the journal's last line may be cut, which _read allows
             raise write_error(self.staging / JOURNAL, e) from e
 
@@ -110,5 +120,7 @@ def _read(path: Path) -> Finished:
                 done.non_finite[record["step"]] = tuple(record["non_finite"])  # type: ignore[assignment]
         elif "shard" in record:
             done.shards.add(record["shard"])
+        elif "downloaded" in record:
+            done.downloaded.add(record["downloaded"])
     return done
 

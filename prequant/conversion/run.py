@@ -23,8 +23,10 @@ from ..bnb.quantize import Quantizer, check_device
 from ..bnb.starting import Starting
 from ..checkpoint import manifest
 from ..checkpoint.hf_files import check_index, read_config
+from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import TensorRef
 from ..errors import Interrupted, PrequantError
+from ..source import hub_early
 from ..source.resolve import check_delete, reader, resolve, scan
 from ..source.spec import Source
 from ..util import signals, trace
@@ -58,8 +60,10 @@ def convert(
         return _convert(source, output_dir, replace(options or ConvertOptions(), **changes))
     finally:
         # The CPU workers end with the conversion: each holds its own torch (150-285 MiB), which a long-lived
-        # process (a notebook, a service) should not keep holding after convert() returns.
+        # process (a notebook, a service) should not keep holding after convert() returns. So does a download the
+        # CLI began early (`source.hub_early`) that the conversion stopped before taking over.
         tensor_pool.close()
+        hub_early.close()
 
 
 def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -> Plan | Summary:
@@ -75,29 +79,48 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     # CUDA and bitsandbytes start on a thread while the pipeline runs, the CPU quantizing meanwhile (bnb.starting),
     # unless this process started with its libraries cold: CUDA's start then reads them page fault by page fault,
     # behind the pipeline's reads and writes, and took 29 s beside them against 4-12 s with the pipeline waiting (a
-    # 33 GB Grok-shaped checkpoint, `scripts/bench.py --size-gb 33 --shape grok --device cuda`, the GPU machine).
-    weight_bytes = _src_bytes(tensors)
-    quantizer = None if opts.dry_run else starting.quantizer(
-        opts.settings, opts.device, weight_bytes, meanwhile=not readahead.found_libraries_cold())
-    if quantizer is not None and quantizer.device_type == "cpu":
-        tensor_pool.pool(weight_bytes)  # the CPU workers import torch while the plan is made
-    trace.mark("quantizer-ready")
-    # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
-    # conversion.layouts) or a head start the pipeline runs on while transformers decides its own (a dry run
-    # prints, and a resume's journal fixes, transformers' plan: they wait for it unless settled; so does a run
-    # that deletes its downloaded shards, which a restart on another layout would download again).
-    layouts = Layouts(config, src.path, tensors, list(opts.skip), opts.trust_remote_code,
-                      predicted=not (opts.dry_run or opts.resume or opts.delete_source_shards))
+    # 33 GB Grok-shaped checkpoint, `scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`, the GPU machine).
+    # A Hub source's first shard downloads from here on, while the quantizer starts and the layout is decided (the
+    # plan reads the tensors in this order); a resume starts at its first read, once the journal has said what is
+    # done.
+    data = None if opts.dry_run else _reader(src, tensors, opts)
     try:
-        return _run(out, src, tensors, config, quantizer, layouts.first, layouts, opts, started)
-    except LayoutMismatch:  # transformers decided otherwise: nothing was published; its layout wins, start again
-        return _run(out, src, tensors, config, quantizer, layouts.final(), None, opts, started)
+        weight_bytes = _src_bytes(tensors)
+        quantizer = None if opts.dry_run else starting.quantizer(
+            opts.settings, opts.device, weight_bytes, meanwhile=not readahead.found_libraries_cold())
+        if quantizer is not None and quantizer.device_type == "cpu":
+            tensor_pool.pool(weight_bytes)  # the CPU workers import torch while the plan is made
+        trace.mark("quantizer-ready")
+        # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
+        # conversion.layouts) or a head start the pipeline runs on while transformers decides its own (a dry run
+        # prints, and a resume's journal fixes, transformers' plan: they wait for it unless settled; so does a run
+        # that deletes its downloaded shards, which a restart on another layout would download again).
+        layouts = Layouts(config, src.path, tensors, list(opts.skip), opts.trust_remote_code,
+                          predicted=not (opts.dry_run or opts.resume or opts.delete_source_shards))
+        try:
+            return _run(out, src, tensors, config, quantizer, layouts.first, layouts, opts, started, data)
+        except LayoutMismatch:  # transformers decided otherwise: nothing was published; its layout wins, start again
+            data.close()  # a fresh reader: the first one counted the tensors already written
+            data = _reader(src, tensors, opts)
+            return _run(out, src, tensors, config, quantizer, layouts.final(), None, opts, started, data)
+    finally:
+        if data is not None:
+            data.close()
+
+
+def _reader(src: Source, tensors: list[TensorRef], opts: ConvertOptions) -> TensorReader:
+    """The source's reader, reading `tensors` in this order (the plan's); a Hub source's downloads start now
+    unless the run resumes."""
+    data = reader(src, tensors, delete=opts.delete_source_shards)
+    if src.hub is not None and not opts.resume:
+        data.start()  # type: ignore[attr-defined] - a Hub source's reader is a HubShardReader
+    return data
 
 
 def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantizer: Quantizer | Starting | None, layout: Layout,
-         layouts: Layouts | None, opts: ConvertOptions, started: float) -> Summary | Plan:
+         layouts: Layouts | None, opts: ConvertOptions, started: float, data: TensorReader | None) -> Summary | Plan:
     """Plan on `layout` and convert (checked against transformers' by `layouts` before publishing, when it is a
-    prediction); return the Plan for a dry run, else the Summary."""
+    prediction) with `data` reading the source; return the Plan for a dry run, else the Summary."""
     try:
         plan = replace(_plan(tensors, layout, opts), settled=layouts is not None and layouts.settled)
         trace.mark("planned")
@@ -106,8 +129,8 @@ def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantiz
         job = fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
         side = side_files(src.path)
         with output.claim(out, job_id(job), overwrite=opts.overwrite, resume=opts.resume) as claim:  # locked till published
-            written = None if claim.complete else _convert_into(out, src, plan, config, quantizer, job, side, opts,
-                                                                layouts)
+            written = None if claim.complete else _convert_into(out, src, data, plan, config, quantizer, job, side,
+                                                                opts, layouts)
     except PrequantError as e:
         if layouts is None or not layouts.pending or isinstance(e, Interrupted):
             raise
@@ -117,8 +140,9 @@ def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantiz
     return _summary(out, src, plan, quantizer, started, side, written or manifest.load(out), hub_url, claim.complete)
 
 
-def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Quantizer | Starting, job: dict,
-                  side: list[Path], opts: ConvertOptions, layouts: Layouts | None) -> dict | None:
+def _convert_into(out: Path, src: Source, data: TensorReader, plan: Plan, config: dict,
+                  quantizer: Quantizer | Starting, job: dict, side: list[Path], opts: ConvertOptions,
+                  layouts: Layouts | None) -> dict | None:
     """Stream the shards, check a predicted layout against transformers', write config, index, side files and
     manifest into the staging folder, publish; return the manifest (None when an earlier, interrupted run had
     written everything and was publishing)."""
@@ -128,7 +152,7 @@ def _convert_into(out: Path, src: Source, plan: Plan, config: dict, quantizer: Q
     written = None
     with _interruptible(), record:
         if not (opts.resume and output.publishing(staging)):
-            shard_sizes = _write_shards(src, plan, quantizer, staging, record, job, opts)
+            shard_sizes = _write_shards(src, data, plan, quantizer, staging, record, job, opts)
             if layouts is not None:
                 layouts.confirm()  # the layout transformers decides, before anything is published
             copy_side_files(src.path, staging, side)
@@ -158,8 +182,8 @@ def _plan(tensors: list[TensorRef], layout: Layout, opts: ConvertOptions) -> Pla
 
 
 def _write_shards(
-    src: Source, plan: Plan, quantizer: Quantizer | Starting, staging: Path, record: Recorder, job: dict,
-    opts: ConvertOptions,
+    src: Source, data: TensorReader, plan: Plan, quantizer: Quantizer | Starting, staging: Path, record: Recorder,
+    job: dict, opts: ConvertOptions,
 ) -> dict[str, int]:
     """Stream every tensor through the pipeline into the staging folder, journaled for --resume; return each
     shard's data bytes. The disk is kept reading ahead of the pipeline (local files) and a Hub source's shards
@@ -169,9 +193,11 @@ def _write_shards(
     if journal.resumed and opts.progress:
         print(f"prequant: resuming, {len(journal.done.steps)} of {len(plan.steps)} tensors already done",
               file=sys.stderr)
+    if src.hub is not None and opts.delete_source_shards:  # a Hub source's reader is a HubShardReader
+        data.claim(journal.done.downloaded)  # type: ignore[attr-defined]
+        data.on_download(journal.source_downloaded)  # type: ignore[attr-defined]
     window = readahead.pipeline_window(quantizer.device_type)
     ahead = readahead.start(list(src.weight_files), window=window) if src.hub is None else None
-    data = reader(src, [s.source for s in plan.steps], delete=opts.delete_source_shards)
     try:
         with data, Progress(plan.input_bytes, enabled=opts.progress) as bar:
             hooks: list[Callable[[TensorRef], Any]] = [lambda ref: bar.advance(ref.nbytes)]

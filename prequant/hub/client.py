@@ -34,12 +34,18 @@ from .failures import IncompleteDownload, RemoteEntryNotFound, explain, first_li
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Waits before the 2nd and 3rd download attempts. huggingface_hub already resumes a body cut mid-way
-# (5 times) and retries failing HEAD calls; these cover what it does not retry: a 5xx on GET, an
-# incomplete file.
-_RETRY_DELAYS_S = (1.0, 3.0)
+# huggingface_hub resumes a body cut mid-way (5 times in a row) and retries 408/429, but not a 5xx: a cut
+# whose resume is answered 502/503 (a CDN or the Hub in trouble) fails the download, and huggingface_hub >= 2.4
+# deletes the partial file then. So a transient failure is tried again after waits that double from
+# _FIRST_WAIT_S up to _LONGEST_WAIT_S, until they add up to PREQUANT_HUB_RETRY_S (default 120 s): a Grok-1 shard
+# is 33 GB, and a run that gives up during a two-minute outage costs the user more than the wait.
+_FIRST_WAIT_S = 1.0
+_LONGEST_WAIT_S = 30.0
+RETRY_ENV = "PREQUANT_HUB_RETRY_S"
+_DEFAULT_RETRY_S = 120.0
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _API_TIMEOUT_S = 60.0
+_PARTIAL_RE = re.compile(r"[0-9a-f]+\.[0-9a-f]{8}\.incomplete")  # one download's own partial file (module doc)
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ def download(source: HubCommit, filename: str, *, token: str | None = None) -> P
             f"{source.repo_id} has no file {filename} at commit {source.sha}; the repo lists {len(source.files)} files"
         )
     def attempt() -> Path:
+        remove_stale_partials(source.repo_id)  # e.g. of a run killed mid-download: they would fill the disk
         try:
             return _fetch(source, filename, token)
         except Exception as error:
@@ -153,20 +160,43 @@ def read_range(source: HubCommit, filename: str, start: int, end: int, *, token:
     return _retrying(attempt, f"read {label}", source, token)
 
 
+def retry_waits(budget_s: float | None = None) -> list[float]:
+    """The waits between attempts: doubling from 1 s, at most 30 s each, adding up to at most `budget_s`
+    (default: PREQUANT_HUB_RETRY_S, else 120 s; 0 tries once)."""
+    if budget_s is None:
+        try:
+            budget_s = float(os.environ.get(RETRY_ENV, _DEFAULT_RETRY_S))
+        except ValueError:
+            budget_s = _DEFAULT_RETRY_S
+    waits: list[float] = []
+    wait = _FIRST_WAIT_S
+    while sum(waits) + wait <= budget_s:
+        waits.append(wait)
+        wait = min(2 * wait, _LONGEST_WAIT_S)
+    if sum(waits) < budget_s:  # the remainder, so that the waits fill the budget
+        waits.append(budget_s - sum(waits))
+    return waits
+
+
 def _retrying(attempt: Callable[[], T], action: str, source: HubCommit, token: str | None) -> T:
-    """`attempt()`, tried again after each of `_RETRY_DELAYS_S` while it fails transiently; a PrequantError
-    as it is, any other failure explained as one that names `action`."""
-    for delay in (*_RETRY_DELAYS_S, None):
+    """`attempt()`, tried again after each of `retry_waits()` while it fails transiently; a PrequantError as it
+    is, any other failure explained as one that names `action` (and, after retries, how long they went on)."""
+    waits = retry_waits()
+    started = time.monotonic()
+    for tried, wait in enumerate((*waits, None), start=1):
         try:
             return attempt()
         except PrequantError:
             raise
         except Exception as error:
-            if delay is None or not _is_transient(error):
+            if wait is None or not _is_transient(error):
                 message = explain(error, action, source.repo_id, source.sha, token, endpoint=cache.endpoint())
+                if tried > 1:
+                    message += (f" (tried {tried} times over {time.monotonic() - started:.0f} s; "
+                                f"{RETRY_ENV} sets how long to keep trying)")
                 raise PrequantError(message) from error
-            log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), delay)
-            time.sleep(delay)
+            log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), wait)
+            time.sleep(wait)
     raise AssertionError("unreachable")
 
 
@@ -181,6 +211,38 @@ def evict(source: HubCommit, filename: str) -> None:
             blob.unlink(missing_ok=True)
     elif pointer.is_file():  # no-symlink caches keep the file itself in the snapshot
         pointer.unlink()
+
+
+def remove_stale_partials(repo_id: str) -> list[str]:
+    """Delete the repo's partial downloads that no download is writing; return their names.
+
+    huggingface_hub (>= 2.4) downloads each file into ``blobs/<etag>.<8 hex>.incomplete``, a name of its own for
+    each download, while it holds ``.locks/<repo folder>/<etag>.lock``, and deletes the partial file when the
+    download fails; but a process killed mid-download (SIGKILL, a machine that lost power) leaves it behind, never
+    to be reused: with 33 GB shards, a few such kills fill the disk that `--delete-source-shards` was bounding. A
+    partial file whose lock this process can take is one no download is writing (the lock is the kernel's flock,
+    released when its holder dies), so it goes; one whose lock is held stays. Earlier huggingface_hub releases
+    wrote ``<etag>.incomplete`` and resumed it on the next download: those are never touched."""
+    from filelock import FileLock, Timeout  # huggingface_hub's own lock library
+
+    storage = cache.storage_folder(repo_id)
+    try:
+        partials = sorted(p for p in (storage / "blobs").iterdir() if _PARTIAL_RE.fullmatch(p.name))
+    except OSError:
+        return []
+    removed = []
+    for partial in partials:
+        etag = partial.name.split(".", 1)[0]
+        lock = FileLock(str(cache.cache_dir() / ".locks" / storage.name / f"{etag}.lock"), timeout=0)
+        try:
+            with lock:
+                partial.unlink(missing_ok=True)
+        except (Timeout, OSError):
+            continue  # being written (or a cache we cannot lock): not ours to delete
+        removed.append(partial.name)
+    if removed:
+        log.info("removed %d stale partial download(s) of %s: %s", len(removed), repo_id, ", ".join(removed))
+    return removed
 
 
 @dataclass(frozen=True)
@@ -296,4 +358,7 @@ def _is_transient(error: BaseException) -> bool:
     return is_incomplete(error)
 
 
-__all__ = ["HubCommit", "Uploaded", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "resolve", "upload"]
+__all__ = [
+    "HubCommit", "Uploaded", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "remove_stale_partials",
+    "resolve", "retry_waits", "upload",
+]

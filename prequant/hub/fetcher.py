@@ -12,6 +12,11 @@ processes with its parts). Settings (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, the 
 environment; huggingface_hub's own output goes to the same stderr. The child ignores SIGINT (the parent
 decides how a Ctrl-C ends) and dies with the thread that started it (Linux: PR_SET_PDEATHSIG), so a killed
 conversion leaves no download running. Where no child can be started, downloads run in this process.
+
+A download can be begun early (`begin`: the request is sent, its answer read by the `download` of the same file
+later) by a Fetcher that the conversion then takes over (`keep_early`, `adopt`): the CLI begins a Hub source's
+first shard before it imports torch (`source.hub_early`). Each answer says whether this download put the file in
+the cache (`Fetched.fresh`), judged when its request was sent: only such files are a conversion's to delete.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import json
 import logging
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import PrequantError
@@ -37,6 +43,30 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holdin
 _EXIT_WAIT_S = 2.0  # for an idle child to see its stdin close and exit, before it is killed
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """A downloaded file: its path in the cache, and whether this download put it there (it was not complete in the
+    cache, and its blob did not exist, when the request was sent)."""
+
+    filename: str
+    path: Path
+    fresh: bool
+
+
+class _Pending:
+    """A request sent and not yet answered: the file, and what the cache held when it was sent."""
+
+    def __init__(self, source: client.HubCommit, filename: str) -> None:
+        self.filename = filename
+        target = client.cache_path(source, filename)
+        self.cached = target.is_file() and target.stat().st_size == source.files.get(filename)
+        blobs = target.parents[2] / "blobs"  # <repo>/snapshots/<sha>/<name> -> <repo>/blobs
+        self.before = set(os.listdir(blobs)) if blobs.is_dir() else set()
+
+    def fetched(self, path: Path) -> Fetched:
+        return Fetched(self.filename, path, not self.cached and path.resolve().name not in self.before)
+
+
 class Fetcher:
     """Downloads files of one commit through a child process (started on the first download)."""
 
@@ -45,34 +75,82 @@ class Fetcher:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
         self._in_process = False
-        self._busy = False  # a request is in flight
+        self._pending: _Pending | None = None  # a request in flight (its answer not read yet)
+        self._unclaimed: dict[str, Fetched] = {}  # begun downloads answered before their `download` came
         self._closed = False
 
-    def download(self, filename: str) -> Path:
-        """`client.download(source, filename)`, run in the child: its path, or its error raised here."""
+    @property
+    def _busy(self) -> bool:
+        return self._pending is not None
+
+    def begin(self, filename: str) -> None:
+        """Send the request for `filename` now; `download(filename)` reads its answer."""
+        proc = self._child()
+        if proc is None or self._pending is not None:
+            return  # in this process downloads cannot run ahead; one request at a time
+        self._send(proc, _Pending(self.source, filename))
+
+    def download(self, filename: str) -> Fetched:
+        """`client.download(source, filename)`, run in the child: the file, or its error raised here."""
         proc = self._child()
         if proc is None:
-            return client.download(self.source, filename)
-        request = json.dumps({"source": asdict(self.source), "filename": filename})
-        self._busy = True
+            pending = _Pending(self.source, filename)
+            return pending.fetched(client.download(self.source, filename))
+        if filename in self._unclaimed:
+            return self._unclaimed.pop(filename)
+        if self._pending is not None and self._pending.filename != filename:
+            # A begun download of another file (the plan reads the shards in another order after all): its
+            # answer is kept for the `download` that asks for it, with its `fresh` as judged when it began.
+            begun = self._pending.filename
+            try:
+                self._unclaimed[begun] = self._answer(proc)
+            except Exception as error:  # noqa: BLE001 - its own `download`, when it comes, tries again
+                log.debug("the begun download of %s failed (%s); it is tried again when asked for", begun, error)
+        if self._pending is None:
+            self._send(proc, _Pending(self.source, filename))
+        return self._answer(proc)
+
+    def _send(self, proc: subprocess.Popen[str], pending: _Pending) -> None:
+        request = json.dumps({"source": asdict(self.source), "filename": pending.filename})
+        self._pending = pending
         try:
-            assert proc.stdin is not None and proc.stdout is not None
+            assert proc.stdin is not None
             proc.stdin.write(request + "\n")
             proc.stdin.flush()
+        except (OSError, ValueError):  # the child is gone: `_answer` says so
+            pass
+
+    def _answer(self, proc: subprocess.Popen[str]) -> Fetched:
+        pending = self._pending
+        assert pending is not None
+        try:
+            assert proc.stdout is not None
             line = proc.stdout.readline()
         except (OSError, ValueError):  # the child is gone, or `close` closed its pipes
             line = ""
         finally:
-            self._busy = False
+            self._pending = None
         if not line:
             raise PrequantError(
-                f"the download of {filename} of {self.source.repo_id} stopped: its process ended "
+                f"the download of {pending.filename} of {self.source.repo_id} stopped: its process ended "
                 f"(exit status {proc.poll()}); run the command again"
             )
         reply = json.loads(line)
         if "path" in reply:
-            return Path(reply["path"])
+            return pending.fetched(Path(reply["path"]))
         raise pickle.loads(base64.b64decode(reply["error"]))
+
+    def _answered(self) -> Fetched | None:
+        """The begun download's file if its answer is already here (without waiting), else None."""
+        proc = self._proc
+        if self._pending is None or proc is None or proc.stdout is None:
+            return None
+        try:
+            if not select.select([proc.stdout], [], [], 0)[0]:
+                return None
+            return self._answer(proc)
+        except Exception:  # noqa: BLE001 - the download's own error (or a child gone): nothing finished
+            return None
 
     def close(self) -> None:
         """End the child: at once if it is downloading (the conversion is over), else once it sees EOF."""
@@ -109,6 +187,59 @@ class Fetcher:
                     log.debug("downloading in this process: no child (%s)", error)
                     self._in_process = True
             return self._proc
+
+
+_early: list[Fetcher] = []  # begun before the conversion knew its source (`keep_early`), until adopted
+_expected: list[threading.Event] = []  # set once an early start has kept its Fetcher, or given up
+_EARLY_WAIT_S = 30.0  # the longest `adopt` waits for one: a resolve and an index download, seconds at most
+
+
+def expect_early() -> threading.Event:
+    """Announce an early start (a Fetcher `keep_early` will hold): `adopt` waits for it; set the event when done."""
+    done = threading.Event()
+    _expected.append(done)
+    return done
+
+
+def keep_early(fetcher: Fetcher) -> None:
+    """Hold `fetcher`, whose first download is begun, for the conversion of its commit to `adopt`."""
+    _early.append(fetcher)
+
+
+def adopt(source: client.HubCommit) -> Fetcher:
+    """The Fetcher for `source`: one begun early for the same commit, else a new one. An early Fetcher of another
+    commit (the branch moved in between) is closed (`close_early`)."""
+    wait_early()
+    for early in _early:
+        if (early.source.repo_id, early.source.sha) == (source.repo_id, source.sha):
+            _early.remove(early)
+            close_early()
+            return early
+    close_early()
+    return Fetcher(source)
+
+
+def wait_early() -> None:
+    """Wait for the early starts announced (`expect_early`), as `adopt` does, without taking any."""
+    while _expected:
+        _expected.pop().wait(_EARLY_WAIT_S)
+
+
+def close_early() -> list[tuple[client.HubCommit, Fetched]]:
+    """Close every early Fetcher nobody adopted (the conversion stopped before its downloads, or resolved another
+    commit); return the files their begun downloads had finished, with their commit, for the caller to keep or
+    evict. A download still running is cut, and its partial file removed (`client.remove_stale_partials`)."""
+    finished: list[tuple[client.HubCommit, Fetched]] = []
+    while _early:
+        early = _early.pop()
+        done = early._answered()
+        if done is not None:
+            finished.append((early.source, done))
+        cut = early._busy
+        early.close()
+        if cut:
+            client.remove_stale_partials(early.source.repo_id)
+    return finished
 
 
 def _die_with_parent() -> None:

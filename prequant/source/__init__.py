@@ -2,4 +2,5 @@
 into a `Source`, list its tensors, and stream their data (`resolve`, the entry point, dispatching to `local` and
 `hub_stream`; `remote_headers` plans a Hub source from its shards' headers before they are downloaded).
 
-This face and `spec`, `local` are standard library only: the CLI lists a local source before torch loads."""
+This face and `spec`, `local` are standard library only: the CLI lists a local source before torch loads; `hub_early`
+(huggingface_hub, no torch) begins a Hub source's first shard then."""

@@ -6,7 +6,8 @@ read by HTTP range requests, without downloading them.
 
 During conversion `HubShardReader` downloads the shards one by one in the order the plan reads them, the
 next one while the current one converts, through a child process (`hub.fetcher`: not behind this one's
-GIL). Reading a shard waits until it is complete and its header has been checked against the plan. With
+GIL). The downloads start when the conversion calls `start` (as soon as the tensors are known, so that the
+first shard downloads while the layout is decided and the quantizer starts), or at the first read. Reading a shard waits until it is complete and its header has been checked against the plan. With
 `delete`, a shard prequant downloaded is evicted from the cache once all its tensors are written, and at most
 `SLOTS` downloaded shards take disk space at any moment (counting one that was deleted but is still
 memory-mapped or open): one being converted, the next downloading.
@@ -20,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ..checkpoint.hf_files import CONFIG, WEIGHT_LAYOUTS, WEIGHT_SUFFIXES, shard_names
@@ -28,7 +29,7 @@ from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
 from ..hub import client, fetcher
-from . import remote_headers
+from ..util import trace
 from .spec import Source
 
 log = logging.getLogger(__name__)
@@ -125,20 +126,28 @@ class HubShardReader(TensorReader):
         self._downloading = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._fetcher = fetcher.Fetcher(src.hub)  # downloads in a child process: not behind this one's GIL
+        # Downloads in a child process, not behind this one's GIL; the CLI may have begun the first (`hub_early`).
+        self._fetcher = fetcher.adopt(src.hub)
         self.downloaded: list[str] = []  # file names, in the order this run downloaded them
+        self._record: Callable[[str], None] | None = None  # `on_download`'s
         self.evicted: list[str] = []
 
     # -- the pipeline's side
+
+    def start(self) -> None:
+        """Start downloading now, in plan order. Not for a resumed run before its journal has marked the finished
+        tensors (`tensor_done`): it would download shards that are done; the first read starts it then."""
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._download_all, name="prequant-download", daemon=True)
+                self._thread.start()
 
     def prepare(self, path: Path, stop: threading.Event | None = None) -> None:
         """Wait until shard `path` is downloaded and checked; raise its download's error, if any."""
         if self._ready.get(path, False) is None or path not in self._planned:
             return
+        self.start()
         with self._cond:
-            if self._thread is None:  # started by the first read: a resumed run's finished shards are known by now
-                self._thread = threading.Thread(target=self._download_all, name="prequant-download", daemon=True)
-                self._thread.start()
             while path not in self._ready:
                 if self._closed or (stop is not None and stop.is_set()):
                     raise _Stopped(path.name)
@@ -158,6 +167,23 @@ class HubShardReader(TensorReader):
     def read_into(self, ref: TensorRef, start: int, out: memoryview) -> None:
         self.prepare(ref.file)
         super().read_into(ref, start, out)
+
+    def claim(self, names: Iterable[str]) -> None:
+        """Shards that an interrupted run of this conversion downloaded (its journal says which): with delete, this
+        run's to delete once converted, as if it had downloaded them itself. Call before the first read."""
+        wanted = set(names)
+        with self._cond:
+            for path in self._planned:
+                if self._name(path) in wanted and path not in self._owned and path.is_file():
+                    self._owned[path] = path.resolve()
+
+    def on_download(self, record: Callable[[str], None]) -> None:
+        """Call `record(name)` for each shard this run downloads into the cache (those downloaded so far at once)."""
+        with self._cond:
+            self._record = record
+            done = list(self.downloaded)
+        for name in done:
+            record(name)
 
     def tensor_done(self, ref: TensorRef) -> None:
         """A tensor's outputs are written (or were, before a resume); with delete, evict its shard after its last."""
@@ -181,8 +207,11 @@ class HubShardReader(TensorReader):
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            cut = self._downloading  # a download in flight: the fetcher kills it, leaving its partial file
             self._cond.notify_all()
         self._fetcher.close()
+        if cut:
+            client.remove_stale_partials(self.src.repo_id)  # type: ignore[arg-type]
         super().close()
 
     # -- internals
@@ -228,12 +257,17 @@ class HubShardReader(TensorReader):
             with self._cond:
                 if self._left[path] == 0:  # every tensor done before a resume: not needed
                     continue
-                if not self._wait_for_room():
+                # A shard on disk already (downloaded by the interrupted run this one resumes: `claim`) takes no
+                # more room; waiting for room for it would wait for itself.
+                if self._closed or (path not in self._owned and not self._wait_for_room()):
                     return
                 self._downloading = True
             try:
                 blob = self._download(path)
             except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
+                if isinstance(e, PrequantError) and not self._closed:
+                    e = e.noted("; the tensors converted so far are kept: rerun the same command with --resume to "
+                                "continue from them")
                 with self._cond:
                     self._downloading = False
                     for later in order[i:]:
@@ -251,16 +285,19 @@ class HubShardReader(TensorReader):
         """Download one shard and check its header against the plan; its blob if this run put it in the cache."""
         assert self.src.hub is not None
         name = self._name(path)
-        cached = remote_headers.complete(self.src, path)
-        blobs = path.parents[2] / "blobs"  # <repo>/snapshots/<sha>/<name> -> <repo>/blobs
-        before = set(os.listdir(blobs)) if blobs.is_dir() else set()
         started = time.monotonic()
-        local = self._fetcher.download(name)
+        trace.mark(f"download-start:{name}")
+        fetched = self._fetcher.download(name)
+        trace.mark(f"download-done:{name}")
         log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
-        blob = local.resolve()
-        owned = not cached and blob.name not in before
+        blob = fetched.path.resolve()
+        owned = fetched.fresh  # put in the cache by this run (the CLI's early download included): its to delete
         if owned:
-            self.downloaded.append(name)
+            with self._cond:
+                self.downloaded.append(name)
+                record = self._record
+            if record is not None:
+                record(name)
         try:
             if {t.name: t for t in scan_files([path])} != self._planned[path]:
                 raise PrequantError(

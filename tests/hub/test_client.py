@@ -230,6 +230,89 @@ def test_persistent_server_error_names_the_file(hub_server: HubServer, tiny: str
     assert "config.json of org/tiny" in message and "500" in message
 
 
+def test_retry_waits_double_from_one_second_up_to_the_budget() -> None:
+    assert hub.retry_waits(120) == [1, 2, 4, 8, 16, 30, 30, 29]  # at most 30 s apart, 2 minutes in all
+    assert hub.retry_waits(3) == [1, 2]
+    assert hub.retry_waits(2.5) == [1, 1.5]
+    assert hub.retry_waits(0) == []  # one attempt
+
+
+def test_a_cut_whose_resume_meets_a_burst_of_server_errors_is_ridden_out(
+    hub_server: HubServer, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub resumes a cut body, but gives up when the resume is answered 503 (and deletes what it had):
+    the download is tried again, waiting longer each time, until the burst is over."""
+    name = "model-00001-of-00002.safetensors"
+    monkeypatch.setenv(hub.RETRY_ENV, "20")
+    hub_server.fail(REPO, name, "drop", after_bytes=100_000, times=1)
+    hub_server.fail(REPO, name, "status", status=503, times=3)
+    hub_server.clear_log()
+    path = hub.download(hub.resolve(REPO), name)
+    assert path.read_bytes() == SHARD_1
+    bodies = [(r.status, "range" in r.headers) for r in hub_server.request_log
+              if r.method == "GET" and r.path.startswith("/cdn-lfs/")]
+    # cut at 100 kB, its resume refused, two more refusals, then the whole file
+    # cut at 100 kB; huggingface_hub's resume (from 0: it had written none of the 100 kB, its 10 MB chunk was not
+    # full) refused, two more attempts refused, then the whole file
+    assert bodies == [(200, False), (503, False), (503, False), (503, False), (200, False)]
+    assert not list(cached(REPO).rglob("*.incomplete"))
+
+
+def test_an_outage_longer_than_the_retries_says_how_long_it_tried(hub_server: HubServer, tiny: str) -> None:
+    hub_server.fail(REPO, "config.json", "status", status=503)  # the fixture's budget: 3 s
+    with pytest.raises(PrequantError) as error:
+        hub.download(hub.resolve(REPO), "config.json")
+    message = one_line(error)
+    assert "config.json of org/tiny" in message and "503" in message
+    assert "tried 3 times over 3 s" in message and hub.RETRY_ENV in message
+
+
+def _partial(repo_id: str, etag: str) -> Path:
+    """A partial download as huggingface_hub names it (blobs/<etag>.<8 hex>.incomplete)."""
+    blobs = cached(repo_id) / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    partial = blobs / f"{etag}.0badf00d.incomplete"
+    partial.write_bytes(b"x" * 1000)
+    return partial
+
+
+def test_a_partial_download_left_by_a_killed_process_is_removed(hub_server: HubServer, tiny: str) -> None:
+    stale = _partial(REPO, "ab" * 32)
+    hub.download(hub.resolve(REPO), "config.json")
+    assert not stale.exists()
+
+
+def test_a_resumable_partial_download_of_older_huggingface_hub_stays(hub_server: HubServer, tiny: str) -> None:
+    """huggingface_hub before 2.4 wrote <etag>.incomplete and resumed it on the next download: it is kept."""
+    blobs = cached(REPO) / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    resumable = blobs / f"{'ef' * 32}.incomplete"
+    resumable.write_bytes(b"x" * 1000)
+    assert hub.remove_stale_partials(REPO) == []
+    assert resumable.exists()
+
+
+def test_a_partial_download_another_process_is_writing_stays(hub_server: HubServer, tiny: str) -> None:
+    etag = "cd" * 32
+    writing = _partial(REPO, etag)
+    lock = Path(os.environ["HF_HOME"]) / "hub" / ".locks" / cached(REPO).name / f"{etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen(  # holds the lock as huggingface_hub's download would, until its stdin closes
+        [sys.executable, "-c", "import sys; from filelock import FileLock\n"
+         "with FileLock(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()", str(lock)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert hub.remove_stale_partials(REPO) == []
+        assert writing.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert hub.remove_stale_partials(REPO) == [writing.name]  # its writer is gone: stale now
+    assert not writing.exists()
+
+
 def test_file_of_the_wrong_size_is_never_kept(hub_server: HubServer, tiny: str) -> None:
     listed = hub.resolve(REPO)
     wrong = hub.HubCommit(REPO, None, tiny, {**listed.files, "config.json": len(CONFIG) + 1})

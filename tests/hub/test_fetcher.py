@@ -31,8 +31,9 @@ def test_each_download_runs_in_one_child_which_ends_on_close(hub_server: HubServ
     assert child is not None and child.pid != os.getpid() and child.poll() is None
     second = fetcher.download("model-00002-of-00002.safetensors")
     assert fetcher._proc is child  # one child for every download
-    assert first.read_bytes() == SHARD_1 and second.read_bytes() == SHARD_2
-    assert first == client.cache_path(client.resolve(REPO), "model-00001-of-00002.safetensors")
+    assert first.path.read_bytes() == SHARD_1 and second.path.read_bytes() == SHARD_2
+    assert first.path == client.cache_path(client.resolve(REPO), "model-00001-of-00002.safetensors")
+    assert first.fresh and second.fresh  # this fetcher put them in the cache
     assert sorted(hub_server.served_files()) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     fetcher.close()
     assert child.returncode == 0  # it saw its stdin close and ended by itself
@@ -60,7 +61,7 @@ def test_the_token_in_the_environment_reaches_the_child(hub_server: HubServer, m
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     fetcher = Fetcher(client.resolve(REPO))
     try:
-        assert fetcher.download("model-00002-of-00002.safetensors").read_bytes() == SHARD_2
+        assert fetcher.download("model-00002-of-00002.safetensors").path.read_bytes() == SHARD_2
     finally:
         fetcher.close()
 
@@ -89,3 +90,30 @@ def test_no_download_starts_after_close(hub_server: HubServer) -> None:
     with pytest.raises(PrequantError, match="were stopped"):
         fetcher.download("model-00001-of-00002.safetensors")
     assert fetcher._proc is None and hub_server.requests == []
+
+
+def test_a_file_already_in_the_cache_is_not_fresh(hub_server: HubServer) -> None:
+    hub_server.add_repo(REPO, FILES)
+    source = client.resolve(REPO)
+    client.download(source, "model-00001-of-00002.safetensors")  # the user's, from before
+    fetcher = Fetcher(source)
+    try:
+        assert not fetcher.download("model-00001-of-00002.safetensors").fresh
+        assert fetcher.download("model-00002-of-00002.safetensors").fresh
+    finally:
+        fetcher.close()
+
+
+def test_a_begun_download_is_answered_to_the_download_of_that_file(hub_server: HubServer) -> None:
+    hub_server.add_repo(REPO, FILES)
+    fetcher = Fetcher(client.resolve(REPO))
+    try:
+        fetcher.begin("model-00001-of-00002.safetensors")
+        # another file asked for first: the begun one's answer is kept for its own download, still fresh
+        assert fetcher.download("model-00002-of-00002.safetensors").path.read_bytes() == SHARD_2
+        begun = fetcher.download("model-00001-of-00002.safetensors")
+        assert begun.path.read_bytes() == SHARD_1 and begun.fresh
+        assert sorted(hub_server.served_files()) == ["model-00001-of-00002.safetensors",
+                                                     "model-00002-of-00002.safetensors"]  # each once
+    finally:
+        fetcher.close()

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, run_main
+from conftest import run_cli, run_main, start_cli
 from hub_server import TOKEN, HubServer
 
 import prequant
 from prequant.hub import client as hub
-from prequant.source import hub_stream, remote_headers
+from prequant.source import hub_early, hub_stream, remote_headers
 from prequant.source import resolve as sources
-from prequant.errors import PrequantError
+from prequant.errors import PrequantError, UsageError
 
 REPO = "org/tiny"
 SHARDED = "60KB"  # the tiny llama in 4 safetensors shards
@@ -130,7 +130,7 @@ def _disk_sampler(repo_id: str, shard_sizes: dict[str, int]):
         except FileNotFoundError:
             names = []
         for name in names:
-            blob = name.removesuffix(".incomplete")
+            blob = name.split(".", 1)[0]  # a partial download is <etag>.<8 hex>.incomplete (huggingface_hub 2.4)
             if blob in shard_sizes:
                 present.add(blob)
                 downloading += name.endswith(".incomplete")
@@ -391,6 +391,195 @@ def test_a_failure_elsewhere_never_leaves_the_reader_waiting(
     # Every pipeline stage was joined before the error came back: nothing is left waiting for a download.
     stages = {"prequant-read_all", "prequant-write_all"}
     assert not [t.name for t in threading.enumerate() if t.name in stages and t.is_alive()]
+
+
+# ------------------------------------------------------------------------------- a Hub that fails mid-shard
+
+
+def _shard_order(tmp_path: Path) -> list[str]:
+    plan = prequant.convert(REPO, tmp_path / "unused", dry_run=True)
+    return list(dict.fromkeys(step.source.file.name for step in plan.steps))
+
+
+def _bodies(server: HubServer, name: str) -> list[int]:
+    """The status of every whole-file GET that answered with `name`'s bytes (or an error in their place)."""
+    return [r.status for r in server.request_log if _serves(r, name) and "range" not in r.headers]
+
+
+def test_a_shard_cut_mid_body_then_refused_with_5xx_converts_to_the_same_bytes(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    second = _shard_order(tmp_path)[1]
+    monkeypatch.setenv(hub.RETRY_ENV, "20")  # long enough for the burst: waits of 1, 2 and 4 s
+    hub_server.fail(REPO, second, "drop", after_bytes=10_000, times=1, ranged=False)
+    hub_server.fail(REPO, second, "status", status=503, times=3, ranged=False)
+    hub_server.clear_log()
+    prequant.convert(REPO, tmp_path / "hub", device="cpu", progress=False, delete_source_shards=True)
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
+    assert _bodies(hub_server, second) == [200, 503, 503, 503, 200]  # cut, refused three times, then whole
+    assert not list(cache_repo(REPO).rglob("*.incomplete"))
+
+
+def test_an_outage_longer_than_the_retries_stops_in_one_line_and_resume_finishes(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    order = _shard_order(tmp_path)
+    third = order[2]
+    outage = hub_server.fail(REPO, third, "status", status=503, ranged=False)  # the fixture's budget: 3 s
+    out = tmp_path / "out"
+    failed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards")
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 1 and len([line for line in lines if line.startswith("Error:")]) == 1, failed.stderr
+    error = next(line for line in lines if line.startswith("Error:"))
+    assert f"download {third} of {REPO}" in error and "503" in error and "tried 3 times" in error
+    assert "--resume" in error
+    assert not (out / "config.json").exists()  # nothing that looks like a checkpoint
+
+    hub_server.clear_faults()  # the Hub is back
+    assert outage in hub_server._made
+    hub_server.clear_log()
+    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(out) == outputs(tmp_path / "local")
+    downloaded = [name for name, ranged in shard_requests(hub_server) if not ranged]
+    assert downloaded == order[2:]  # the first two shards' tensors were kept: not downloaded again
+    assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # every download deleted once converted
+
+
+def test_a_conversion_killed_mid_download_leaves_no_partial_file_once_resumed(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    """SIGKILL while a shard's body is half sent: huggingface_hub's partial file stays behind (nothing of the
+    dead process can delete it); the resumed run removes it, and converts to the same bytes."""
+    second = _shard_order(tmp_path)[1]
+    held = hub_server.fail(REPO, second, "hold", after_bytes=10_000, times=1, ranged=False)
+    out = tmp_path / "out"
+    proc = start_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards")
+    try:
+        assert held.arrived.wait(120), "the second shard's download never started"
+        blobs = cache_repo(REPO) / "blobs"
+        # huggingface_hub opens its partial file before it sends the request, so it is there by now
+        assert any(p.name.endswith(".incomplete") for p in blobs.iterdir())
+        proc.kill()  # SIGKILL: the download child dies with it
+        proc.wait(timeout=60)
+    finally:
+        held.release.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -9
+    partials = [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]
+    assert partials  # what the kill left
+
+    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(out) == outputs(tmp_path / "local")
+    assert not [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]
+
+
+def test_shards_a_killed_run_downloaded_are_deleted_by_its_resume(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    """Killed with its first shard downloaded and not yet converted: that shard is in the cache when --resume
+    starts, yet it is the interrupted run's download (its journal says so), not the user's: deleted once converted."""
+    order = _shard_order(tmp_path)
+    out = tmp_path / "out"
+    # Frozen (SIGSTOP) as its first tensor is journaled: the first shard is downloaded, not all its tensors written.
+    proc = start_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
+                     env={"PREQUANT_FAILPOINT": "step-journaled:1:SIGSTOP"})
+    try:
+        _wait_for(lambda: proc.poll() is not None or _stopped(proc.pid))
+        assert list(cache_repo(REPO).glob(f"snapshots/*/{order[0]}"))  # downloaded, still in the cache
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(out) == outputs(tmp_path / "local")
+    assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # the killed run's download too
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP), from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def test_downloads_start_when_asked_before_any_read(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
+    src = sources.resolve(REPO, stream=True)
+    tensors = sources.scan(src)
+    data = sources.reader(src, tensors)
+    try:
+        data.start()  # what convert() does once the tensors are known, before the layout and the plan
+        first = _shard_order(tmp_path)[0]
+        _wait_for(lambda: first in data.downloaded)
+        assert data.downloaded[0] == first  # and no tensor was read: the download did not wait for one
+    finally:
+        data.close()
+
+
+def test_the_first_shard_begun_early_is_taken_over_not_fetched_twice(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    """What the CLI does before importing torch (`hub_early.start`): the first shard's download begins with no
+    conversion running; the conversion then takes it over, and deletes it like its other downloads."""
+    first = _shard_order(tmp_path)[0]
+    held = hub_server.fail(REPO, first, "hold", after_bytes=10_000, times=1, ranged=False)
+    hub_server.clear_log()
+    hub_early.start(REPO, delete=True)
+    try:
+        assert held.arrived.wait(120)  # begun: its bytes are on their way, and no conversion has started
+    finally:
+        held.release.set()
+    prequant.convert(REPO, tmp_path / "hub", device="cpu", progress=False, delete_source_shards=True)
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
+    whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
+    assert whole == _shard_order(tmp_path)  # each shard's body sent once, the early one included
+    assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # it was this run's: deleted
+
+
+def test_a_refused_run_ends_the_early_download_and_leaves_nothing_of_it(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    first = _shard_order(tmp_path)[0]
+    held = hub_server.fail(REPO, first, "hold", after_bytes=10_000, times=1, ranged=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    hub_early.start(REPO)
+    try:
+        assert held.arrived.wait(120)
+        with pytest.raises(UsageError, match="--overwrite"):
+            prequant.convert(REPO, out, device="cpu", progress=False)
+    finally:
+        held.release.set()
+    blobs = cache_repo(REPO) / "blobs"
+    assert not [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]  # the cut download's partial
+    assert not list(cache_repo(REPO).glob(f"snapshots/*/{first}"))
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_the_cli_begins_a_hub_sources_first_shard_before_its_imports(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    first = _shard_order(tmp_path)[0]
+    trace = tmp_path / "trace.json"
+    hub_server.clear_log()
+    done = run_cli("convert", REPO, str(tmp_path / "out"), "--device", "cpu", "--delete-source-shards",
+                   env={"PREQUANT_TRACE": str(trace)})
+    assert done.returncode == 0, done.stderr
+    events = [name for name, _ in json.loads(trace.read_text())["events"]]
+    assert f"download-begun-early:{first}" in events
+    whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
+    assert whole == _shard_order(tmp_path)  # taken over: no shard downloaded twice
 
 
 # --------------------------------------------------------------------------------- specs and revisions
