@@ -1,0 +1,315 @@
+"""The Hub path at scale: `prequant convert <hub repo> OUT` from a real HTTP endpoint, its faults, its scratch disk.
+
+Serves a generated checkpoint (`synthetic.py`: Grok-1 or Llama shapes, safetensors or PyTorch `.bin` shards) from
+the tests' local Hub (tests/hub_server.py, the subset of the Hub API that huggingface_hub uses; its files hard links
+on the same disk), then measures, each from a cold page cache:
+
+  floor       curl fetching every file of the repo through that server (one connection, as huggingface_hub uses) to
+              /dev/null, while dd writes and fsyncs as many bytes as the output: the floor of any converter that
+              reads this endpoint once and writes its result durably
+  download    huggingface_hub alone, in a fresh process (hf_hub_download of every file, each shard deleted once
+              fetched, as --delete-source-shards does): the client prequant downloads with, on its own
+  convert     prequant convert REPO OUT --device D --delete-source-shards, the whole process: wall time, RssAnon /
+              RssFile / VmRSS of its process tree (the download child included), the scratch disk (the Hugging Face
+              cache: every file's allocated bytes, partial downloads included, sampled every 50 ms) against two
+              source shards, the disk's timeline, prequant's own timeline
+  fault       --faults: the same, the server cutting shard K's body mid-way once and then answering 503 three times
+  kill        --kill: the same, SIGKILLed while shard K is half downloaded, then the same command with --resume:
+              the partial files the kill left, the resumed run's time and scratch disk
+
+Every run's weight files are compared (sha256) with the first conversion's, and with a local conversion's when one
+was measured beside it (`--local-sha256 FILE`, a report of convert.py). The report is written after every step.
+
+    python scripts/bench/hub_scale.py --shape grok --size-gb 33 --device cuda --faults --kill --json hub.json
+    python scripts/bench/hub_scale.py --shape grok --layers 3 --format bin --model-code --keep-output OUT ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from common import (
+    ROOT, DiskSampler, DiskUsagePeak, Periodic, drop_caches, emit, read_trace, run_env, timed, weight_hashes,
+)
+from hub_path import HASHES, REPO_PREFIX, filesystem, source_hashes
+from synthetic import generate
+
+DOWNLOAD = r"""
+import os, sys
+from huggingface_hub import hf_hub_download, list_repo_files
+repo, cache = sys.argv[1], sys.argv[2]
+for name in list_repo_files(repo):
+    path = hf_hub_download(repo, name, cache_dir=cache)
+    if name.endswith((".safetensors", ".bin")):
+        os.remove(os.path.realpath(path))  # as --delete-source-shards does: one shard on disk at a time
+"""
+
+
+class ScratchPeak(Periodic):
+    """The bytes the files under `folder` (the Hugging Face cache) take on disk, sampled: peak, and the shards'
+    partial downloads seen (huggingface_hub's *.incomplete files)."""
+
+    def __init__(self, folder: Path, interval: float = 0.05) -> None:
+        self.folder = folder
+        self.peak = 0
+        self.partials: set[str] = set()
+        super().__init__(interval)
+
+    def sample(self) -> None:
+        total = 0
+        for root, _, names in os.walk(self.folder):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(root, name))
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if name.endswith(".incomplete"):
+                    self.partials.add(name)
+        self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._halt()
+        return self.peak
+
+
+def partials(cache: Path) -> list[str]:
+    """huggingface_hub's partial downloads under `cache` (name and size)."""
+    return [f"{p.name} ({p.stat().st_size})" for p in cache.rglob("*.incomplete")]
+
+
+def curl_floor(url: str, repo: str, files: list[str], output_bytes: int, work: Path) -> dict:
+    """curl of every file through the server to /dev/null (following the LFS redirect), beside dd's durable write
+    of the output's bytes: see the module doc."""
+    drop_caches()
+    scratch = work / "write-floor.bin"
+    urls = [f"{url}/{repo}/resolve/main/{name}" for name in files]
+    script = ('dd if=/dev/zero of="$1" bs=64M count="$2" conv=fsync status=none & shift 2; '
+              'for u in "$@"; do curl -sSfL -o /dev/null "$u" || exit 1; done; wait')
+    try:
+        return timed(["sh", "-c", script, "sh", str(scratch), str(-(-output_bytes // 2**26)), *urls])
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def convert_hub(repo: str, out: Path, args, hub_env: dict, cache: Path, extra: tuple[str, ...] = (),
+                kill_when=None) -> dict:  # fmt: skip
+    """One `prequant convert REPO OUT` process with its scratch disk, disk timeline and memory sampled; with
+    `kill_when(cache)`, SIGKILLed once that holds (the result then says so, with no summary)."""
+    trace_file = args.dir / "prequant-trace.json"
+    trace_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "prequant", "convert", repo, str(out), "--device", args.device, "--json",
+           "--delete-source-shards", *args.prequant_arg, *extra]
+    env = run_env(PREQUANT_TRACE=str(trace_file), **hub_env)
+    scratch, disk, fs_peak = ScratchPeak(cache), DiskSampler(args.dir), DiskUsagePeak(args.dir)
+    spawned = time.time()
+    if kill_when is None:
+        r = timed(cmd, env=env, gpu=args.device != "cpu")
+        summary = json.loads(r.pop("stdout"))
+        r.update(output_bytes=summary["output_bytes"], peak_gpu_bytes=summary.get("peak_gpu_bytes"),
+                 weight_sha256=weight_hashes(out))
+    else:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        err: list[str] = []
+        reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+        reader.start()
+        while proc.poll() is None and not kill_when(cache):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        reader.join(5)
+        r = {"seconds": round(time.monotonic() - start, 2), "returncode": proc.returncode,
+             "stderr_tail": "".join(err)[-500:]}
+    r["scratch_peak_bytes"] = scratch.stop()
+    r["partials_seen"] = len(scratch.partials)
+    r["fs_peak_extra_bytes"] = fs_peak.stop()
+    r["disk_timeline"] = disk.stop()
+    r["trace"] = read_trace(trace_file, spawned)
+    return r
+
+
+def half_downloaded(shard_bytes: int, after: int):
+    """kill_when: a partial download of at least half a shard, and at least `after` shards already downloaded
+    (blobs of shard size in the cache, or evicted: counted from the trace-free side, the blobs directory)."""
+    seen: set[str] = set()
+
+    def check(cache: Path) -> bool:
+        for p in cache.rglob("*.incomplete"):
+            seen.add(p.name.split(".", 1)[0])
+            try:
+                if len(seen) > after and p.stat().st_size >= shard_bytes // 2:
+                    return True
+            except OSError:
+                continue
+        return False
+
+    return check
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="grok", choices=("grok", "llama", "uniform"))
+    ap.add_argument("--size-gb", type=float, default=33)
+    ap.add_argument("--layers", type=int, help="decoder layers instead of --size-gb")
+    ap.add_argument("--format", default="safetensors", choices=("safetensors", "bin"))
+    ap.add_argument("--model-code", action="store_true", help="grok: the remote-code model files too (never run)")
+    ap.add_argument("--dims", type=json.loads, default=None, metavar="JSON", help="synthetic.py's --dims (smoke runs)")
+    ap.add_argument("--shard-gb", type=float, default=5.0, help="source shard size")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/prequant-hub-scale"))
+    ap.add_argument("--prequant-arg", action="append", default=[], metavar="ARG")
+    ap.add_argument("--faults", action="store_true", help="also a run through a cut and a 503 burst")
+    ap.add_argument("--kill", action="store_true", help="also a run SIGKILLed mid-download, then --resume")
+    ap.add_argument("--fault-shard", type=int, default=3, help="the shard (1-based, in download order) faults hit")
+    ap.add_argument("--skip-download", action="store_true", help="no huggingface_hub-alone run")
+    ap.add_argument("--local-sha256", type=Path, help="convert.py's JSON report of the same checkpoint, local")
+    ap.add_argument("--keep-output", type=Path, help="move the first conversion's output here")
+    ap.add_argument("--json", type=Path, help="the report (written after every step)")
+    args = ap.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hub_server import HubServer  # the tests' local Hub (it imports pytest, a test dependency)
+
+    plain = args.format == "safetensors" and not (args.layers or args.dims or args.model_code) and args.shard_gb == 5
+    # The checkpoint convert.py and window.py measure (synthetic.generated's folder), when it is that one.
+    name = f"{args.shape}-{args.size_gb:g}gb" if plain else (
+        f"{args.shape}-{args.format}-{args.layers or args.size_gb:g}{'l' if args.layers else 'gb'}")
+    src = args.dir / name
+    report: dict = {"shape": args.shape, "format": args.format, "device": args.device, "cpus": os.cpu_count(),
+                    "filesystem": filesystem(args.dir)}
+    if not (src / "config.json").exists():
+        t = time.monotonic()
+        generate(args.shape, args.size_gb, src, args.shard_gb, layers=args.layers, dims=args.dims,
+                 model_code=args.model_code, fmt=args.format)
+        report["generated_seconds"] = round(time.monotonic() - t, 1)
+    hashes = source_hashes(src)  # while the new shards are still in the page cache
+    files = {p.name: p for p in sorted(src.iterdir()) if p.is_file() and p.name != HASHES}
+    shards = [n for n in files if n.endswith((".safetensors", ".bin"))]
+    report.update(source_bytes=sum(files[n].stat().st_size for n in shards), shards=len(shards),
+                  largest_shard_bytes=max(files[n].stat().st_size for n in shards))
+    repo = f"{REPO_PREFIX}/{name}"
+    server_root, hf_home = args.dir / "hub-server", args.dir / "hub-hf-home"
+    cache = hf_home / "hub"
+    out = args.dir / "out-hub"
+    shutil.rmtree(server_root, ignore_errors=True)
+
+    def save() -> None:
+        emit(report, args.json)
+
+    with HubServer(server_root) as server:
+        server.add_repo(repo, files, link=True, sha256s=hashes)
+        hub_env = {**server.env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
+                   "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        order = _download_order(src, shards)
+        fault_name = order[min(args.fault_shard, len(order)) - 1]
+
+        def fresh() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(hf_home, ignore_errors=True)
+
+        fresh()
+        drop_caches()
+        first = report["convert"] = convert_hub(repo, out, args, hub_env, cache)
+        first["within_scratch_bound"] = first["scratch_peak_bytes"] <= 2 * report["largest_shard_bytes"]
+        reference = first["weight_sha256"]
+        if args.local_sha256:
+            local = json.loads(args.local_sha256.read_text())["prequant"]["weight_sha256"]
+            first["same_bytes_as_local"] = reference == local
+        output_bytes = first["output_bytes"]
+        save()
+        if args.keep_output:
+            shutil.rmtree(args.keep_output, ignore_errors=True)
+            shutil.move(str(out), str(args.keep_output))
+        fresh()
+
+        report["floor"] = curl_floor(server.url, repo, list(files), output_bytes, args.dir)
+        report["floor"].pop("stdout", None)
+        report["convert"]["ratio_to_floor"] = round(first["seconds"] / report["floor"]["seconds"], 3)
+        save()
+
+        if args.faults:
+            server.fail(repo, fault_name, "drop", after_bytes=report["largest_shard_bytes"] // 3, times=1, ranged=False)
+            server.fail(repo, fault_name, "status", status=503, times=3, ranged=False)
+            server.clear_log()
+            drop_caches()
+            r = convert_hub(repo, out, args, hub_env, cache)
+            r["shard"] = fault_name
+            r["same_bytes"] = r["weight_sha256"] == reference
+            r["bodies"] = [rec.status for rec in server.request_log
+                           if rec.method == "GET" and rec.path.startswith("/cdn-lfs/") and rec.query.get("file") == [fault_name]]
+            server.clear_faults()
+            report["fault"] = r
+            fresh()
+            save()
+
+        if args.kill:
+            drop_caches()
+            killed = convert_hub(repo, out, args, hub_env, cache,
+                                 kill_when=half_downloaded(report["largest_shard_bytes"], args.fault_shard - 1))
+            killed["partials_left"] = partials(cache)
+            resumed = convert_hub(repo, out, args, hub_env, cache, ("--resume",))
+            resumed["partials_left"] = partials(cache)
+            resumed["same_bytes"] = resumed["weight_sha256"] == reference
+            resumed["within_scratch_bound"] = resumed["scratch_peak_bytes"] <= 2 * report["largest_shard_bytes"]
+            report["kill"] = {"killed": killed, "resumed": resumed}
+            fresh()
+            save()
+
+        if not args.skip_download:
+            drop_caches()
+            t = time.monotonic()
+            subprocess.run([sys.executable, "-c", DOWNLOAD, repo, str(cache)], check=True,
+                           env={**os.environ, **hub_env})
+            report["download"] = {"seconds": round(time.monotonic() - t, 2)}
+            report["download"]["gbps"] = round(report["source_bytes"] / report["download"]["seconds"] / 1e9, 3)
+            report["convert"]["ratio_to_download"] = round(first["seconds"] / report["download"]["seconds"], 3)
+            fresh()
+            save()
+    shutil.rmtree(server_root, ignore_errors=True)
+    print_report(report)
+    save()
+
+
+def _download_order(src: Path, shards: list[str]) -> list[str]:
+    """The shards in the order prequant downloads them: the index's first mention of each."""
+    index = next((src / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                  if (src / n).exists()), None)
+    if index is None:
+        return shards
+    return list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
+
+
+def print_report(r: dict) -> None:
+    c, f = r["convert"], r.get("floor", {})
+    gb = 1e9
+    print(f"\nHub path, {r['source_bytes'] / gb:.1f} GB {r['shape']} {r['format']} in {r['shards']} shards "
+          f"(largest {r['largest_shard_bytes'] / gb:.2f} GB), --device {r['device']}:", file=sys.stderr)
+    print(f"  convert {c['seconds']:.1f} s; floor (curl + dd) {f.get('seconds', float('nan')):.1f} s: "
+          f"{c.get('ratio_to_floor', float('nan')):.2f}x; huggingface_hub alone "
+          f"{r.get('download', {}).get('seconds', float('nan')):.1f} s", file=sys.stderr)
+    print(f"  scratch peak {c['scratch_peak_bytes'] / gb:.2f} GB (two shards: {2 * r['largest_shard_bytes'] / gb:.2f}); "
+          f"RssAnon {c['peak_rss_anon'] / 2**30:.2f} GiB, VmRSS {c['peak_vm_rss'] / 2**30:.2f} GiB", file=sys.stderr)
+    if "fault" in r:
+        x = r["fault"]
+        print(f"  fault on {x['shard']}: {x['seconds']:.1f} s, bodies {x['bodies']}, same bytes {x['same_bytes']}",
+              file=sys.stderr)
+    if "kill" in r:
+        k, s = r["kill"]["killed"], r["kill"]["resumed"]
+        print(f"  killed after {k['seconds']:.1f} s (partials left {k['partials_left']}); resumed {s['seconds']:.1f} s,"
+              f" scratch peak {s['scratch_peak_bytes'] / gb:.2f} GB, partials left {s['partials_left']}, same bytes "
+              f"{s['same_bytes']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
