@@ -78,6 +78,7 @@ class Fetcher:
         self._pending: _Pending | None = None  # a request in flight (its answer not read yet)
         self._unclaimed: dict[str, Fetched] = {}  # begun downloads answered before their `download` came
         self._closed = False
+        self.ended = threading.Event()  # set by `close`: the thread that started the child may end now
 
     @property
     def _busy(self) -> bool:
@@ -156,6 +157,7 @@ class Fetcher:
         """End the child: at once if it is downloading (the conversion is over), else once it sees EOF."""
         with self._lock:
             proc, self._proc, self._closed = self._proc, None, True
+        self.ended.set()
         if proc is None:
             return
         if self._busy:  # a failed or interrupted conversion: its download is not wanted any more
@@ -202,7 +204,9 @@ def expect_early() -> threading.Event:
 
 
 def keep_early(fetcher: Fetcher) -> None:
-    """Hold `fetcher`, whose first download is begun, for the conversion of its commit to `adopt`."""
+    """Hold `fetcher`, whose first download is begun, for the conversion of its commit to `adopt`. Its child dies
+    with the thread that started it (PR_SET_PDEATHSIG, `_die_with_parent`), so that thread must wait for
+    `fetcher.ended` before it ends."""
     _early.append(fetcher)
 
 

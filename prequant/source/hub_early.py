@@ -49,6 +49,7 @@ def start(spec: str, *, delete: bool = False) -> None:
 def _begin(repo_spec: str, done: threading.Event) -> None:
     from ..hub import client, fetcher
 
+    early = None
     try:
         repo_id, revision = client.parse_repo_spec(repo_spec)
         listing = client.resolve(repo_id, revision)
@@ -66,6 +67,10 @@ def _begin(repo_spec: str, done: threading.Event) -> None:
         log.debug("no early download for %s: %s", repo_spec, error)
     finally:
         done.set()
+    if early is not None:
+        # The download child dies with the thread that started it (hub.fetcher): this one lives until the
+        # conversion that took it over, or `close`, has ended it.
+        early.ended.wait()
 
 
 def close() -> None:

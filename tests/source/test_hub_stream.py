@@ -536,9 +536,13 @@ def test_the_first_shard_begun_early_is_taken_over_not_fetched_twice(
     hub_early.start(REPO, delete=True)
     try:
         assert held.arrived.wait(120)  # begun: its bytes are on their way, and no conversion has started
+        # The download child dies with the thread that started it (PR_SET_PDEATHSIG): that thread must still be
+        # there, and stay until the conversion that takes the download over has ended it.
+        assert [t for t in threading.enumerate() if t.name == "prequant-hub-early" and t.is_alive()]
     finally:
         held.release.set()
     prequant.convert(REPO, tmp_path / "hub", device="cpu", progress=False, delete_source_shards=True)
+    _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "prequant-hub-early"])
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
     whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
