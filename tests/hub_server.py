@@ -114,7 +114,7 @@ class Fault:
     after 60 s): a download caught mid-body, for as long as the test needs.
     ``times``: how many matching requests it hits (None: all of them). ``ranged``: True hits only requests
     with a Range header (e.g. header reads), False only requests without one (e.g. whole-file downloads),
-    None both.
+    None both. ``min_start``: only requests for bytes from this offset on (a resumed download, not a header read).
     """
 
     repo_id: str
@@ -125,6 +125,7 @@ class Fault:
     times: int | None = None
     methods: tuple[str, ...] = ("GET",)
     ranged: bool | None = None
+    min_start: int = 0
     arrived: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
 
@@ -440,7 +441,7 @@ class HubServer:
             return revision
         raise HubError(404, "RevisionNotFound", f"Invalid rev id: {revision}")
 
-    def _take_fault(self, repo_id: str, filename: str, method: str, ranged: bool) -> Fault | None:
+    def _take_fault(self, repo_id: str, filename: str, method: str, ranged: bool, start: int = 0) -> Fault | None:
         with self._lock:
             for fault in self._faults:
                 if (
@@ -448,6 +449,7 @@ class HubServer:
                     and fault.filename == filename
                     and method in fault.methods
                     and fault.ranged in (None, ranged)
+                    and start >= fault.min_start
                 ):
                     if fault.times is not None:
                         fault.times -= 1
@@ -732,7 +734,7 @@ class _Handler(BaseHTTPRequestHandler):
             start, end = _parse_range(range_header, blob.size)
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{blob.size}"
-        fault = self.hub._take_fault(repo, filename, self.command, ranged=bool(range_header))
+        fault = self.hub._take_fault(repo, filename, self.command, ranged=bool(range_header), start=start)
         if fault is not None and fault.kind == "status":
             raise HubError(fault.status, None, f"injected failure serving {filename}")
         self.record.status = status

@@ -35,6 +35,12 @@ from .spec import Source
 log = logging.getLogger(__name__)
 
 SLOTS = 2  # downloaded source shards on disk at once with delete
+# Shards downloading at once. One huggingface_hub download (one connection, a Python loop writing the file) took
+# 0.75 GB/s from the local Hub on the GPU machine, where curl read the same server at 1.4 GB/s (scripts/bench/
+# hub_scale.py, 2026-12-04): two side by side keep a fast link busy. PREQUANT_HUB_DOWNLOADS overrides it; with
+# --delete-source-shards the SLOTS bound holds whatever it is (a partial download counts as a shard on disk).
+DOWNLOADS = 2
+DOWNLOADS_ENV = "PREQUANT_HUB_DOWNLOADS"
 _LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
 
 
@@ -123,11 +129,15 @@ class HubShardReader(TensorReader):
         self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
         self._owned: dict[Path, Path] = {}  # downloaded by this run, still in the cache: path -> blob
         self._deleted: dict[Path, Path] = {}  # evicted by this run; may still be mapped until its last view goes
-        self._downloading = False
+        self._downloading = 0  # downloads in flight
         self._closed = False
-        self._thread: threading.Thread | None = None
-        # Downloads in a child process, not behind this one's GIL; the CLI may have begun the first (`hub_early`).
-        self._fetcher = fetcher.adopt(src.hub)
+        self._failed = False
+        self._threads: list[threading.Thread] = []
+        self._order = list(self._planned)  # the download order: the plan's
+        self._next = 0  # the next shard of _order to be taken by a download thread
+        # Downloads run in child processes, not behind this one's GIL, one per download thread (a child dies with
+        # the thread that started it); the CLI may have begun the first (`hub_early`): the first thread's.
+        self._fetchers: list[fetcher.Fetcher] = [fetcher.adopt(src.hub)]
         self.downloaded: list[str] = []  # file names, in the order this run downloaded them
         self._record: Callable[[str], None] | None = None  # `on_download`'s
         self.evicted: list[str] = []
@@ -138,9 +148,13 @@ class HubShardReader(TensorReader):
         """Start downloading now, in plan order. Not for a resumed run before its journal has marked the finished
         tensors (`tensor_done`): it would download shards that are done; the first read starts it then."""
         with self._cond:
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._download_all, name="prequant-download", daemon=True)
-                self._thread.start()
+            if self._threads or self._closed:
+                return
+            for k in range(_downloads()):
+                thread = threading.Thread(target=self._download_all, args=(k,), name=f"prequant-download-{k}",
+                                          daemon=True)
+                self._threads.append(thread)
+                thread.start()
 
     def prepare(self, path: Path, stop: threading.Event | None = None) -> None:
         """Wait until shard `path` is downloaded and checked; raise its download's error, if any."""
@@ -207,9 +221,11 @@ class HubShardReader(TensorReader):
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            cut = self._downloading  # a download in flight: the fetcher kills it, leaving its partial file
+            cut = self._downloading > 0  # a download in flight: its fetcher kills it, leaving its partial file
+            fetchers = list(self._fetchers)
             self._cond.notify_all()
-        self._fetcher.close()
+        for each in fetchers:
+            each.close()
         if cut:
             client.remove_stale_partials(self.src.repo_id)  # type: ignore[arg-type]
         super().close()
@@ -245,49 +261,69 @@ class HubShardReader(TensorReader):
                     self._deleted.clear()
         return not self._closed
 
-    def _download_all(self) -> None:
+    def _download_all(self, k: int) -> None:
+        """Download thread `k`: take the next shard in plan order while there is room, until none is left."""
+        with self._cond:
+            if k == len(self._fetchers):
+                self._fetchers.append(fetcher.Fetcher(self.src.hub))  # type: ignore[arg-type]
+            mine = self._fetchers[k]
         try:
-            self._download_each()
+            while (path := self._take(first=k == 0)) is not None:
+                self._fetch(path, mine)
         finally:
-            self._fetcher.close()  # nothing more to fetch (on Linux the child would die with this thread anyway)
+            mine.close()  # nothing more to fetch (on Linux its child would die with this thread anyway)
 
-    def _download_each(self) -> None:
-        order = list(self._planned)
-        for i, path in enumerate(order):
-            with self._cond:
+    def _take(self, first: bool) -> Path | None:
+        """The next shard to download, once there is room for it; None when none is left or the reader stopped.
+        The first thread takes the first shard: its fetcher may have begun it (`hub_early`)."""
+        with self._cond:
+            while not first and self._next == 0 and not self._closed:
+                self._cond.wait(0.1)
+            while self._next < len(self._order) and not (self._closed or self._failed):
+                path = self._order[self._next]
                 if self._left[path] == 0:  # every tensor done before a resume: not needed
+                    self._next += 1
                     continue
                 # A shard on disk already (downloaded by the interrupted run this one resumes: `claim`) takes no
                 # more room; waiting for room for it would wait for itself.
-                if self._closed or (path not in self._owned and not self._wait_for_room()):
-                    return
-                self._downloading = True
-            try:
-                blob = self._download(path)
-            except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
-                if isinstance(e, PrequantError) and not self._closed:
-                    e = e.noted("; the tensors converted so far are kept: rerun the same command with --resume to "
-                                "continue from them")
-                with self._cond:
-                    self._downloading = False
-                    for later in order[i:]:
-                        self._ready.setdefault(later, e)
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self._downloading = False
-                if blob is not None:
-                    self._owned[path] = blob
-                self._ready[path] = None
-                self._cond.notify_all()
+                if path not in self._owned and not self._wait_for_room():
+                    return None
+                if self._next >= len(self._order) or self._order[self._next] is not path:  # taken meanwhile
+                    continue
+                self._next += 1
+                self._downloading += 1
+                return path
+            return None
 
-    def _download(self, path: Path) -> Path | None:
+    def _fetch(self, path: Path, mine: fetcher.Fetcher) -> None:
+        """Download `path` with `mine` and say so to its reader; a failure is every later shard's too."""
+        try:
+            blob = self._download(path, mine)
+        except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
+            if isinstance(e, PrequantError) and not self._closed:
+                e = e.noted("; the tensors converted so far are kept: rerun the same command with --resume to "
+                            "continue from them")
+            with self._cond:
+                self._downloading -= 1
+                self._failed = True
+                for later in self._order[self._order.index(path):]:
+                    self._ready.setdefault(later, e)  # not those downloaded already
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._downloading -= 1
+            if blob is not None:
+                self._owned[path] = blob
+            self._ready[path] = None
+            self._cond.notify_all()
+
+    def _download(self, path: Path, mine: fetcher.Fetcher) -> Path | None:
         """Download one shard and check its header against the plan; its blob if this run put it in the cache."""
         assert self.src.hub is not None
         name = self._name(path)
         started = time.monotonic()
         trace.mark(f"download-start:{name}")
-        fetched = self._fetcher.download(name)
+        fetched = mine.download(name)
         trace.mark(f"download-done:{name}")
         log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
         blob = fetched.path.resolve()
@@ -309,6 +345,14 @@ class HubShardReader(TensorReader):
                 client.evict(self.src.hub, name)  # never leave a bad file for the next run to trust
             raise
         return blob if owned else None
+
+
+def _downloads() -> int:
+    """How many shards download at once: PREQUANT_HUB_DOWNLOADS, else DOWNLOADS (at least one)."""
+    try:
+        return max(1, int(os.environ.get(DOWNLOADS_ENV, DOWNLOADS)))
+    except ValueError:
+        return DOWNLOADS
 
 
 def _held_files() -> set[str]:

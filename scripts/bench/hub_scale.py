@@ -153,18 +153,20 @@ def convert_hub(repo: str, out: Path, args, hub_env: dict, cache: Path, extra: t
 
 
 def half_downloaded(shard_bytes: int, after: int):
-    """kill_when: a partial download of at least half a shard, and at least `after` shards already downloaded
-    (blobs of shard size in the cache, or evicted: counted from the trace-free side, the blobs directory)."""
+    """kill_when: a shard's partial download at half a shard or more, with `after` other shards' partial downloads
+    seen before it (a shard's: at least a hundredth of a shard; the small files download as partial files too)."""
     seen: set[str] = set()
 
     def check(cache: Path) -> bool:
         for p in cache.rglob("*.incomplete"):
-            seen.add(p.name.split(".", 1)[0])
             try:
-                if len(seen) > after and p.stat().st_size >= shard_bytes // 2:
-                    return True
+                size = p.stat().st_size
             except OSError:
                 continue
+            if size >= shard_bytes // 100:
+                seen.add(p.name.split(".", 1)[0])
+            if len(seen) > after and size >= shard_bytes // 2:
+                return True
         return False
 
     return check
@@ -253,8 +255,12 @@ def main() -> None:
         save()
 
         if args.faults:
-            server.fail(repo, fault_name, "drop", after_bytes=report["largest_shard_bytes"] // 3, times=1, ranged=False)
-            server.fail(repo, fault_name, "status", status=503, times=3, ranged=False)
+            # Cut a third of the way; huggingface_hub resumes from where its file ends (a ranged request, past the
+            # header reads' offsets): refused, then two more whole-file attempts refused, then served.
+            cut = report["largest_shard_bytes"] // 3
+            server.fail(repo, fault_name, "drop", after_bytes=cut, times=1, ranged=False)
+            server.fail(repo, fault_name, "status", status=503, times=1, ranged=True, min_start=1 << 20)
+            server.fail(repo, fault_name, "status", status=503, times=2, ranged=False)
             server.clear_log()
             drop_caches()
             r = convert_hub(repo, out, args, hub_env, cache)

@@ -75,7 +75,7 @@ def main() -> None:
                "pipeline_end": events.get("pipeline-end"), "output_bytes": run["output_bytes"],
                "busy": run.get("trace", {}).get("busy", {}), "env": {name: value} if name else {},
                "events": events, "disk": disk_timeline}  # fmt: skip
-        hashes = hashes or run["weight_sha256"]
+        hashes = report["weight_sha256"] = hashes or run["weight_sha256"]  # the first run's: every other's must match
         row["same_bytes"] = run["weight_sha256"] == hashes
         report["runs"].append(row)
         print(f"{device} window {window} GB{f' {name}={value}' if name else ''}: {row['seconds']} s", file=sys.stderr)

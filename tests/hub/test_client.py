@@ -258,6 +258,26 @@ def test_a_cut_whose_resume_meets_a_burst_of_server_errors_is_ridden_out(
     assert not list(cached(REPO).rglob("*.incomplete"))
 
 
+def test_a_resume_from_mid_file_refused_with_503_starts_the_file_again(
+    hub_server: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard larger than huggingface_hub's 10 MB write chunk, cut after 12 MB: it resumes from the 10 MB it wrote
+    (a ranged request), which a Hub in trouble answers 503; that download fails and deletes its partial file, and
+    the next attempt fetches the whole file."""
+    big = os.urandom(24 * 2**20)
+    name = "model-00001-of-00001.safetensors"
+    hub_server.add_repo("org/big", {"config.json": CONFIG, name: big})
+    monkeypatch.setenv(hub.RETRY_ENV, "20")
+    hub_server.fail("org/big", name, "drop", after_bytes=12 * 2**20, times=1, ranged=False)
+    hub_server.fail("org/big", name, "status", status=503, times=1, ranged=True, min_start=2**20)
+    hub_server.clear_log()
+    assert hub.download(hub.resolve("org/big"), name).read_bytes() == big
+    bodies = [(r.status, r.headers.get("range")) for r in hub_server.request_log
+              if r.method == "GET" and r.path.startswith("/cdn-lfs/")]
+    assert bodies == [(200, None), (503, f"bytes={10 * 2**20}-"), (200, None)]
+    assert not list(cached("org/big").rglob("*.incomplete"))
+
+
 def test_an_outage_longer_than_the_retries_says_how_long_it_tried(hub_server: HubServer, tiny: str) -> None:
     hub_server.fail(REPO, "config.json", "status", status=503)  # the fixture's budget: 3 s
     with pytest.raises(PrequantError) as error:

@@ -113,7 +113,7 @@ def test_plan_reads_headers_by_range_then_downloads_each_shard_once(
     whole = [name for name, r in fetched if not r]
     assert ranged and max(ranged) < min(i for i, (_, r) in enumerate(fetched) if not r)  # headers first
     order = list(dict.fromkeys(step.source.file.name for step in plan.steps))
-    assert whole == order  # each shard once, in the order the plan reads them
+    assert sorted(whole) == sorted(order)  # each shard once (two download at once: they may arrive out of order)
 
 
 def _disk_sampler(repo_id: str, shard_sizes: dict[str, int]):
@@ -188,7 +188,7 @@ def test_delete_source_shards_keeps_at_most_two_on_disk(
     assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
     two_largest = sum(sorted(shards.values())[-2:])
     assert 1 <= peaks["shards"] <= 2 and peaks["bytes"] <= two_largest
-    assert peaks["downloading"] <= 1  # one download at a time
+    assert peaks["downloading"] <= 2  # two download at once, and their partial files count as shards on disk
     assert not [p for p in (cache_repo(REPO) / "blobs").iterdir() if p.name in shards]  # all deleted at the end
     snapshot = cache_repo(REPO) / "snapshots" / hub_server.head(REPO)
     assert (snapshot / "config.json").is_file() and not list(snapshot.glob("*.safetensors"))
@@ -226,6 +226,11 @@ def _finish_shard(data, plan, file: Path) -> None:
             data.tensor_done(step.source)
 
 
+def _all_waiting_for_room(data) -> bool:
+    """Whether every download thread of `data` is inside its wait for room (or has ended)."""
+    return all(_blocked_in(t, "_wait_for_room") or not t.is_alive() for t in data._threads)
+
+
 def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
@@ -234,26 +239,50 @@ def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
     try:
         data.prepare(files[0])
         assert files[0].is_file()
-        downloader = data._thread  # started by that first prepare
-        assert downloader is not None
-        _wait_for(lambda: len(data.downloaded) == 2 or not downloader.is_alive())
-        assert data.downloaded == [f.name for f in files[:2]]  # the next one, with nobody asking for it yet
+        downloaders = data._threads  # started by that first prepare
+        assert len(downloaders) == hub_stream.DOWNLOADS
+        _wait_for(lambda: len(data.downloaded) == 2 or not any(t.is_alive() for t in downloaders))
+        assert sorted(data.downloaded) == sorted(f.name for f in files[:2])  # the next one, with nobody asking
         data.prepare(files[1])  # downloaded; now also checked against the plan
-        # The download thread's next move is to wait for room for the third: once it is inside that wait, with
-        # two shards on disk, only a deletion (or close) can let it go on. No time is guessed.
-        _wait_for(lambda: _blocked_in(downloader, "_wait_for_room") or not downloader.is_alive())
-        assert downloader.is_alive(), "the download thread finished instead of waiting for room"
-        assert data.downloaded == [f.name for f in files[:2]]  # two on disk: the third waits
+        # The download threads' next move is to wait for room for the third: once they are all inside that wait,
+        # with two shards on disk, only a deletion (or close) can let one go on. No time is guessed.
+        _wait_for(lambda: _all_waiting_for_room(data))
+        assert any(t.is_alive() for t in downloaders), "the download threads finished instead of waiting for room"
+        assert sorted(data.downloaded) == sorted(f.name for f in files[:2])  # two on disk: the third waits
         assert not files[2].exists()
         whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
-        assert whole == [f.name for f in files[:2]]  # the server never got a request for the third's bytes
+        assert sorted(whole) == sorted(f.name for f in files[:2])  # the server never got a request for the third's
         _finish_shard(data, plan, files[0])
         assert not files[0].exists() and data.evicted == [files[0].name]
-        # The deletion made room: the third comes unasked (a thread that died instead fails here, no hang).
-        _wait_for(lambda: len(data.downloaded) == 3 or not downloader.is_alive())
-        assert data.downloaded == [f.name for f in files[:3]]
+        # The deletion made room: the third comes unasked (threads that died instead fail here, no hang).
+        _wait_for(lambda: len(data.downloaded) == 3 or not any(t.is_alive() for t in downloaders))
+        assert data.downloaded[2] == files[2].name
         data.prepare(files[2])
         assert files[2].is_file()
+    finally:
+        data.close()
+
+
+def test_two_shards_download_at_once_within_the_two_shard_bound(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    plan, files, data = _streamed(tmp_path)
+    held = hub_server.fail(REPO, files[0].name, "hold", after_bytes=10_000, times=1, ranged=False)
+    try:
+        data.start()
+        assert held.arrived.wait(120)  # the first shard's body is half sent, and stays so
+        _wait_for(lambda: files[1].name in data.downloaded or not any(t.is_alive() for t in data._threads))
+        assert data.downloaded == [files[1].name]  # the second came meanwhile: two downloads at once
+        _wait_for(lambda: _all_waiting_for_room(data) or files[0].name in data.downloaded)
+        with data._cond:
+            assert data._on_disk() == 2  # one downloading, one downloaded: no third yet
+        assert not files[2].exists()
+    finally:
+        held.release.set()
+    try:
+        _wait_for(lambda: files[0].name in data.downloaded or not any(t.is_alive() for t in data._threads))
+        data.prepare(files[0])
+        assert files[0].read_bytes() == (tiny / files[0].name).read_bytes()
     finally:
         data.close()
 
@@ -267,22 +296,22 @@ def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
     plan, files, data = _streamed(tmp_path)
     try:
         data.prepare(files[0])
-        downloader = data._thread
-        assert downloader is not None
+        downloaders = data._threads
         data.prepare(files[1])
-        _wait_for(lambda: _blocked_in(downloader, "_wait_for_room") or not downloader.is_alive())
+        _wait_for(lambda: _all_waiting_for_room(data))
         held = os.open(files[0], os.O_RDONLY)  # e.g. a library caller's handle, or a view's descriptor
         try:
             _finish_shard(data, plan, files[0])
             assert not files[0].exists() and data.evicted == [files[0].name]
             assert os.fstat(held).st_blocks > 0  # deleted, but its blocks still allocated
-            with data._cond:  # the download thread's own count, as it decides
-                assert (data._on_disk(), data._downloading) == (2, False)
-            assert data.downloaded == [f.name for f in files[:2]] and not files[2].exists()
+            with data._cond:  # the download threads' own count, as they decide
+                assert (data._on_disk(), data._downloading) == (2, 0)
+            assert sorted(data.downloaded) == sorted(f.name for f in files[:2]) and not files[2].exists()
         finally:
             os.close(held)
-        _wait_for(lambda: len(data.downloaded) == 3 or not downloader.is_alive())  # freed: the third comes
-        assert data.downloaded == [f.name for f in files[:3]]
+        # freed: the third comes
+        _wait_for(lambda: len(data.downloaded) == 3 or not any(t.is_alive() for t in downloaders))
+        assert data.downloaded[2] == files[2].name
     finally:
         data.close()
 
@@ -444,7 +473,9 @@ def test_an_outage_longer_than_the_retries_stops_in_one_line_and_resume_finishes
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(out) == outputs(tmp_path / "local")
     downloaded = [name for name, ranged in shard_requests(hub_server) if not ranged]
-    assert downloaded == order[2:]  # the first two shards' tensors were kept: not downloaded again
+    # The first two shards' tensors were kept: not downloaded again; nor the fourth if it came while the third
+    # failed (the journal says the failed run downloaded it: the resume converts it, then deletes it).
+    assert third in downloaded and set(downloaded) <= set(order[2:]) and len(downloaded) == len(set(downloaded))
     assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # every download deleted once converted
 
 
@@ -519,8 +550,7 @@ def test_downloads_start_when_asked_before_any_read(hub_server: HubServer, tiny:
     try:
         data.start()  # what convert() does once the tensors are known, before the layout and the plan
         first = _shard_order(tmp_path)[0]
-        _wait_for(lambda: first in data.downloaded)
-        assert data.downloaded[0] == first  # and no tensor was read: the download did not wait for one
+        _wait_for(lambda: first in data.downloaded)  # no tensor was read: the download did not wait for one
     finally:
         data.close()
 
@@ -546,7 +576,7 @@ def test_the_first_shard_begun_early_is_taken_over_not_fetched_twice(
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
     whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
-    assert whole == _shard_order(tmp_path)  # each shard's body sent once, the early one included
+    assert sorted(whole) == sorted(_shard_order(tmp_path))  # each shard's body sent once, the early one included
     assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # it was this run's: deleted
 
 
@@ -583,7 +613,7 @@ def test_the_cli_begins_a_hub_sources_first_shard_before_its_imports(
     events = [name for name, _ in json.loads(trace.read_text())["events"]]
     assert f"download-begun-early:{first}" in events
     whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
-    assert whole == _shard_order(tmp_path)  # taken over: no shard downloaded twice
+    assert sorted(whole) == sorted(_shard_order(tmp_path))  # taken over: no shard downloaded twice
 
 
 # --------------------------------------------------------------------------------- specs and revisions
