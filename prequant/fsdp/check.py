@@ -111,7 +111,10 @@ class CheckReport:
                 lines.append(
                     f"{loader}: losses {' '.join(f'{x:.4f}' for x in s['losses'])}; packed {s['packed_tensors']} tensors, "
                     f"{s['nan_patterns']} bf16-NaN patterns, mismatched bytes at rest {s['mismatched_at_rest']}, in "
-                    f"forward {s['mismatched_in_forward']}; GPU load limit {lim['gpu_load'] / GIB:.2f} GiB "
+                    f"forward {s['mismatched_in_forward']}"
+                    + (f" ({s['experts_not_routed']} experts no token was routed to, checked at rest only)"
+                       if s.get("experts_not_routed") else "")
+                    + f"; GPU load limit {lim['gpu_load'] / GIB:.2f} GiB "
                     f"(checkpoint/N + largest layer {lim['largest_layer'] / GIB:.2f} GiB), RssAnon limit "
                     f"{lim['rss_anon'] / GIB:.0f} GiB" + (f"; problems: {'; '.join(s['problems'])}" if s["problems"] else "")
                 )

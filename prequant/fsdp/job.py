@@ -89,7 +89,8 @@ class PackedBytes:
         self.ckpt = Checkpoint(checkpoint)
         self.device = device
         self.result = {"tensors": 0, "bytes": 0, "nan_patterns": 0, "mismatched_at_rest": 0,
-                       "mismatched_in_forward": 0, "nan_canonicalized": 0, "checked_in_forward": 0, "first_bad": []}
+                       "mismatched_in_forward": 0, "nan_canonicalized": 0, "checked_in_forward": 0,
+                       "not_in_forward": [], "first_bad": []}
 
     def expected(self, prefix: str) -> torch.Tensor:
         return self.ckpt.view(prefix + ".weight").reshape(-1).view(torch.uint8).to(self.device)
@@ -124,11 +125,14 @@ class PackedBytes:
             self._compare(prefix, _gather_bytes(module.weight), "at_rest")
 
     def in_forward(self, model: torch.nn.Module, batch: torch.Tensor) -> None:
-        handles = []
+        """Compare the weight each packed layer receives in one forward pass; `checked_in_forward` counts the layers
+        that ran, `not_in_forward` names those that did not (in an MoE model, the experts no token was routed to)."""
+        handles, ran, layers = [], set(), [prefix for prefix, _ in packed_layers(model)]
         for prefix, module in packed_layers(model):
             def hook(mod: torch.nn.Module, args: Any, prefix: str = prefix) -> None:
-                self.result["checked_in_forward"] += 1
-                self._compare(prefix, mod.weight, "in_forward")
+                if prefix not in ran:  # an expert may run more than once in a forward; its bytes are the same
+                    ran.add(prefix)
+                    self._compare(prefix, mod.weight, "in_forward")
 
             handles.append(module.register_forward_pre_hook(hook))
         try:
@@ -137,6 +141,8 @@ class PackedBytes:
         finally:
             for h in handles:
                 h.remove()
+        self.result["checked_in_forward"] = len(ran)
+        self.result["not_in_forward"] = [prefix for prefix in layers if prefix not in ran]
 
     def close(self) -> None:
         self.ckpt.close()

@@ -115,11 +115,12 @@ def _grok_table(name: str, r: dict) -> tuple[list[str], dict | None]:
     for x in run["ranks"]:
         ld, tr, p = x["load"], x["train"], x["packed"]
         held = ld.get("checkpoint_bytes_held") or 0
-        intact = p["mismatched_at_rest"] == 0 and p["mismatched_in_forward"] == 0 and p["checked_in_forward"] >= p["tensors"]
+        intact = p["mismatched_at_rest"] == 0 and p["mismatched_in_forward"] == 0  # (layers that ran: checked_in_forward)
         lines.append(f"| {x['rank']} | {ld['seconds']:.1f} | {ld['peak_rss_anon'] / G:.2f} | "
                      f"{(ld['peak_rss_anon'] - held) / G:.2f} | {tr['peak_rss_anon'] / G:.2f} | {ld['peak_rss_file'] / G:.2f} | "
                      f"{ld.get('at_start_rss_file', 0) / G:.2f} | {held / 1e9:.3f} ({held / max(weights, 1):.4f}) | "
-                     f"{' '.join(f'{v:.6f}' for v in x['losses'])} | {'yes' if intact else 'NO'} ({p['bytes'] / 1e9:.2f} GB) |")
+                     f"{' '.join(f'{v:.6f}' for v in x['losses'])} | {'yes' if intact else 'NO'} ({p['bytes'] / 1e9:.2f} GB; "
+                     f"{p['checked_in_forward']} of {p['tensors']} in the forward) |")
     lines.append(f"\nsteps {len(s['losses'])}, train {max(x['train']['seconds'] for x in run['ranks']):.0f} s; problems: "
                  f"{s['problems'] or 'none'}; {s['packed_tensors']} packed tensors, {s['nan_patterns']} bf16-NaN patterns; "
                  f"checkpoint {lim['checkpoint'] / 1e9:.2f} GB ({weights / 1e9:.2f} GB of weights in the ranks' shards; the "
