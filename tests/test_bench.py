@@ -231,3 +231,27 @@ def test_disk_timeline_reads_diskstats_per_second():
     later = diskstats(line.format(r=2_000_000 + 2 * 10**9 // 512, w=10**9 // 512, busy=600))["vda"]
     rows = [(0.0, *first["vda"]), (0.5, *first["vda"]), (2.0, *later)]
     assert timeline(rows) == [{"t": 0.0, "read_gbps": 1.0, "write_gbps": 0.5, "busy": 0.25}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_bytes(tmp_path, fmt):
+    """scripts/bench/hub_scale.py end to end on a small Grok-1-shaped repo of 9 shards served by the tests' Hub."""
+    report_file = tmp_path / "hub.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench" / "hub_scale.py"), "--shape", "grok", "--layers", "3",
+         "--dims", '{"hidden": 512, "inter": 2048, "vocab": 4096, "heads": 8}', "--shard-gb", "0.02",
+         "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--skip-download",
+         "--dir", str(tmp_path / "work"), "--json", str(report_file)],
+        check=True, capture_output=True, text=True, timeout=900,
+    )
+    r = json.loads(report_file.read_text())
+    assert r["shards"] == 9 and r["format"] == fmt
+    c = r["convert"]
+    assert c["within_scratch_bound"] and 0 < c["scratch_shards_peak_bytes"] <= r["scratch_bound_bytes"], (
+        r["largest_shard_bytes"], c["scratch_shards_at_peak"])
+    assert c["ratio_to_floor"] == round(c["seconds"] / r["floor"]["seconds"], 3) and r["floor"]["client"]
+    assert r["fault"]["same_bytes"] and r["fault"]["bodies"].count(503) >= 2  # the burst hit, and was ridden out
+    killed, resumed = r["kill"]["killed"], r["kill"]["resumed"]
+    assert killed["returncode"] == -9 and killed["partials_left"]  # killed mid-body: its partial file is left
+    assert resumed["same_bytes"] and resumed["partials_left"] == [] and resumed["within_scratch_bound"]

@@ -10,10 +10,11 @@ model size:
 On a GPU the reader copies the file through two fixed pinned buffers into a device tensor on its own
 CUDA stream, and results come back into pinned buffers that torch's caching host allocator reuses, so host
 memory stays at those buffers and the few tensors in flight. While CUDA is still starting (`bnb.starting`), the
-reader hands over memory-mapped views instead, which the CPU kernel quantizes to the same bytes. On the CPU the reader hands over zero-copy
-memory-mapped views; `readahead` keeps the kernel reading the files ahead; the quantizing thread hands
-whole tensors to worker processes, one per core (`quantizing`, `bnb.tensor_pool`), or, on few cores, spreads
-each tensor's quantization and statistics over the kernels' thread pool (`bnb.kernels._parallel`), so this
+reader hands over memory-mapped views instead, which the CPU kernel quantizes to the same bytes. On the CPU the
+reader hands over zero-copy memory-mapped views; `readahead` keeps the kernel reading the files ahead; the
+quantizing thread hands whole tensors to worker processes, one per core (`quantizing`, `bnb.tensor_pool`), or, on
+few cores, spreads each tensor's quantization and statistics over the kernels' thread pool
+(`bnb.kernels._parallel`), so this
 stage uses every core rather than one. Tensors kept as they are never enter this process's stages: a thread
 of their own asks for their pages and checks their values on the mapped view (one reduction over the pages the
 copy reads anyway) while the reader goes on, then the writer, once the check has passed, has the kernel copy

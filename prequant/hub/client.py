@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # huggingface_hub resumes a body cut mid-way (5 times in a row) and retries 408/429, but not a 5xx: a cut
-# whose resume is answered 502/503 (a CDN or the Hub in trouble) fails the download, and huggingface_hub >= 2.4
-# deletes the partial file then. So a transient failure is tried again after waits that double from
+# whose resume is answered 502/503 (a CDN or the Hub in trouble) fails the download, and huggingface_hub (1.33 and
+# 2.4 read) deletes the partial file then. So a transient failure is tried again after waits that double from
 # _FIRST_WAIT_S up to _LONGEST_WAIT_S, until they add up to PREQUANT_HUB_RETRY_S (default 120 s): a Grok-1 shard
 # is 33 GB, and a run that gives up during a two-minute outage costs the user more than the wait.
 _FIRST_WAIT_S = 1.0
@@ -216,13 +216,14 @@ def evict(source: HubCommit, filename: str) -> None:
 def remove_stale_partials(repo_id: str) -> list[str]:
     """Delete the repo's partial downloads that no download is writing; return their names.
 
-    huggingface_hub (>= 2.4) downloads each file into ``blobs/<etag>.<8 hex>.incomplete``, a name of its own for
-    each download, while it holds ``.locks/<repo folder>/<etag>.lock``, and deletes the partial file when the
-    download fails; but a process killed mid-download (SIGKILL, a machine that lost power) leaves it behind, never
-    to be reused: with 33 GB shards, a few such kills fill the disk that `--delete-source-shards` was bounding. A
-    partial file whose lock this process can take is one no download is writing (the lock is the kernel's flock,
-    released when its holder dies), so it goes; one whose lock is held stays. Earlier huggingface_hub releases
-    wrote ``<etag>.incomplete`` and resumed it on the next download: those are never touched."""
+    huggingface_hub (1.33 and 2.4 read) downloads each file into ``blobs/<etag>.<8 hex>.incomplete``, a name of its
+    own for each download, while it holds ``.locks/<repo folder>/<etag>.lock``, and deletes the partial file when
+    the download fails; but a process killed mid-download (SIGKILL, a machine that lost power) leaves it behind,
+    never to be reused: with 33 GB shards, a few such kills fill the disk that `--delete-source-shards` was
+    bounding. A partial file whose lock this process can take is one no download is writing (the lock is the
+    kernel's flock, released when its holder dies), so it goes; one whose lock is held stays. Earlier
+    huggingface_hub releases wrote ``<etag>.incomplete`` and resumed it on the next download: those are never
+    touched."""
     from filelock import FileLock, Timeout  # huggingface_hub's own lock library
 
     storage = cache.storage_folder(repo_id)

@@ -4,14 +4,15 @@
 shard by the path it will have in the Hugging Face cache; `remote_headers` plans from the shards' headers,
 read by HTTP range requests, without downloading them.
 
-During conversion `HubShardReader` downloads the shards one by one in the order the plan reads them, the
-next one while the current one converts, through a child process (`hub.fetcher`: not behind this one's
-GIL). The downloads start when the conversion calls `start` (as soon as the tensors are known, so that the
-first shard downloads while the layout is decided and the quantizer starts), or at the first read. Reading a shard waits until it is complete and its header has been checked against the plan. With
-`delete`, a shard prequant downloaded is evicted from the cache once all its tensors are written, and at most
-`SLOTS` downloaded shards take disk space at any moment (counting one that was deleted but is still
-memory-mapped or open): one being converted, the next downloading.
-Shards that were in the cache before the run are never deleted.
+During conversion `HubShardReader` downloads the shards in the order the plan reads them, `DOWNLOADS` at a time
+while the conversion goes on, each thread through a child process of its own (`hub.fetcher`: not behind this
+one's GIL). The downloads start when the conversion calls `start` (as soon as the tensors are known, so that the
+first shards download while the layout is decided and the quantizer starts), or at the first read. Reading a
+shard waits until it is complete and its header has been checked against the plan. With `delete`, a shard prequant
+downloaded is evicted from the cache once all its tensors are written, and at most `SLOTS` shards of this run take
+disk space at any moment (downloading, downloaded, or deleted but still memory-mapped or open). Shards that were
+in the cache before the run are never deleted; those an interrupted run of the same conversion downloaded are this
+run's to delete (`claim`).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from huggingface_hub import hf_hub_download, list_repo_files
 repo, cache = sys.argv[1], sys.argv[2]
 for name in list_repo_files(repo):
     path = hf_hub_download(repo, name, cache_dir=cache)
-    if name.endswith(".safetensors"):
+    if name.endswith((".safetensors", ".bin")):
         os.remove(os.path.realpath(path))  # as --delete-source-shards does: the disk holds one shard at a time
 """
 

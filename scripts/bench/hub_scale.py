@@ -40,46 +40,48 @@ from pathlib import Path
 from common import (
     ROOT, DiskSampler, DiskUsagePeak, Periodic, drop_caches, emit, read_trace, run_env, timed, weight_hashes,
 )
-from hub_path import HASHES, REPO_PREFIX, filesystem, source_hashes
+from hub_path import DOWNLOAD, HASHES, REPO_PREFIX, filesystem, source_hashes
 from synthetic import generate
 
-DOWNLOAD = r"""
-import os, sys
-from huggingface_hub import hf_hub_download, list_repo_files
-repo, cache = sys.argv[1], sys.argv[2]
-for name in list_repo_files(repo):
-    path = hf_hub_download(repo, name, cache_dir=cache)
-    if name.endswith((".safetensors", ".bin")):
-        os.remove(os.path.realpath(path))  # as --delete-source-shards does: one shard on disk at a time
-"""
 
 
 class ScratchPeak(Periodic):
-    """The bytes the files under `folder` (the Hugging Face cache) take on disk, sampled: peak, and the shards'
-    partial downloads seen (huggingface_hub's *.incomplete files)."""
+    """The bytes the files under `folder` (the Hugging Face cache) take on disk, sampled: the peak of all of them, the
+    peak of the source shards' (their blobs, named by sha256, and their partial downloads, huggingface_hub's
+    <sha256>.<8 hex>.incomplete), and the partial files seen."""
 
-    def __init__(self, folder: Path, interval: float = 0.05) -> None:
-        self.folder = folder
-        self.peak = 0
+    def __init__(self, folder: Path, shards: set[str], interval: float = 0.05) -> None:
+        self.folder, self.shards = folder, shards
+        self.peak = self.shard_peak = 0
+        self.at_peak: dict[str, int] = {}  # the source shards' files at that peak: sha256 (12 digits) -> bytes
         self.partials: set[str] = set()
         super().__init__(interval)
 
     def sample(self) -> None:
-        total = 0
+        total, per_shard = 0, {}
         for root, _, names in os.walk(self.folder):
             for name in names:
                 try:
-                    st = os.lstat(os.path.join(root, name))
+                    size = os.lstat(os.path.join(root, name)).st_blocks * 512
                 except OSError:
                     continue
-                total += st.st_blocks * 512
+                total += size
+                sha = name.split(".", 1)[0]
+                if sha in self.shards:
+                    # A partial file renamed to its blob while the folder is listed can be listed under both names:
+                    # one shard, counted once.
+                    per_shard[sha] = max(per_shard.get(sha, 0), size)
                 if name.endswith(".incomplete"):
                     self.partials.add(name)
         self.peak = max(self.peak, total)
+        if sum(per_shard.values()) > self.shard_peak:
+            self.shard_peak = sum(per_shard.values())
+            self.at_peak = {sha[:12]: size for sha, size in per_shard.items()}
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
+        """(peak of all, peak of the source shards)"""
         self._halt()
-        return self.peak
+        return self.peak, self.shard_peak
 
 
 def partials(cache: Path) -> list[str]:
@@ -115,16 +117,16 @@ def curl_floor(url: str, repo: str, files: list[str], output_bytes: int, work: P
         scratch.unlink(missing_ok=True)
 
 
-def convert_hub(repo: str, out: Path, args, hub_env: dict, cache: Path, extra: tuple[str, ...] = (),
+def convert_hub(repo: str, out: Path, args, hub_env: dict, cache: Path, shards: set[str], extra: tuple[str, ...] = (),
                 kill_when=None) -> dict:  # fmt: skip
-    """One `prequant convert REPO OUT` process with its scratch disk, disk timeline and memory sampled; with
-    `kill_when(cache)`, SIGKILLed once that holds (the result then says so, with no summary)."""
+    """One `prequant convert REPO OUT` process with its scratch disk (`shards`: the source shards' blob names),
+    disk timeline and memory sampled; with `kill_when(cache)`, SIGKILLed once that holds (no summary then)."""
     trace_file = args.dir / "prequant-trace.json"
     trace_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "prequant", "convert", repo, str(out), "--device", args.device, "--json",
            "--delete-source-shards", *args.prequant_arg, *extra]
     env = run_env(PREQUANT_TRACE=str(trace_file), **hub_env)
-    scratch, disk, fs_peak = ScratchPeak(cache), DiskSampler(args.dir), DiskUsagePeak(args.dir)
+    scratch, disk, fs_peak = ScratchPeak(cache, shards), DiskSampler(args.dir), DiskUsagePeak(args.dir)
     spawned = time.time()
     if kill_when is None:
         r = timed(cmd, env=env, gpu=args.device != "cpu")
@@ -138,38 +140,19 @@ def convert_hub(repo: str, out: Path, args, hub_env: dict, cache: Path, extra: t
         reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
         reader.start()
         while proc.poll() is None and not kill_when(cache):
-            time.sleep(0.05)
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         reader.join(5)
         r = {"seconds": round(time.monotonic() - start, 2), "returncode": proc.returncode,
              "stderr_tail": "".join(err)[-500:]}
-    r["scratch_peak_bytes"] = scratch.stop()
+    r["scratch_peak_bytes"], r["scratch_shards_peak_bytes"] = scratch.stop()
+    r["scratch_shards_at_peak"] = scratch.at_peak
     r["partials_seen"] = len(scratch.partials)
     r["fs_peak_extra_bytes"] = fs_peak.stop()
     r["disk_timeline"] = disk.stop()
     r["trace"] = read_trace(trace_file, spawned)
     return r
-
-
-def half_downloaded(shard_bytes: int, after: int):
-    """kill_when: a shard's partial download at half a shard or more, with `after` other shards' partial downloads
-    seen before it (a shard's: at least a hundredth of a shard; the small files download as partial files too)."""
-    seen: set[str] = set()
-
-    def check(cache: Path) -> bool:
-        for p in cache.rglob("*.incomplete"):
-            try:
-                size = p.stat().st_size
-            except OSError:
-                continue
-            if size >= shard_bytes // 100:
-                seen.add(p.name.split(".", 1)[0])
-            if len(seen) > after and size >= shard_bytes // 2:
-                return True
-        return False
-
-    return check
 
 
 def main() -> None:
@@ -212,8 +195,12 @@ def main() -> None:
     hashes = source_hashes(src)  # while the new shards are still in the page cache
     files = {p.name: p for p in sorted(src.iterdir()) if p.is_file() and p.name != HASHES}
     shards = [n for n in files if n.endswith((".safetensors", ".bin"))]
+    shard_blobs = {hashes[n] for n in shards}  # the names of their blobs in the Hugging Face cache (LFS: sha256)
     report.update(source_bytes=sum(files[n].stat().st_size for n in shards), shards=len(shards),
                   largest_shard_bytes=max(files[n].stat().st_size for n in shards))
+    block = os.statvfs(args.dir).f_frsize
+    # Two shards on disk: the scratch figure counts allocated blocks, so the bound is in whole blocks too.
+    report["scratch_bound_bytes"] = 2 * -(-report["largest_shard_bytes"] // block) * block
     repo = f"{REPO_PREFIX}/{name}"
     server_root, hf_home = args.dir / "hub-server", args.dir / "hub-hf-home"
     cache = hf_home / "hub"
@@ -236,8 +223,8 @@ def main() -> None:
 
         fresh()
         drop_caches()
-        first = report["convert"] = convert_hub(repo, out, args, hub_env, cache)
-        first["within_scratch_bound"] = first["scratch_peak_bytes"] <= 2 * report["largest_shard_bytes"]
+        first = report["convert"] = convert_hub(repo, out, args, hub_env, cache, shard_blobs)
+        first["within_scratch_bound"] = first["scratch_shards_peak_bytes"] <= report["scratch_bound_bytes"]
         reference = first["weight_sha256"]
         if args.local_sha256:
             local = json.loads(args.local_sha256.read_text())["prequant"]["weight_sha256"]
@@ -263,7 +250,7 @@ def main() -> None:
             server.fail(repo, fault_name, "status", status=503, times=2, ranged=False)
             server.clear_log()
             drop_caches()
-            r = convert_hub(repo, out, args, hub_env, cache)
+            r = convert_hub(repo, out, args, hub_env, cache, shard_blobs)
             r["shard"] = fault_name
             r["same_bytes"] = r["weight_sha256"] == reference
             r["bodies"] = [rec.status for rec in server.request_log
@@ -274,14 +261,19 @@ def main() -> None:
             save()
 
         if args.kill:
+            # The server holds shard K's body half sent: the kill comes while that download is surely under way.
+            held = server.fail(repo, fault_name, "hold", after_bytes=files[fault_name].stat().st_size // 2, times=1,
+                               ranged=False)
             drop_caches()
-            killed = convert_hub(repo, out, args, hub_env, cache,
-                                 kill_when=half_downloaded(report["largest_shard_bytes"], args.fault_shard - 1))
+            killed = convert_hub(repo, out, args, hub_env, cache, shard_blobs, kill_when=lambda _: held.arrived.is_set())
+            held.release.set()
+            server.clear_faults()
+            killed["shard"] = fault_name
             killed["partials_left"] = partials(cache)
-            resumed = convert_hub(repo, out, args, hub_env, cache, ("--resume",))
+            resumed = convert_hub(repo, out, args, hub_env, cache, shard_blobs, ("--resume",))
             resumed["partials_left"] = partials(cache)
             resumed["same_bytes"] = resumed["weight_sha256"] == reference
-            resumed["within_scratch_bound"] = resumed["scratch_peak_bytes"] <= 2 * report["largest_shard_bytes"]
+            resumed["within_scratch_bound"] = resumed["scratch_shards_peak_bytes"] <= report["scratch_bound_bytes"]
             report["kill"] = {"killed": killed, "resumed": resumed}
             fresh()
             save()
@@ -318,7 +310,8 @@ def print_report(r: dict) -> None:
     print(f"  convert {c['seconds']:.1f} s; floor (curl + dd) {f.get('seconds', float('nan')):.1f} s: "
           f"{c.get('ratio_to_floor', float('nan')):.2f}x; huggingface_hub alone "
           f"{r.get('download', {}).get('seconds', float('nan')):.1f} s", file=sys.stderr)
-    print(f"  scratch peak {c['scratch_peak_bytes'] / gb:.2f} GB (two shards: {2 * r['largest_shard_bytes'] / gb:.2f}); "
+    print(f"  scratch peak {c['scratch_peak_bytes'] / gb:.2f} GB, source shards {c['scratch_shards_peak_bytes'] / gb:.2f} GB "
+          f"(two shards: {r['scratch_bound_bytes'] / gb:.2f}); "
           f"RssAnon {c['peak_rss_anon'] / 2**30:.2f} GiB, VmRSS {c['peak_vm_rss'] / 2**30:.2f} GiB", file=sys.stderr)
     if "fault" in r:
         x = r["fault"]
