@@ -5,6 +5,7 @@ Standard library only: the CLI lists a source's weight files with it before torc
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 from ..errors import PrequantError
@@ -21,6 +22,16 @@ INDEX_NAMES = (SAFETENSORS_INDEX, BIN_INDEX)
 # Weight formats: never copied as side files (the output has its own weights, and copies of the originals,
 # e.g. Llama's original/consolidated.00.pth, would double the output for nothing).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+
+
+def weight_layout(names: Collection[str]) -> tuple[str | None, str, str] | None:
+    """Which weights a checkpoint whose files are `names` holds: (its index, or None for a single file; the single
+    file's name; the format), from the first of WEIGHT_LAYOUTS whose index or single file is among them (a Hub
+    listing: the conversion and the CLI's early download must pick the same); None without weights."""
+    for index, single, fmt in WEIGHT_LAYOUTS:
+        if index in names or single in names:
+            return (index if index in names else None), single, fmt
+    return None
 
 
 def shard_name(i: int, count: int) -> str:

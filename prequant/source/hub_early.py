@@ -19,7 +19,7 @@ import logging
 import threading
 from pathlib import Path
 
-from ..checkpoint.hf_files import WEIGHT_LAYOUTS, shard_names
+from ..checkpoint.hf_files import shard_names, weight_layout
 from ..util import trace
 from .spec import hub_spec
 
@@ -53,11 +53,11 @@ def _begin(repo_spec: str, done: threading.Event) -> None:
     try:
         repo_id, revision = client.parse_repo_spec(repo_spec)
         listing = client.resolve(repo_id, revision)
-        index = next((index for index, _, _ in WEIGHT_LAYOUTS if index in listing.files), None)
-        if index is not None:
-            first = shard_names(repo_id, client.download(listing, index))[0]
-        else:
-            first = next(single for _, single, _ in WEIGHT_LAYOUTS if single in listing.files)
+        layout = weight_layout(listing.files)  # what hub_stream.resolve will find
+        if layout is None:
+            return
+        index, single, _ = layout
+        first = shard_names(repo_id, client.download(listing, index))[0] if index else single
         if first in listing.files:
             early = fetcher.Fetcher(listing)
             early.begin(first)

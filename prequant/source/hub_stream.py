@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ..checkpoint.hf_files import CONFIG, WEIGHT_LAYOUTS, WEIGHT_SUFFIXES, shard_names
+from ..checkpoint.hf_files import CONFIG, WEIGHT_SUFFIXES, shard_names, weight_layout
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
@@ -64,9 +64,7 @@ def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> So
         raise
     label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"
     files = listing.files
-    layout = next(
-        ((index, single, fmt) for index, single, fmt in WEIGHT_LAYOUTS if index in files or single in files), None
-    )
+    layout = weight_layout(files)
     if layout is None:
         found = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
         hint = f" (found {', '.join(found[:5])})" if found else ""
@@ -80,7 +78,6 @@ def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> So
             "pick a revision that has it"
         )
     index_name, single, fmt = layout
-    index_name = index_name if index_name in files else None
     # Everything but weights: what a conversion copies (tokenizer, code, licence) or reads (config, index, card).
     small = [n for n in files if not n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".") and "/." not in n]
     for name in sorted(small, key=lambda n: (n != CONFIG, n != index_name, n)):
@@ -293,6 +290,7 @@ class HubShardReader(TensorReader):
                     continue
                 self._next += 1
                 self._downloading += 1
+                self._cond.notify_all()  # the other threads wait for the first shard to be taken
                 return path
             return None
 

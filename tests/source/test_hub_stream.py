@@ -549,8 +549,10 @@ def test_downloads_start_when_asked_before_any_read(hub_server: HubServer, tiny:
     data = sources.reader(src, tensors)
     try:
         data.start()  # what convert() does once the tensors are known, before the layout and the plan
+        assert data._threads  # started, with nothing read
         first = _shard_order(tmp_path)[0]
-        _wait_for(lambda: first in data.downloaded)  # no tensor was read: the download did not wait for one
+        _wait_for(lambda: first in data.downloaded or not any(t.is_alive() for t in data._threads))
+        assert first in data.downloaded  # no tensor was read: the download did not wait for one
     finally:
         data.close()
 
@@ -599,6 +601,29 @@ def test_a_refused_run_ends_the_early_download_and_leaves_nothing_of_it(
     assert not [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]  # the cut download's partial
     assert not list(cache_repo(REPO).glob(f"snapshots/*/{first}"))
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_the_early_download_begins_the_weights_the_conversion_reads(
+    hub_server: HubServer, checkpoints, tmp_path: Path
+) -> None:
+    """A repo with model.safetensors and, beside it, PyTorch shards with their index: the conversion reads the
+    safetensors (the first layout of WEIGHT_LAYOUTS found), so the early download must begin that file, not a shard."""
+    from prequant.hub import fetcher
+
+    single = checkpoints("llama")
+    files = {p.name: p for p in single.iterdir() if p.is_file()}
+    files["pytorch_model.bin.index.json"] = json.dumps(
+        {"metadata": {}, "weight_map": {"lm_head.weight": "pytorch_model-00001-of-00001.bin"}}).encode()
+    files["pytorch_model-00001-of-00001.bin"] = b"\0" * 4096
+    hub_server.add_repo("org/both", files)
+    hub_early.start("org/both")
+    try:
+        fetcher.wait_early()
+        assert [early._pending.filename for early in fetcher._early] == ["model.safetensors"]
+    finally:
+        hub_early.close()
+    src = sources.resolve("org/both", stream=True)
+    assert [p.name for p in src.weight_files] == ["model.safetensors"]  # what the conversion reads, the same
 
 
 def test_the_cli_begins_a_hub_sources_first_shard_before_its_imports(
