@@ -241,13 +241,14 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench" / "hub_scale.py"), "--shape", "grok", "--layers", "3",
          "--dims", '{"hidden": 512, "inter": 2048, "vocab": 4096, "heads": 8}', "--shard-gb", "0.02",
-         "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--skip-download",
+         "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--skip-download", "--local",
          "--dir", str(tmp_path / "work"), "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=900,
     )
     r = json.loads(report_file.read_text())
     assert r["shards"] == 9 and r["format"] == fmt
     c = r["convert"]
+    assert r["local"]["same_bytes"] and c["same_bytes_as_local"]  # the served folder, converted from disk
     assert c["within_scratch_bound"] and 0 < c["scratch_shards_peak_bytes"] <= r["scratch_bound_bytes"], (
         r["largest_shard_bytes"], c["scratch_shards_at_peak"])
     assert c["ratio_to_floor"] == round(c["seconds"] / r["floor"]["seconds"], 3) and r["floor"]["client"]

@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 from common import (
-    ROOT, DiskSampler, DiskUsagePeak, Periodic, drop_caches, emit, read_trace, run_env, timed, weight_hashes,
+    ROOT, DiskSampler, DiskUsagePeak, Periodic, drop_caches, emit, read_trace, run_env, run_prequant, timed,
+    weight_hashes,
 )
 from hub_path import DOWNLOAD, HASHES, REPO_PREFIX, filesystem, source_hashes
 from synthetic import generate
@@ -172,6 +173,8 @@ def main() -> None:
     ap.add_argument("--fault-shard", type=int, default=3, help="the shard (1-based, in download order) faults hit")
     ap.add_argument("--skip-download", action="store_true", help="no huggingface_hub-alone run")
     ap.add_argument("--local-sha256", type=Path, help="convert.py's JSON report of the same checkpoint, local")
+    ap.add_argument("--local", action="store_true", help="also convert the served folder from disk, cold, and "
+                    "compare its bytes (what --local-sha256 gives where convert.py measured it)")
     ap.add_argument("--keep-output", type=Path, help="move the first conversion's output here")
     ap.add_argument("--json", type=Path, help="the report (written after every step)")
     args = ap.parse_args()
@@ -235,6 +238,14 @@ def main() -> None:
             shutil.rmtree(args.keep_output, ignore_errors=True)
             shutil.move(str(out), str(args.keep_output))
         fresh()
+
+        if args.local:
+            drop_caches()
+            local_run = run_prequant(str(src), args.dir / "out-local", args.device, args.dir, args.prequant_arg)
+            shutil.rmtree(args.dir / "out-local", ignore_errors=True)
+            report["local"] = {k: local_run[k] for k in ("seconds", "peak_rss_anon", "output_bytes")}
+            first["same_bytes_as_local"] = report["local"]["same_bytes"] = local_run["weight_sha256"] == reference
+            save()
 
         report["floor"] = curl_floor(server.url, repo, list(files), output_bytes, args.dir)
         report["floor"].pop("stdout", None)
@@ -313,6 +324,9 @@ def print_report(r: dict) -> None:
     print(f"  scratch peak {c['scratch_peak_bytes'] / gb:.2f} GB, source shards {c['scratch_shards_peak_bytes'] / gb:.2f} GB "
           f"(two shards: {r['scratch_bound_bytes'] / gb:.2f}); "
           f"RssAnon {c['peak_rss_anon'] / 2**30:.2f} GiB, VmRSS {c['peak_vm_rss'] / 2**30:.2f} GiB", file=sys.stderr)
+    if "local" in r:
+        print(f"  the same folder converted from disk: {r['local']['seconds']:.1f} s, same bytes "
+              f"{r['local']['same_bytes']}", file=sys.stderr)
     if "fault" in r:
         x = r["fault"]
         print(f"  fault on {x['shard']}: {x['seconds']:.1f} s, bodies {x['bodies']}, same bytes {x['same_bytes']}",
