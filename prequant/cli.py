@@ -11,7 +11,7 @@ from . import exits
 import typer
 
 from .bnb import tensor_spawn
-from .conversion import layout_worker, libraries, readahead
+from .conversion import layout_worker, readahead
 from .source import hub_early
 from .util.helptext import Command as _Command, examples as _examples
 
@@ -98,8 +98,6 @@ def convert(
     arguments = dict(locals())
     if layout_worker.worthwhile():
         layout_worker.start(source, skip or [], trust_remote_code)  # transformers imports there, torch here
-    if not dry_run:
-        libraries.start(device)  # cold libraries: read first, in big requests (the source's read-ahead waits)
     if not (dry_run or resume):
         weight_bytes = readahead.start_for_source(source)  # the disk works while torch imports
         tensor_spawn.start_early(weight_bytes, device)  # and so do the CPU workers

@@ -256,3 +256,59 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     killed, resumed = r["kill"]["killed"], r["kill"]["resumed"]
     assert killed["returncode"] == -9 and killed["partials_left"]  # killed mid-body: its partial file is left
     assert resumed["same_bytes"] and resumed["partials_left"] == [] and resumed["within_scratch_bound"]
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(BENCH))
+    return __import__(name)
+
+
+def test_elf_reads_torch_s_sections_and_needed_libraries():
+    """The probe's ELF reader (scripts/bench/elf.py) on a library every test machine has: torch's own."""
+    import torch
+
+    elf = _bench_module("elf")
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    secs = elf.sections(lib)
+    by_name = {s.name: s for s in secs}
+    assert by_name[".text"].alloc and by_name[".dynsym"].alloc
+    assert all(s.offset + s.size <= lib.stat().st_size for s in secs)
+    if ".symtab" in by_name:  # not stripped: the symbol table is never mapped
+        assert not by_name[".symtab"].alloc
+    names, run_path = elf.needed(lib)
+    assert "libc10.so" in names and any(Path(p).resolve() == lib.parent.resolve() for p in run_path)
+
+
+def test_elf_refuses_what_is_not_a_64_bit_little_endian_elf(tmp_path):
+    import struct
+
+    elf = _bench_module("elf")
+    text = tmp_path / "notes.txt"
+    text.write_text("not a library")
+    short = tmp_path / "short.so"
+    short.write_bytes(b"\x7fELF\x02\x01" + b"\0" * 10)
+    big_endian = tmp_path / "be.so"
+    big_endian.write_bytes(b"\x7fELF\x02\x02" + b"\0" * 100)
+    bad_table = tmp_path / "bad.so"
+    head = bytearray(b"\x7fELF\x02\x01" + b"\0" * 58)
+    struct.pack_into("<Q", head, 0x28, 10**9)  # section headers far past the end
+    struct.pack_into("<HHH", head, 0x3A, 64, 3, 1)
+    bad_table.write_bytes(bytes(head))
+    for f in (text, short, big_endian, bad_table, tmp_path / "missing.so"):
+        assert elf.sections(f) is None and elf.needed(f) is None
+
+
+def test_cold_start_reads_back_exactly_the_resident_runs_and_groups_them(tmp_path):
+    cold_start = _bench_module("cold_start")
+    page = cold_start.PAGE
+    f = tmp_path / "site-packages" / "nvidia" / "cu13" / "lib" / "libx.so"
+    f.parent.mkdir(parents=True)
+    f.write_bytes(b"\1" * (6 * page))
+    pages = bytes([1, 1, 0, 0, 1, 0])
+    assert cold_start.ranges({str(f): pages}) == [(str(f), 0, 2 * page), (str(f), 4 * page, page)]
+    seconds, n = cold_start.read_ahead(cold_start.ranges({str(f): pages}))
+    assert n == 3 * page and seconds >= 0
+    d = cold_start.describe({str(f): pages})
+    assert d["groups"]["nvidia/cu13"] == {"files": 1, "resident": 3 * page, "size": 6 * page}
+    assert cold_start.group("/x/site-packages/torch/lib/libtorch_cuda.so") == "torch/lib"
+    assert cold_start.group("/tmp/pycache/x/torch/nn/functional.cpython-312.pyc") == "python"

@@ -2,11 +2,11 @@
 
 Its parts, in the order the data flows: `options` (ConvertOptions), `layout_worker` (the layout decided in a
 child process while torch loads), `plan` (pure: every output tensor and shard before any data is read),
-`libraries` (cold libraries read first) and `readahead` (the disk kept busy), `pipeline` (read, quantize and write overlapped) with `gpu_loader` (file to
+`readahead` (the disk kept busy), `pipeline` (read, quantize and write overlapped) with `gpu_loader` (file to
 GPU through pinned buffers), `kept` (NaN and Inf in the tensors kept as they are), `shardset` (its output shards,
 journaled) and `writer` (one streaming safetensors shard), `journal` (resume), `sidecar` (config, index, side
 files), `record` (prequant.json and the hashes) with `card` (README.md), `output` (checked, staged, published)
 with `lock` (one conversion per OUTPUT_DIR), `summary` (what was done).
 
 (The package is named `conversion`, not `convert`, so that `prequant.convert` stays the function.) This face
-imports nothing: the CLI uses `layout_worker`, `libraries` and `readahead` before torch is imported."""
+imports nothing: the CLI uses `layout_worker` and `readahead` before torch is imported."""

@@ -35,7 +35,7 @@ read them page fault by page fault, each fault a small read that waits behind wh
 queued: on the GPU machine a cold Grok-shaped 33 GB conversion finished importing at 22.4 s with 32 MiB of
 queued advice, where a cold tiny conversion, with nothing read ahead, had imported at 3.2 s (2026-12-01,
 `scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`, and a tiny checkpoint). So the CLI checks whether
-torch's main library is in the page cache (`libraries.libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. Measured
+torch's main library is in the page cache (`libraries_cold`) and, if not, starts at `COLD_START_DEPTH`. Measured
 then, 1 MiB was best (one lease, 2026-12-02, floors 24.8-25.5 s: 33.3 s against 34.6 s at 4 MiB and 40.5 s asking
 nothing; `scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`, the depth set by PREQUANT_READAHEAD_COLD_DEPTH).
 
@@ -54,10 +54,6 @@ PREQUANT_READAHEAD_COLD_DEPTH=1048576,4194304,8388608,16777216 --repeats 2`; flo
 At 16 MiB the source is read as fast as `cat` reads it (17.0 against 16.9 s), then only the writes are left: 9.3 GB
 in 6.1 s, the writer thread busy 92% of it, the disk 34-97% busy by the second. What is left is the writer's, not
 the disk's.
-
-Since then the CLI reads cold libraries itself before the source (`libraries`): this thread waits for that read,
-and where it completed the libraries are warm, so the start-up's depth and the pipeline beside CUDA's start apply
-as for a warm process; the cold depth is left for a process whose libraries were not read first.
 """
 
 from __future__ import annotations
@@ -68,8 +64,7 @@ from collections import deque
 from pathlib import Path
 
 from ..util import memory, trace
-from ..util.pagecache import advice_chunk, pieces
-from . import libraries
+from ..util.pagecache import advice_chunk, pieces, resident_pages
 
 _STEP = 64 * 1024 * 1024
 # Bytes asked of the disk and not yet read: enough to keep it streaming, little for other reads to wait behind.
@@ -84,6 +79,9 @@ COLD_ENV = "PREQUANT_READAHEAD_COLD_DEPTH"
 # it, for `scripts/bench/window.py` to compare leads.
 PIPELINE_WINDOW = {"cpu": 2 * 10**9}
 WINDOW_ENV = "PREQUANT_READAHEAD_WINDOW"
+# Below this share of libtorch_cpu.so in the page cache, the libraries count as cold (a warm process has touched
+# about 55% of it, 236 of its 451 MB on the GPU machine; a dropped cache leaves nearly none).
+COLD_FRACTION = 0.2
 
 
 def default_window() -> int:
@@ -133,7 +131,7 @@ class Readahead:
         self.files = [Path(f) for f in files]
         self.window = window or default_window()
         self.depth = depth
-        # `cold_depth`: the depth while the libraries load, if this thread finds them cold and unread (`libraries`),
+        # `cold_depth`: the depth while the libraries load, if this thread finds them cold (`libraries_cold`),
         # unless a depth is set first.
         self._cold_depth = cold_depth
         self._consumed = 0
@@ -171,8 +169,9 @@ class Readahead:
             _current = None  # the next conversion in this process starts a fresh one
 
     def _run(self) -> None:
-        libraries.wait()  # the read of cold libraries the CLI started goes first (`libraries`)
-        if self._cold_depth is not None and libraries.check_cold():
+        global _found_cold
+        if self._cold_depth is not None and libraries_cold():
+            _found_cold = True
             with self._cond:
                 if self._cold_depth is not None:
                     self.depth = self._cold_depth
@@ -216,6 +215,13 @@ def _wait_read(fd: int, asked: deque[tuple[int, int]], limit: int) -> None:
 
 
 _current: Readahead | None = None
+_found_cold = False  # whether a start-up read-ahead of this process found the libraries cold
+
+
+def found_libraries_cold() -> bool:
+    """Whether this process started cold: the CLI's start-up read-ahead found torch's library outside the page
+    cache before torch was imported (`libraries_cold`). False where nothing checked (a library caller)."""
+    return _found_cold
 
 
 def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None = None,
@@ -260,3 +266,33 @@ def cold_start_depth() -> int:
         return max(0, int(os.environ.get(COLD_ENV, COLD_START_DEPTH)))
     except ValueError:
         return COLD_START_DEPTH
+
+
+def libraries_cold() -> bool:
+    """Whether torch's main shared library is mostly outside the page cache (then its imports will read the disk),
+    found without importing torch. False when it cannot tell."""
+    try:
+        lib = _torch_library()
+        fraction = resident_fraction(lib) if lib is not None else None
+    except Exception:  # noqa: BLE001 - advisory only, like the read-ahead itself: then keep the usual depth
+        return False
+    return fraction is not None and fraction < COLD_FRACTION
+
+
+def _torch_library() -> Path | None:
+    """torch's libtorch_cpu.so, found as an import would find it, without importing torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "lib" / "libtorch_cpu.so"
+
+
+def resident_fraction(path: Path) -> float | None:
+    """The share of a file's pages in the page cache (`pagecache.resident_pages`, which reads none of them), or None
+    where that cannot be asked."""
+    pages = resident_pages(path)
+    if not pages:
+        return None
+    return 1 - pages.count(0) / len(pages)  # only bit 0 (resident) is ever set

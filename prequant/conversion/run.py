@@ -31,7 +31,7 @@ from ..source.resolve import check_delete, reader, resolve, scan
 from ..source.spec import Source
 from ..util import signals, trace
 from ..util.progress import Progress
-from . import libraries, output, pipeline, readahead
+from . import output, pipeline, readahead
 from .journal import Journal, fingerprint, job_id
 from .layouts import LayoutMismatch, Layouts
 from .options import ConvertOptions
@@ -77,10 +77,10 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     config = read_config(src.path)
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the pipeline runs, the CPU quantizing meanwhile (bnb.starting),
-    # unless this process started with its libraries cold and has not read them since (`libraries`): CUDA's start
-    # then reads them page fault by page fault, behind the pipeline's reads and writes, and took 29 s beside them
-    # against 4-12 s with the pipeline waiting (a 33 GB Grok-shaped checkpoint, `scripts/bench/convert.py --size-gb
-    # 33 --shape grok --device cuda`, the GPU machine).
+    # unless this process started with its libraries cold: CUDA's start then reads them page fault by page fault,
+    # behind the pipeline's reads and writes, and took 29 s beside them against 4-12 s with the pipeline waiting (a
+    # 33 GB Grok-shaped checkpoint, `scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`, the GPU
+    # machine).
     # A Hub source's first shard downloads from here on, while the quantizer starts and the layout is decided (the
     # plan reads the tensors in this order); a resume starts at its first read, once the journal has said what is
     # done.
@@ -88,7 +88,7 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     try:
         weight_bytes = _src_bytes(tensors)
         quantizer = None if opts.dry_run else starting.quantizer(
-            opts.settings, opts.device, weight_bytes, meanwhile=not libraries.still_cold())
+            opts.settings, opts.device, weight_bytes, meanwhile=not readahead.found_libraries_cold())
         if quantizer is not None and quantizer.device_type == "cpu":
             tensor_pool.pool(weight_bytes)  # the CPU workers import torch while the plan is made
         trace.mark("quantizer-ready")

@@ -3,18 +3,14 @@
     python scripts/bench/cold_start.py [--device cuda] [--repeats 2] [--json FILE]
 
 A tiny checkpoint's whole conversion (`scripts/make_tiny_checkpoint.py`), so that the start-up is all there is:
-  cold      the page cache dropped first, PREQUANT_WARM_LIBRARIES=0: torch, CUDA and bitsandbytes read from the disk
-            page fault by page fault
+  cold      the page cache dropped first: torch, CUDA and bitsandbytes read from the disk page fault by page fault
   warm      the same with nothing dropped
   touched   the page cache dropped, then exactly the pages the cold run left in it read first, on 8 threads in
-            8 MiB reads (timed apart), then the conversion: what reading the libraries ahead can buy at best
-  prequant  the page cache dropped, then the conversion as it runs: prequant reads cold libraries first itself
-            (`conversion.libraries`)
+            8 MiB reads (timed apart), then the conversion: what reading the libraries ahead could buy at best
 Between the cold run and the next, every file under the interpreter's paths, the pycache prefix and the system's
 library folders with pages in the page cache is listed: resident bytes by group (torch/lib, each nvidia package,
 bitsandbytes, Python files, system libraries), and for ELF files the bytes the loader maps (SHF_ALLOC) and the
-device code (.nv_fatbin) apart; and `conversion.libraries.plan`'s bytes against them: how much of what the cold start
-read it covers, and how much more it reads.
+device code (.nv_fatbin) apart.
 Root only (it drops the page cache).
 """
 
@@ -34,14 +30,12 @@ from pathlib import Path
 
 from common import ROOT, drop_caches, emit, read_trace, run_env, timed  # this directory
 
-from prequant.conversion import libraries
-from prequant.util import elf
+import elf  # this directory
 from prequant.util.pagecache import resident_pages
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SYSTEM_LIBS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/local/cuda/lib64", "/usr/local/lib")
-DEVICE_CODE = libraries.DEVICE_CODE
-OFF = {libraries.ENV: "0"}
+DEVICE_CODE = (".nv_fatbin", "__nv_relfatbin", ".nvFatBinSegment")  # CUDA reads it kernel by kernel, not the loader
 
 
 def roots() -> list[Path]:
@@ -82,15 +76,15 @@ def resident_files(folders: list[Path]) -> dict[str, bytes]:
 def group(path: str) -> str:
     """The group a file counts in: torch/lib, nvidia/<package>, bitsandbytes, python (.py/.pyc), system, other."""
     parts = Path(path).parts
+    if path.endswith((".py", ".pyc")):
+        return "python"
     if "nvidia" in parts:
         i = parts.index("nvidia")
         return "nvidia/" + (parts[i + 1] if i + 1 < len(parts) else "?")
-    if "torch" in parts and "lib" in parts[parts.index("torch"):]:
+    if any(a == "torch" and b == "lib" for a, b in zip(parts, parts[1:])):
         return "torch/lib"
     if "bitsandbytes" in parts and ".so" in path:
         return "bitsandbytes/lib"
-    if path.endswith((".py", ".pyc")):
-        return "python"
     if path.startswith(SYSTEM_LIBS) or path.startswith("/usr/lib/"):
         return "system"
     return "other"
@@ -120,30 +114,6 @@ def describe(found: dict[str, bytes]) -> dict:
         files.append(row)
     files.sort(key=lambda r: -r["resident"])
     return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["resident"])), "files": files}
-
-
-def coverage(found: dict[str, bytes], cuda: bool) -> dict:
-    """`libraries.plan`'s pieces against the pages the cold start read: bytes planned, bytes of those pages covered,
-    and the files read that the plan left out (the largest 15)."""
-    todo = libraries.plan(cuda)
-    planned: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    total = 0
-    for p in todo:
-        n = p.length if p.length >= 0 else (os.path.getsize(p.path) if os.path.exists(p.path) else 0)
-        if n:
-            planned[os.path.realpath(p.path)].append((p.offset, n))
-            total += n
-    covered = missed = 0
-    left_out = []
-    for path, pages in found.items():
-        spans = planned.get(path, [])
-        inside = sum(1 for i, p in enumerate(pages) if p & 1 and any(o <= i * PAGE < o + n for o, n in spans))
-        outside = sum(1 for p in pages if p & 1) - inside
-        covered, missed = covered + inside * PAGE, missed + outside * PAGE
-        if not spans and outside:
-            left_out.append((outside * PAGE, path))
-    return {"planned_bytes": total, "covered_bytes": covered, "missed_bytes": missed,
-            "left_out": [{"path": p, "resident": n} for n, p in sorted(left_out, reverse=True)[:15]]}
 
 
 def ranges(found: dict[str, bytes]) -> list[tuple[str, int, int]]:
@@ -191,7 +161,7 @@ def convert(tiny: Path, out: Path, device: str, work: Path, env: dict | None = N
     r = timed([sys.executable, "-m", "prequant", "convert", str(tiny), str(out), "--device", device],
               env=run_env(PREQUANT_TRACE=str(trace), **(env or {})), memory=False)
     events = read_trace(trace, spawned).get("events", {})
-    keep = ("start", "imported", "cuda-ready", "quantizer-ready", "pipeline-start", "libraries-read", "exit")
+    keep = ("start", "imported", "cuda-ready", "quantizer-ready", "pipeline-start", "exit")
     return {"seconds": r["seconds"], "events": {k: v for k, v in events.items() if k in keep}}
 
 
@@ -210,23 +180,20 @@ def main() -> None:
         convert(tiny, work / "out", args.device, work)  # bytecode compiled (PYTHONPYCACHEPREFIX) once, untimed
         if not drop_caches():
             raise SystemExit("cold_start.py drops the page cache: run it as root")
-        report["runs"]["cold"].append(convert(tiny, work / "out", args.device, work, OFF))
+        report["runs"]["cold"].append(convert(tiny, work / "out", args.device, work))
         t = time.monotonic()
         found = resident_files(roots())
         report["scan_seconds"] = round(time.monotonic() - t, 1)
         report["touched"] = describe(found)
-        report["plan"] = coverage(found, cuda=args.device != "cpu")
         for i in range(args.repeats):
             report["runs"]["warm"].append(convert(tiny, work / "out", args.device, work))
             drop_caches()
             seconds, n = read_ahead(ranges(found))
-            r = convert(tiny, work / "out", args.device, work, OFF)
+            r = convert(tiny, work / "out", args.device, work)
             report["runs"]["touched"].append(r | {"read_seconds": round(seconds, 2), "read_bytes": n})
-            drop_caches()
-            report["runs"]["prequant"].append(convert(tiny, work / "out", args.device, work))
             if i:
                 drop_caches()
-                report["runs"]["cold"].append(convert(tiny, work / "out", args.device, work, OFF))
+                report["runs"]["cold"].append(convert(tiny, work / "out", args.device, work))
             emit(report, args.json)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -234,9 +201,6 @@ def main() -> None:
     for name, g in report["touched"]["groups"].items():
         print(f"{name:28} {g['files']:5} files, {g['resident'] / 1e6:8.1f} MB resident of {g['size'] / 1e6:8.1f} MB",
               file=sys.stderr)
-    c = report["plan"]
-    print(f"libraries.plan: {c['planned_bytes'] / 1e9:.2f} GB planned, covering {c['covered_bytes'] / 1e9:.2f} GB of "
-          f"what the cold start read, missing {c['missed_bytes'] / 1e9:.2f} GB: {c['left_out'][:5]}", file=sys.stderr)
     for mode, runs in report["runs"].items():
         for r in runs:
             extra = f" (read first: {r['read_bytes'] / 1e9:.2f} GB in {r['read_seconds']:.2f} s)" if "read_bytes" in r else ""

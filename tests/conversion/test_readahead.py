@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prequant.conversion import libraries, readahead
+from prequant.conversion import readahead
 
 
 def _advised(advice: list[tuple[int, int, int]]) -> int:
@@ -116,8 +116,7 @@ def test_the_clis_early_readahead_is_shallow_and_deepens_once_convert_takes_it_o
     """Shallow while the imports fault in library pages (they would wait behind it), deep once the pipeline runs."""
     library = tmp_path / "libtorch_cpu.so"
     library.write_bytes(b"\1" * (1 << 20))  # warm libraries (cold ones: the test below)
-    monkeypatch.setattr(libraries, "torch_library", lambda: library)
-    _fresh_libraries(monkeypatch)
+    monkeypatch.setattr(readahead, "_torch_library", lambda: library)
     (tmp_path / "model.safetensors").write_bytes(b"\1" * (3 * readahead._STEP // 2))
     readahead.start_for_source(str(tmp_path))
     early = readahead._current
@@ -144,12 +143,6 @@ def test_cgroup_room_is_what_the_memory_limit_leaves(tmp_path):
     assert readahead._cgroup_room(proc, tmp_path / "fs") is None
 
 
-def _fresh_libraries(monkeypatch) -> None:
-    """This process as if it had checked nothing about its libraries yet (restored after the test)."""
-    monkeypatch.setattr(libraries, "_found_cold", False)
-    monkeypatch.setattr(libraries, "_current", None)
-
-
 def _evicted(path: Path, size: int) -> Path:
     """A file written, flushed and dropped from the page cache (as after `echo 3 > drop_caches`)."""
     path.write_bytes(os.urandom(size))
@@ -164,11 +157,11 @@ def _evicted(path: Path, size: int) -> Path:
 
 def test_resident_fraction_is_the_share_of_the_file_in_the_page_cache(tmp_path):
     f = _evicted(tmp_path / "lib.so", 8 << 20)
-    cold = libraries.resident_fraction(f)
+    cold = readahead.resident_fraction(f)
     if cold is None or cold > 0.5:
         pytest.skip(f"this file system keeps pages DONTNEED asks to drop (resident {cold})")
     f.read_bytes()
-    warm = libraries.resident_fraction(f)
+    warm = readahead.resident_fraction(f)
     assert warm is not None and warm > 0.9 and cold <= 0.5
 
 
@@ -177,15 +170,15 @@ def test_an_early_readahead_beside_cold_libraries_waits_until_convert_sets_its_d
     """Cold libraries are read fault by fault, each fault waiting behind the queued advice: the CLI's readahead
     then asks nothing (cold depth 0) until convert() takes it over with the pipeline's depth."""
     library = _evicted(tmp_path / "libtorch_cpu.so", 8 << 20)
-    fraction = libraries.resident_fraction(library)
-    if fraction is None or fraction > libraries.COLD_FRACTION:
+    fraction = readahead.resident_fraction(library)
+    if fraction is None or fraction > readahead.COLD_FRACTION:
         pytest.skip("this file system keeps pages DONTNEED asks to drop")
-    monkeypatch.setattr(libraries, "torch_library", lambda: library)
-    _fresh_libraries(monkeypatch)  # not what an earlier test of this process found
+    monkeypatch.setattr(readahead, "_torch_library", lambda: library)
+    monkeypatch.setattr(readahead, "_found_cold", False)  # what an earlier test of this process found
     r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=0)
     _wait_until_blocked(r)
     assert r.depth == 0 and _advised(advice) == 0
-    assert libraries.still_cold()  # so convert() waits for CUDA before its pipeline (bnb.starting)
+    assert readahead.found_libraries_cold()  # so convert() waits for CUDA before its pipeline (bnb.starting)
     r.set_depth(readahead.PIPELINE_DEPTH)
     r._thread.join()
     assert _advised(advice) == 3 * readahead._STEP
@@ -194,33 +187,13 @@ def test_an_early_readahead_beside_cold_libraries_waits_until_convert_sets_its_d
 def test_an_early_readahead_beside_warm_libraries_keeps_its_start_up_depth(two_files, advice, tmp_path, monkeypatch):
     library = tmp_path / "libtorch_cpu.so"
     library.write_bytes(b"\1" * (1 << 20))  # just written: in the page cache
-    monkeypatch.setattr(libraries, "torch_library", lambda: library)
-    _fresh_libraries(monkeypatch)
+    monkeypatch.setattr(readahead, "_torch_library", lambda: library)
+    monkeypatch.setattr(readahead, "_found_cold", False)
     # A cold depth that still reads (not 0), so that wrongly taking it shows as a wrong depth, not a hang.
     r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=1 << 20)
     r._thread.join()
     assert r.depth == readahead.START_DEPTH and _advised(advice) == 3 * readahead._STEP
-    assert not libraries.still_cold()
-
-
-def test_an_early_readahead_waits_for_the_read_of_cold_libraries_then_keeps_its_start_up_depth(
-        two_files, advice, tmp_path, monkeypatch):
-    """Cold libraries the CLI has read first (`libraries.start`) are warm when the source's read-ahead begins: it
-    goes after that read and does not take the cold depth, and convert() may run its pipeline beside CUDA's start."""
-    library = _evicted(tmp_path / "libtorch_cpu.so", 8 << 20)
-    fraction = libraries.resident_fraction(library)
-    if fraction is None or fraction > libraries.COLD_FRACTION:
-        pytest.skip("this file system keeps pages DONTNEED asks to drop")
-    monkeypatch.setattr(libraries, "torch_library", lambda: library)
-    _fresh_libraries(monkeypatch)
-    libraries.start("cpu")
-    warming = libraries._current
-    assert warming is not None and libraries.found_cold()
-    r = readahead.Readahead(two_files, window=10 * readahead._STEP, depth=readahead.START_DEPTH, cold_depth=0)
-    r._thread.join()  # with cold depth 0 this would wait for convert(): it finishes only if the read counted
-    assert warming.done.is_set() and warming.completed and warming.bytes > 0
-    assert r.depth == readahead.START_DEPTH and _advised(advice) >= 3 * readahead._STEP  # the source, after
-    assert not libraries.still_cold()
+    assert not readahead.found_libraries_cold()
 
 
 def test_the_cold_start_depth_can_be_set_for_a_benchmark(monkeypatch):

@@ -1,5 +1,6 @@
-"""What a shared library's ELF headers say, read without loading it (standard library only: the CLI asks before torch
-is imported): its sections, where they lie in the file, and the libraries it needs.
+"""What a shared library's ELF headers say, read without loading it (standard library only, like every benchmark
+helper here): its sections, where they lie in the file, whether the loader maps them, and the libraries it needs.
+`cold_start.py` uses it to tell the bytes a start reads of a library's mapped sections from its GPU code.
 
 Only 64-bit little-endian ELF files are read (every platform torch ships CUDA wheels for); anything else is None.
 """
