@@ -101,7 +101,8 @@ def convert(
     if not (dry_run or resume):
         weight_bytes = readahead.start_for_source(source)  # the disk works while torch imports
         tensor_spawn.start_early(weight_bytes, device)  # and so do the CPU workers
-        hub_early.start(source, delete=delete_source_shards)  # and the network, for a Hub source
+        if hub_early.start(source, delete=delete_source_shards):  # and the network, for a Hub source
+            readahead.note_cold_start()  # which no start-up read-ahead checks: are the libraries cold?
     with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
         from .conversion.options import ConvertOptions
         from .conversion.run import convert as run_convert

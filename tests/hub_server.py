@@ -114,7 +114,8 @@ class Fault:
     after 60 s): a download caught mid-body, for as long as the test needs.
     ``times``: how many matching requests it hits (None: all of them). ``ranged``: True hits only requests
     with a Range header (e.g. header reads), False only requests without one (e.g. whole-file downloads),
-    None both. ``min_start``: only requests for bytes from this offset on (a resumed download, not a header read).
+    "resume" only those whose Range has no end (``bytes=N-``: a download resumed mid-file, never a header read),
+    None all. ``min_start``: only requests for bytes from this offset on (a resumed download, not a header read).
     """
 
     repo_id: str
@@ -124,7 +125,7 @@ class Fault:
     after_bytes: int = 0
     times: int | None = None
     methods: tuple[str, ...] = ("GET",)
-    ranged: bool | None = None
+    ranged: bool | Literal["resume"] | None = None
     min_start: int = 0
     arrived: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
@@ -441,14 +442,17 @@ class HubServer:
             return revision
         raise HubError(404, "RevisionNotFound", f"Invalid rev id: {revision}")
 
-    def _take_fault(self, repo_id: str, filename: str, method: str, ranged: bool, start: int = 0) -> Fault | None:
+    def _take_fault(self, repo_id: str, filename: str, method: str, range_header: str | None,
+                    start: int = 0) -> Fault | None:  # fmt: skip
+        ranged = bool(range_header)
+        resume = ranged and range_header.strip().endswith("-")
         with self._lock:
             for fault in self._faults:
                 if (
                     fault.repo_id == repo_id
                     and fault.filename == filename
                     and method in fault.methods
-                    and fault.ranged in (None, ranged)
+                    and (fault.ranged in (None, ranged) or (fault.ranged == "resume" and resume))
                     and start >= fault.min_start
                 ):
                     if fault.times is not None:
@@ -734,7 +738,7 @@ class _Handler(BaseHTTPRequestHandler):
             start, end = _parse_range(range_header, blob.size)
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{blob.size}"
-        fault = self.hub._take_fault(repo, filename, self.command, ranged=bool(range_header), start=start)
+        fault = self.hub._take_fault(repo, filename, self.command, range_header, start=start)
         if fault is not None and fault.kind == "status":
             raise HubError(fault.status, None, f"injected failure serving {filename}")
         self.record.status = status

@@ -241,7 +241,8 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench" / "hub_scale.py"), "--shape", "grok", "--layers", "3",
          "--dims", '{"hidden": 512, "inter": 2048, "vocab": 4096, "heads": 8}', "--shard-gb", "0.02",
-         "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--skip-download", "--local",
+         "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--local",
+         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub",
          "--dir", str(tmp_path / "work"), "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=900,
     )
@@ -252,7 +253,13 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     assert c["within_scratch_bound"] and 0 < c["scratch_shards_peak_bytes"] <= r["scratch_bound_bytes"], (
         r["largest_shard_bytes"], c["scratch_shards_at_peak"])
     assert c["ratio_to_floor"] == round(c["seconds"] / r["floor"]["seconds"], 3) and r["floor"]["client"]
-    assert r["fault"]["same_bytes"] and r["fault"]["bodies"].count(503) >= 2  # the burst hit, and was ridden out
+    # cut a third of the way, its resume refused three times, then the rest from the same byte: the burst ridden out
+    bodies = r["fault"]["bodies"]
+    assert r["fault"]["same_bytes"] and [status for status, _ in bodies] == [200, 503, 503, 503, 206], bodies
+    assert bodies[0][1] is None and len({asked for _, asked in bodies[1:]}) == 1
+    variant = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub"]
+    assert variant["same_bytes"] and variant["within_scratch_bound"]
+    assert r["download"]["seconds"] > 0 and r["transfer"]["seconds"] > 0  # each client alone
     killed, resumed = r["kill"]["killed"], r["kill"]["resumed"]
     assert killed["returncode"] == -9 and killed["partials_left"]  # killed mid-body: its partial file is left
     assert resumed["same_bytes"] and resumed["partials_left"] == [] and resumed["within_scratch_bound"]

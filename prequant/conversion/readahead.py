@@ -224,6 +224,18 @@ def found_libraries_cold() -> bool:
     return _found_cold
 
 
+def note_cold_start() -> bool:
+    """From the CLI, before torch is imported, for a source no start-up read-ahead checks (a Hub repo): whether the
+    libraries are cold (`libraries_cold`), remembered for `found_libraries_cold`. A Hub shard downloaded at the
+    link's speed is there before CUDA is: with the CPU quantizing it meanwhile, CUDA's cold start took 10.3 s where
+    it took 4.7 s in a run whose first shard came after it (a 33 GB Grok-shaped repo from the local Hub,
+    `scripts/bench/hub_scale.py`, the GPU machine, 2026-12-04), and the two-shard bound held the third download
+    back until the first shard was converted."""
+    global _found_cold
+    _found_cold = _found_cold or libraries_cold()
+    return _found_cold
+
+
 def start(files: list[Path], depth: int = PIPELINE_DEPTH, cold_depth: int | None = None,
           window: int | None = None) -> Readahead | None:  # fmt: skip
     """Start (or keep, if already started on the same files) the process' readahead, at this depth and, if given,

@@ -28,7 +28,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from ..errors import PrequantError, UsageError
-from . import cache
+from . import cache, transfer
 from .failures import IncompleteDownload, RemoteEntryNotFound, explain, first_line, is_incomplete, short
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,12 @@ def resolve(
     return HubCommit(repo_id=repo_id, revision=revision, sha=info.sha, files=files)  # type: ignore[arg-type]
 
 
-def download(source: HubCommit, filename: str, *, token: str | None = None) -> Path:
+def download(source: HubCommit, filename: str, *, token: str | None = None, large: bool = False) -> Path:
     """Download ``filename`` at ``source.sha`` into the Hugging Face cache and return its local path.
 
     Transient failures are retried a few times; a failed or incomplete download raises `PrequantError`
-    naming the file (a shard is never silently skipped).
+    naming the file (a shard is never silently skipped). ``large``: a weight shard, whose body prequant transfers
+    itself unless Xet stores it (`transfer`: huggingface_hub's loop is slower than the link).
     """
     label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
     if filename not in source.files:
@@ -114,7 +115,7 @@ def download(source: HubCommit, filename: str, *, token: str | None = None) -> P
     def attempt() -> Path:
         remove_stale_partials(source.repo_id)  # e.g. of a run killed mid-download: they would fill the disk
         try:
-            return _fetch(source, filename, token)
+            return _fetch(source, filename, token, large)
         except Exception as error:
             if cache.offline():
                 raise cache.not_cached_offline(f"download {label}") from error
@@ -330,9 +331,21 @@ def _label(repo_id: str, revision: str | None, alias: str | None) -> str:
 # --------------------------------------------------------------------------------------- downloading
 
 
-def _fetch(source: HubCommit, filename: str, token: str | None) -> Path:
+def _fetch(source: HubCommit, filename: str, token: str | None, large: bool) -> Path:
     # Pinned to the sha: a cached file is returned without any network call.
-    path = Path(
+    pointer = cache_path(source, filename)
+    path = None
+    if large and transfer.enabled() and not cache.offline() and not pointer.is_file():
+        try:
+            path = transfer.download(source.repo_id, source.sha, filename, token=token, waits=retry_waits())
+        except transfer.TransferFailed as failed:  # its retries are spent: said as the last failure, with them
+            label = f"download {filename} of {source.repo_id}@{source.sha[:12]}"
+            message = explain(failed.cause, label, source.repo_id, source.sha, token, endpoint=cache.endpoint())
+            if failed.tries > 1:
+                message += (f" (tried {failed.tries} times over {failed.seconds:.0f} s; "
+                            f"{RETRY_ENV} sets how long to keep trying)")
+            raise PrequantError(message) from failed
+    path = path or Path(
         hf_hub_download(
             source.repo_id,
             filename,

@@ -7,9 +7,11 @@ of `client`.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sys
+import urllib.error
 from pathlib import Path
 
 from huggingface_hub import constants
@@ -37,7 +39,7 @@ class IncompleteDownload(Exception):
 
 def is_incomplete(error: BaseException) -> bool:
     """Ours, or huggingface_hub's own size check after a body that ended early."""
-    return isinstance(error, IncompleteDownload) or (
+    return isinstance(error, (IncompleteDownload, http.client.IncompleteRead)) or (
         isinstance(error, OSError) and "Consistency check failed" in str(error)
     )
 
@@ -58,6 +60,8 @@ def explain(
     secrets = _known_tokens(token)
     reason = short(error, token)
     status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(error, urllib.error.HTTPError):  # prequant's own transfer of a weight file (`transfer`)
+        status = error.code
     if isinstance(error, GatedRepoError):
         return (
             f"cannot {action}: {repo_id} is a gated repo; accept its conditions at {endpoint}/{repo_id}, "
@@ -90,6 +94,8 @@ def explain(
         return f"cannot {action}: the token lacks {need} {repo_id} (403); use a token with that permission"
     if isinstance(error, HfHubHTTPError):
         return f"cannot {action}: the Hub at {endpoint} answered {status or 'an error'} ({reason}); try again later"
+    if isinstance(error, urllib.error.HTTPError):
+        return f"cannot {action}: the server at {_origin(error.url)} answered {status} ({reason}); try again later"
     if is_incomplete(error):
         return f"cannot {action}: the file is incomplete ({reason}); run again, or check the disk and the network"
     if any(isinstance(e, json.JSONDecodeError) for e in _chain(error)):
@@ -102,7 +108,7 @@ def explain(
 
 def _network_error_types() -> tuple[type[BaseException], ...]:
     """Transport failures of whichever HTTP client huggingface_hub has loaded (httpx2, httpx or requests)."""
-    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError, urllib.error.URLError, http.client.HTTPException]
     for module, name in (
         ("httpx2", "TransportError"),
         ("httpx", "TransportError"),
@@ -124,7 +130,8 @@ def _chain(error: BaseException) -> list[BaseException]:
     current: BaseException | None = error
     while current is not None and current not in seen:
         seen.append(current)
-        current = current.__cause__ or current.__context__
+        reason = getattr(current, "reason", None) if isinstance(current, urllib.error.URLError) else None
+        current = reason if isinstance(reason, BaseException) else current.__cause__ or current.__context__
     return seen
 
 
@@ -132,6 +139,14 @@ def _root(error: BaseException) -> BaseException:
     """The innermost network error behind a wrapped one (the useful "why")."""
     network = [e for e in _chain(error) if isinstance(e, _network_error_types())]
     return network[-1] if network else error
+
+
+def _origin(url: str | None) -> str:
+    """scheme://host of a URL, without its path and query (a signed CDN URL's query is a credential)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url or "")
+    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else "the CDN"
 
 
 def short(error: BaseException, token: str | None) -> str:

@@ -6,7 +6,8 @@ each time the download thread waits for its turn the connection idles. Measured:
 the GPU machine took shards at 0.40-0.51 GB/s where huggingface_hub alone downloaded 0.64 GB/s from the same
 server, and on the 2-core machine one busy Python thread cut a download from 0.17-0.20 to 0.009 GB/s.
 
-`Fetcher` keeps one child (``python -m prequant.hub.fetcher``) that runs `client.download` for each request,
+`Fetcher` keeps one child (``python -m prequant.hub.fetcher``) that runs `client.download` for each request (a
+weight shard: its body transferred by `transfer`),
 one at a time: a JSON line in, a JSON line out with the path or the pickled error (`PrequantError` crosses
 processes with its parts). Settings (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE, the cache) come with the
 environment; huggingface_hub's own output goes to the same stderr. The child ignores SIGINT (the parent
@@ -96,7 +97,7 @@ class Fetcher:
         proc = self._child()
         if proc is None:
             pending = _Pending(self.source, filename)
-            return pending.fetched(client.download(self.source, filename))
+            return pending.fetched(client.download(self.source, filename, large=True))
         if filename in self._unclaimed:
             return self._unclaimed.pop(filename)
         if self._pending is not None and self._pending.filename != filename:
@@ -268,7 +269,7 @@ def _serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            path = client.download(client.HubCommit(**request["source"]), request["filename"])
+            path = client.download(client.HubCommit(**request["source"]), request["filename"], large=True)
             reply = {"path": str(path)}
         except Exception as error:  # noqa: BLE001 - every failure goes back to the parent, which raises it
             try:

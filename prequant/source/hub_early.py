@@ -28,22 +28,23 @@ log = logging.getLogger(__name__)
 _delete: list[bool] = []  # per early start: whether its run deletes its downloads
 
 
-def start(spec: str, *, delete: bool = False) -> None:
+def start(spec: str, *, delete: bool = False) -> bool:
     """Begin downloading SPEC's first weight shard, if SPEC names a Hub repo (not a local path); `delete`: the run
-    will delete its downloads (`--delete-source-shards`)."""
+    will delete its downloads (`--delete-source-shards`). Whether it began."""
     try:
         if Path(spec).expanduser().exists():
-            return
+            return False
     except (OSError, ValueError, RuntimeError):
-        return
+        return False
     repo = hub_spec(spec)
     if repo is None:
-        return
+        return False
     from ..hub import fetcher
 
     done = fetcher.expect_early()
     _delete.append(delete)
     threading.Thread(target=_begin, args=(repo[0], done), name="prequant-hub-early", daemon=True).start()
+    return True
 
 
 def _begin(repo_spec: str, done: threading.Event) -> None:

@@ -36,10 +36,12 @@ from .spec import Source
 log = logging.getLogger(__name__)
 
 SLOTS = 2  # downloaded source shards on disk at once with delete
-# Shards downloading at once. One huggingface_hub download (one connection, a Python loop writing the file) took
-# 0.75 GB/s from the local Hub on the GPU machine, where curl read the same server at 1.4 GB/s (scripts/bench/
-# hub_scale.py, 2026-12-04): two side by side keep a fast link busy. PREQUANT_HUB_DOWNLOADS overrides it; with
-# --delete-source-shards the SLOTS bound holds whatever it is (a partial download counts as a shard on disk).
+# Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
+# the local Hub on the GPU machine went, once the first shard was converted, at 1.26 and 1.70 GB/s with two against
+# 1.10 and 1.46 GB/s with one, on two leases (scripts/bench/hub_scale.py, 2026-12-04; the whole runs differed by
+# their cold start-ups more than by this). huggingface_hub's own loop (PREQUANT_HUB_CLIENT=huggingface_hub) gains
+# more from two: one download took 0.53-0.75 GB/s where curl read 1.1-1.4. PREQUANT_HUB_DOWNLOADS overrides it;
+# with --delete-source-shards the SLOTS bound holds whatever it is (a partial download counts as a shard on disk).
 DOWNLOADS = 2
 DOWNLOADS_ENV = "PREQUANT_HUB_DOWNLOADS"
 _LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it

@@ -8,12 +8,16 @@ on the same disk), then measures, each from a cold page cache:
               /dev/null, while dd writes and fsyncs as many bytes as the output: the floor of any converter that
               reads this endpoint once and writes its result durably
   download    huggingface_hub alone, in a fresh process (hf_hub_download of every file, each shard deleted once
-              fetched, as --delete-source-shards does): the client prequant downloads with, on its own
+              fetched, as --delete-source-shards does), and prequant's own transfer of the shards alone the same way
+              (`prequant.hub.transfer`, what a conversion downloads them with unless Xet stores them)
   convert     prequant convert REPO OUT --device D --delete-source-shards, the whole process: wall time, RssAnon /
               RssFile / VmRSS of its process tree (the download child included), the scratch disk (the Hugging Face
               cache: every file's allocated bytes, partial downloads included, sampled every 50 ms) against two
               source shards, the disk's timeline, prequant's own timeline
   fault       --faults: the same, the server cutting shard K's body mid-way once and then answering 503 three times
+              to the ranged requests that resume it
+  variant     --variant KEY=VALUE (repeatable): the conversion again with that environment, e.g.
+              PREQUANT_HUB_CLIENT=huggingface_hub or PREQUANT_HUB_DOWNLOADS=1
   kill        --kill: the same, SIGKILLed while shard K is half downloaded, then the same command with --resume:
               the partial files the kill left, the resumed run's time and scratch disk
 
@@ -22,6 +26,7 @@ was measured beside it (`--local-sha256 FILE`, a report of convert.py). The repo
 
     python scripts/bench/hub_scale.py --shape grok --size-gb 33 --device cuda --faults --kill --json hub.json
     python scripts/bench/hub_scale.py --shape grok --layers 3 --format bin --model-code --keep-output OUT ...
+    python scripts/bench/hub_scale.py --shape grok --size-gb 33 --variant PREQUANT_HUB_CLIENT=huggingface_hub
 """
 
 from __future__ import annotations
@@ -42,6 +47,17 @@ from common import (
     weight_hashes,
 )
 from hub_path import DOWNLOAD, HASHES, REPO_PREFIX, filesystem, source_hashes
+
+# prequant's transfer alone: every shard through `client.download(large=True)` (what the download child runs),
+# each deleted once fetched, as DOWNLOAD does with huggingface_hub.
+TRANSFER = r"""
+import os, sys
+from prequant.hub import client
+commit = client.resolve(sys.argv[1])
+for name in sorted(commit.files):
+    if name.endswith((".safetensors", ".bin")):
+        os.remove(os.path.realpath(client.download(commit, name, large=True)))
+"""
 from synthetic import generate
 
 
@@ -171,7 +187,10 @@ def main() -> None:
     ap.add_argument("--faults", action="store_true", help="also a run through a cut and a 503 burst")
     ap.add_argument("--kill", action="store_true", help="also a run SIGKILLed mid-download, then --resume")
     ap.add_argument("--fault-shard", type=int, default=3, help="the shard (1-based, in download order) faults hit")
-    ap.add_argument("--skip-download", action="store_true", help="no huggingface_hub-alone run")
+    ap.add_argument("--skip-download", action="store_true", help="no download-alone runs")
+    ap.add_argument("--repeats", type=int, default=1, help="the first conversion this many times (a median)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                    help="the conversion again with this environment variable set (repeatable)")
     ap.add_argument("--local-sha256", type=Path, help="convert.py's JSON report of the same checkpoint, local")
     ap.add_argument("--local", action="store_true", help="also convert the served folder from disk, cold, and "
                     "compare its bytes (what --local-sha256 gives where convert.py measured it)")
@@ -234,6 +253,17 @@ def main() -> None:
             first["same_bytes_as_local"] = reference == local
         output_bytes = first["output_bytes"]
         save()
+        for _ in range(args.repeats - 1):
+            fresh()
+            drop_caches()
+            again = convert_hub(repo, out, args, hub_env, cache, shard_blobs)
+            first.setdefault("repeats", []).append({k: again[k] for k in ("seconds", "peak_rss_anon",
+                                                                         "scratch_shards_peak_bytes", "trace")})
+            first.setdefault("repeats_same_bytes", []).append(again["weight_sha256"] == reference)
+        if args.repeats > 1:
+            first["repeat_seconds"] = [first["seconds"]] + [x["seconds"] for x in first["repeats"]]
+            first["median_seconds"] = sorted(first["repeat_seconds"])[len(first["repeat_seconds"]) // 2]
+        save()
         if args.keep_output:
             shutil.rmtree(args.keep_output, ignore_errors=True)
             shutil.move(str(out), str(args.keep_output))
@@ -250,22 +280,24 @@ def main() -> None:
         report["floor"] = curl_floor(server.url, repo, list(files), output_bytes, args.dir)
         report["floor"].pop("stdout", None)
         report["convert"]["ratio_to_floor"] = round(first["seconds"] / report["floor"]["seconds"], 3)
+        if "median_seconds" in first:
+            first["median_ratio_to_floor"] = round(first["median_seconds"] / report["floor"]["seconds"], 3)
         save()
 
         if args.faults:
-            # Cut a third of the way; huggingface_hub resumes from where its file ends (a ranged request, past the
-            # header reads' offsets): refused, then two more whole-file attempts refused, then served.
+            # Cut a third of the way; the download resumes from where it was (a ranged request, past the header
+            # reads' offsets): refused three times, then served.
             cut = report["largest_shard_bytes"] // 3
             server.fail(repo, fault_name, "drop", after_bytes=cut, times=1, ranged=False)
-            server.fail(repo, fault_name, "status", status=503, times=1, ranged=True, min_start=1 << 20)
-            server.fail(repo, fault_name, "status", status=503, times=2, ranged=False)
+            server.fail(repo, fault_name, "status", status=503, times=3, ranged="resume")
             server.clear_log()
             drop_caches()
             r = convert_hub(repo, out, args, hub_env, cache, shard_blobs)
             r["shard"] = fault_name
             r["same_bytes"] = r["weight_sha256"] == reference
-            r["bodies"] = [rec.status for rec in server.request_log
-                           if rec.method == "GET" and rec.path.startswith("/cdn-lfs/") and rec.query.get("file") == [fault_name]]
+            r["bodies"] = [(rec.status, rec.headers.get("range")) for rec in server.request_log  # not header reads
+                           if rec.method == "GET" and rec.path.startswith("/cdn-lfs/") and rec.query.get("file") == [fault_name]
+                           and not rec.headers.get("range", "-").rstrip()[-1:].isdigit()]
             server.clear_faults()
             report["fault"] = r
             fresh()
@@ -289,15 +321,27 @@ def main() -> None:
             fresh()
             save()
 
-        if not args.skip_download:
+        for variant in args.variant:
+            key, _, value = variant.partition("=")
             drop_caches()
-            t = time.monotonic()
-            subprocess.run([sys.executable, "-c", DOWNLOAD, repo, str(cache)], check=True,
-                           env={**os.environ, **hub_env})
-            report["download"] = {"seconds": round(time.monotonic() - t, 2)}
-            report["download"]["gbps"] = round(report["source_bytes"] / report["download"]["seconds"] / 1e9, 3)
-            report["convert"]["ratio_to_download"] = round(first["seconds"] / report["download"]["seconds"], 3)
+            v = convert_hub(repo, out, args, {**hub_env, key: value}, cache, shard_blobs)
+            v["same_bytes"] = v["weight_sha256"] == reference
+            v["ratio_to_floor"] = round(v["seconds"] / report["floor"]["seconds"], 3)
+            v["within_scratch_bound"] = v["scratch_shards_peak_bytes"] <= report["scratch_bound_bytes"]
+            report.setdefault("variants", {})[variant] = v
             fresh()
+            save()
+
+        if not args.skip_download:
+            for key, script in (("download", DOWNLOAD), ("transfer", TRANSFER)):
+                drop_caches()
+                t = time.monotonic()
+                subprocess.run([sys.executable, "-c", script, repo, str(cache)], check=True,
+                               env=run_env(**hub_env, HF_HUB_CACHE=str(cache)))
+                report[key] = {"seconds": round(time.monotonic() - t, 2)}
+                report[key]["gbps"] = round(report["source_bytes"] / report[key]["seconds"] / 1e9, 3)
+                fresh()
+            report["convert"]["ratio_to_download"] = round(first["seconds"] / report["download"]["seconds"], 3)
             save()
     shutil.rmtree(server_root, ignore_errors=True)
     print_report(report)
@@ -320,7 +364,14 @@ def print_report(r: dict) -> None:
           f"(largest {r['largest_shard_bytes'] / gb:.2f} GB), --device {r['device']}:", file=sys.stderr)
     print(f"  convert {c['seconds']:.1f} s; floor (curl + dd) {f.get('seconds', float('nan')):.1f} s: "
           f"{c.get('ratio_to_floor', float('nan')):.2f}x; huggingface_hub alone "
-          f"{r.get('download', {}).get('seconds', float('nan')):.1f} s", file=sys.stderr)
+          f"{r.get('download', {}).get('seconds', float('nan')):.1f} s, prequant's transfer alone "
+          f"{r.get('transfer', {}).get('seconds', float('nan')):.1f} s", file=sys.stderr)
+    if "median_seconds" in c:
+        print(f"  repeats {c['repeat_seconds']} s: median {c['median_seconds']:.1f} s, "
+              f"{c['median_ratio_to_floor']:.2f}x, same bytes {c['repeats_same_bytes']}", file=sys.stderr)
+    for name, v in r.get("variants", {}).items():
+        print(f"  {name}: {v['seconds']:.1f} s, {v['ratio_to_floor']:.2f}x, source shards on disk "
+              f"{v['scratch_shards_peak_bytes'] / gb:.2f} GB, same bytes {v['same_bytes']}", file=sys.stderr)
     print(f"  scratch peak {c['scratch_peak_bytes'] / gb:.2f} GB, source shards {c['scratch_shards_peak_bytes'] / gb:.2f} GB "
           f"(two shards: {r['scratch_bound_bytes'] / gb:.2f}); "
           f"RssAnon {c['peak_rss_anon'] / 2**30:.2f} GiB, VmRSS {c['peak_vm_rss'] / 2**30:.2f} GiB", file=sys.stderr)

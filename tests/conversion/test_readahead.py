@@ -196,6 +196,22 @@ def test_an_early_readahead_beside_warm_libraries_keeps_its_start_up_depth(two_f
     assert not readahead.found_libraries_cold()
 
 
+def test_a_hub_source_s_cold_start_is_noted_without_a_readahead(tmp_path, monkeypatch):
+    """The CLI asks for a Hub repo (no local files to read ahead): cold libraries are remembered, warm ones not."""
+    warm = tmp_path / "warm.so"
+    warm.write_bytes(b"\1" * (1 << 20))
+    monkeypatch.setattr(readahead, "_torch_library", lambda: warm)
+    monkeypatch.setattr(readahead, "_found_cold", False)
+    assert not readahead.note_cold_start() and not readahead.found_libraries_cold()
+    cold = _evicted(tmp_path / "libtorch_cpu.so", 8 << 20)
+    fraction = readahead.resident_fraction(cold)
+    if fraction is None or fraction > readahead.COLD_FRACTION:
+        pytest.skip("this file system keeps pages DONTNEED asks to drop")
+    monkeypatch.setattr(readahead, "_torch_library", lambda: cold)
+    assert readahead.note_cold_start() and readahead.found_libraries_cold()
+    assert readahead._current is None  # nothing read ahead
+
+
 def test_the_cold_start_depth_can_be_set_for_a_benchmark(monkeypatch):
     monkeypatch.setenv(readahead.COLD_ENV, str(4 << 20))
     assert readahead.cold_start_depth() == 4 << 20

@@ -435,18 +435,25 @@ def _bodies(server: HubServer, name: str) -> list[int]:
     return [r.status for r in server.request_log if _serves(r, name) and "range" not in r.headers]
 
 
+def _gets(server: HubServer, name: str) -> list[tuple[int | None, str | None]]:
+    """(status, Range) of every GET for `name`'s bytes after the header reads (those ask for bytes from 0 on)."""
+    return [(r.status, r.headers.get("range")) for r in server.request_log
+            if _serves(r, name) and not r.headers.get("range", "").startswith("bytes=0-")]
+
+
 def test_a_shard_cut_mid_body_then_refused_with_5xx_converts_to_the_same_bytes(
     hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     second = _shard_order(tmp_path)[1]
     monkeypatch.setenv(hub.RETRY_ENV, "20")  # long enough for the burst: waits of 1, 2 and 4 s
     hub_server.fail(REPO, second, "drop", after_bytes=10_000, times=1, ranged=False)
-    hub_server.fail(REPO, second, "status", status=503, times=3, ranged=False)
+    hub_server.fail(REPO, second, "status", status=503, times=3, ranged="resume")
     hub_server.clear_log()
     prequant.convert(REPO, tmp_path / "hub", device="cpu", progress=False, delete_source_shards=True)
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
-    assert _bodies(hub_server, second) == [200, 503, 503, 503, 200]  # cut, refused three times, then whole
+    # cut at 10 kB; its resume from there refused three times, then the rest: the 10 kB are not fetched again
+    assert _gets(hub_server, second) == [(200, None)] + [(503, "bytes=10000-")] * 3 + [(206, "bytes=10000-")]
     assert not list(cache_repo(REPO).rglob("*.incomplete"))
 
 

@@ -1,0 +1,211 @@
+"""A weight file's download at the link's speed: one connection, its body read straight into a 16 MiB buffer.
+
+huggingface_hub reads a plain HTTP download (one that is not Xet-backed: a mirror, a private Hub, an LFS file
+behind a proxy) through httpx in 64 KiB pieces, each passing through Python: one download went at 0.53-0.75 GB/s
+from the local Hub on the GPU machine where curl read the same server at 1.1-1.4 GB/s (`scripts/bench/hub_scale.py`,
+2026-12-04). Here the standard library's HTTP client fills a large buffer in C (`readinto`, the GIL released
+while it waits) and each buffer goes to disk in one write, as curl does.
+
+Only the body's transfer is prequant's. huggingface_hub still answers where the file is (`get_hf_file_metadata`:
+the commit, the etag, the size, the CDN URL after the Hub's redirect, whether Xet stores it), and the file lands
+where and how it would put it: ``blobs/<etag>`` through ``blobs/<etag>.<8 hex>.incomplete``, under the lock
+``.locks/<repo folder>/<etag>.lock``, with ``snapshots/<sha>/<name>`` linking to it. A Xet-backed file (the Hub's
+own storage, when hf_xet is installed) is left to huggingface_hub: hf_xet fetches its chunks in parallel already.
+
+A body cut mid-way is resumed from the byte it reached (a ranged request); a retryable answer (408, 429, 5xx) or a
+connection that fails is tried again after the waits the caller gives, those starting over each time bytes come;
+so a cut followed by a burst of 503s costs the waits, not the bytes already downloaded. Set
+PREQUANT_HUB_CLIENT=huggingface_hub to have huggingface_hub download everything itself.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import logging
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import PrequantError
+from . import cache
+from .failures import IncompleteDownload
+
+log = logging.getLogger(__name__)
+
+CLIENT_ENV = "PREQUANT_HUB_CLIENT"  # "prequant" (default) or "huggingface_hub"
+_BUFFER = 16 << 20  # one readinto, one write: large enough that the per-call cost vanishes beside the copy
+_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class TransferFailed(Exception):
+    """A download that could not finish: `cause` is the last failure (an HTTP answer, a network error, a short
+    body), `tries` how many requests were made, `seconds` since the first."""
+
+    def __init__(self, cause: BaseException, tries: int, seconds: float) -> None:
+        super().__init__(str(cause))
+        self.cause, self.tries, self.seconds = cause, tries, seconds
+
+
+def enabled() -> bool:
+    """Whether prequant transfers weight files itself (PREQUANT_HUB_CLIENT is not "huggingface_hub")."""
+    return os.environ.get(CLIENT_ENV, "prequant").strip().lower() != "huggingface_hub"
+
+
+def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits: Sequence[float]) -> Path | None:
+    """Download ``filename`` of ``repo_id`` at commit ``sha`` into the Hugging Face cache and return its snapshot
+    path; None where huggingface_hub should download it instead (Xet-backed with hf_xet, no etag or size, or its
+    blob is in the cache already: huggingface_hub links it without a download).
+
+    huggingface_hub's errors for the metadata request (no such file, 401, a 5xx) are raised as they are, for the
+    caller's retries and messages; a body that cannot be completed raises `TransferFailed` after the waits."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(repo_id, filename, revision=sha, endpoint=cache.endpoint())
+    meta = get_hf_file_metadata(url, token=token, endpoint=cache.endpoint(), library_name="prequant")
+    if meta.xet_file_data is not None and importlib.util.find_spec("hf_xet") and not constants.HF_HUB_DISABLE_XET:
+        return None
+    if meta.etag is None or meta.size is None or meta.location is None:
+        return None
+    storage = cache.storage_folder(repo_id)
+    blob = storage / "blobs" / meta.etag
+    pointer = storage / "snapshots" / sha / filename
+    if blob.exists():
+        return None
+    headers = build_hf_headers(token=token, library_name="prequant")
+    headers["Accept-Encoding"] = "identity"  # the bytes as stored: the size is the file's
+    if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+        headers.pop("authorization", None)  # a signed CDN URL: the token stays with the Hub, as huggingface_hub does
+    from filelock import FileLock  # huggingface_hub's own lock library: the same lock as its downloads
+
+    lock = cache.cache_dir() / ".locks" / storage.name / f"{meta.etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock)):
+        if not blob.exists():  # another process may have finished it while this one waited for the lock
+            partial = blob.with_name(f"{meta.etag}.{uuid.uuid4().hex[:8]}.incomplete")
+            try:
+                with open(partial, "wb", buffering=0) as out:  # created with the umask's permissions
+                    fetch(meta.location, headers, out, meta.size, waits, label=filename,
+                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+                os.replace(partial, blob)
+            finally:
+                partial.unlink(missing_ok=True)  # a failed download leaves nothing (its name is its own anyway)
+        _link(blob, pointer)
+    return pointer
+
+
+def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[float], *, label: str,
+          timeout: float = 10.0) -> None:  # fmt: skip
+    """Write the ``size``-byte body of ``url`` to the unbuffered file ``out`` from its start, resuming cut bodies and
+    retrying failures after ``waits`` (see the module doc); raise `TransferFailed` once they are spent."""
+    done, tries, started = 0, 0, time.monotonic()
+    pauses: Iterator[float] = iter(waits)
+    buffer = memoryview(bytearray(_BUFFER))
+    bar = _progress(label, size)
+    try:
+        while True:
+            tries += 1
+            before = done
+            try:
+                done = _body(url, headers, out, done, size, buffer, timeout, bar, label)
+                if done == size:
+                    return
+                failure: BaseException = IncompleteDownload(f"the body stopped at byte {done} of {size}")
+            except urllib.error.HTTPError as error:
+                error.read()  # the error's message, so that the connection can close cleanly
+                if error.code not in _RETRY_STATUSES:
+                    raise TransferFailed(error, tries, time.monotonic() - started) from error
+                failure = error
+            except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut, bad answer
+                failure = error
+            if done > before:  # bytes came: a cut is resumed at once, and the waits start over
+                pauses = iter(waits)
+                log.info("%s: the body was cut at %d of %d bytes (%s); resuming", label, done, size, failure)
+                continue
+            pause = next(pauses, None)
+            if pause is None:
+                raise TransferFailed(failure, tries, time.monotonic() - started) from failure
+            log.warning("download of %s failed (%s); retrying in %.0fs", label, _reason(failure), pause)
+            time.sleep(pause)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _body(url: str, headers: dict[str, str], out, done: int, size: int, buffer: memoryview, timeout: float,
+          bar, label: str) -> int:  # fmt: skip
+    """One request for the body from byte ``done`` on, written to ``out``; return the bytes written in all."""
+    request = urllib.request.Request(url, headers={**headers, **({"Range": f"bytes={done}-"} if done else {})})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        if done and response.status == 200:  # the server ignored the Range: the whole body again
+            out.seek(0)
+            out.truncate()
+            if bar is not None:
+                bar.update(-done)
+            done = 0
+        elif done and not _starts_at(response.headers.get("Content-Range"), done, size):
+            raise http.client.HTTPException(f"asked for bytes {done}- and got {response.headers.get('Content-Range')}")
+        length = response.headers.get("Content-Length")
+        if length is not None and int(length) != size - done:
+            raise PrequantError(
+                f"{label}: the server sends {int(length) + done} bytes where the Hub lists {size}; the file "
+                "changed on the server, run again"
+            )
+        while done < size:
+            n = response.readinto(buffer[: min(_BUFFER, size - done)])
+            if not n:
+                return done
+            view = buffer[:n]
+            while view:  # a write to a regular file is whole unless the disk is full (then it raises)
+                view = view[out.write(view):]
+            done += n
+            if bar is not None:
+                bar.update(n)
+    return done
+
+
+def _starts_at(content_range: str | None, start: int, size: int) -> bool:
+    """Whether a 206's Content-Range is ``bytes START-(size-1)/size``."""
+    return content_range is not None and content_range.replace(" ", "").lower() == f"bytes{start}-{size - 1}/{size}"
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, urllib.error.HTTPError):
+        return f"{error.code} {error.reason}"
+    if isinstance(error, IncompleteDownload):
+        return str(error)
+    if isinstance(error, (socket.timeout, TimeoutError)):
+        return "timed out"
+    return f"{type(error).__name__}: {error}"
+
+
+def _progress(label: str, size: int):
+    """huggingface_hub's own download bar for the file (none where its bars are disabled)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, tqdm
+
+    if are_progress_bars_disabled():
+        return None
+    return tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc=label[-40:],
+                name="huggingface_hub.http_get")  # fmt: skip
+
+
+def _link(blob: Path, pointer: Path) -> None:
+    """``snapshots/<sha>/<name>`` -> ``../../blobs/<etag>`` (relative, as huggingface_hub links); where links
+    cannot be made, the file itself moves there, as huggingface_hub does then."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.unlink(missing_ok=True)
+    try:
+        os.symlink(os.path.relpath(blob, pointer.parent), pointer)
+    except OSError:
+        os.replace(blob, pointer)
+
+
+__all__ = ["CLIENT_ENV", "TransferFailed", "download", "enabled", "fetch"]
