@@ -151,6 +151,17 @@ class RequestRecord:
     def authorized(self) -> bool:
         return "authorization" in self.headers
 
+    @property
+    def to_the_end(self) -> bool:
+        """Whether it asks for a file's bytes up to its end: the whole file, or a download resumed mid-file
+        (``bytes=N-``), not a bounded read such as a header's."""
+        return open_ended(self.headers.get("range"))
+
+
+def open_ended(range_header: str | None) -> bool:
+    """No Range, or one without an end (``bytes=N-``)."""
+    return range_header is None or range_header.strip().endswith("-")
+
 
 class HubError(Exception):
     """An HTTP error answer, with the X-Error-Code the client maps to its exception types."""
@@ -445,7 +456,7 @@ class HubServer:
     def _take_fault(self, repo_id: str, filename: str, method: str, range_header: str | None,
                     start: int = 0) -> Fault | None:  # fmt: skip
         ranged = bool(range_header)
-        resume = ranged and range_header.strip().endswith("-")
+        resume = ranged and open_ended(range_header)
         with self._lock:
             for fault in self._faults:
                 if (

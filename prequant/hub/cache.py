@@ -52,6 +52,16 @@ def storage_folder(repo_id: str) -> Path:
     return cache_dir() / f"models--{repo_id.replace('/', '--')}"
 
 
+def snapshot_path(repo_id: str, sha: str, filename: str) -> Path:
+    """Where a file of commit `sha` is found in the cache (a link to its blob), whether it is there yet or not."""
+    return storage_folder(repo_id) / "snapshots" / sha / filename
+
+
+def lock_path(repo_id: str, etag: str) -> Path:
+    """The lock huggingface_hub holds while it downloads blob `etag` of the repo (and prequant's transfer too)."""
+    return cache_dir() / ".locks" / storage_folder(repo_id).name / f"{etag}.lock"
+
+
 def keep_listing(repo_id: str, sha: str, siblings: list) -> None:
     """Hold the commit's full listing until a download creates its snapshot folder (see `remember`)."""
     if TreeCacheEntry is not None and all(s.blob_id and s.size is not None for s in siblings):

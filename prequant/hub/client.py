@@ -128,7 +128,7 @@ def download(source: HubCommit, filename: str, *, token: str | None = None, larg
 
 def cache_path(source: HubCommit, filename: str) -> Path:
     """Where `download` puts ``filename`` (its snapshot path in the cache), whether it is there yet or not."""
-    return cache.storage_folder(source.repo_id) / "snapshots" / source.sha / filename
+    return cache.snapshot_path(source.repo_id, source.sha, filename)
 
 
 def read_range(source: HubCommit, filename: str, start: int, end: int, *, token: str | None = None) -> bytes:
@@ -192,13 +192,17 @@ def _retrying(attempt: Callable[[], T], action: str, source: HubCommit, token: s
         except Exception as error:
             if wait is None or not _is_transient(error):
                 message = explain(error, action, source.repo_id, source.sha, token, endpoint=cache.endpoint())
-                if tried > 1:
-                    message += (f" (tried {tried} times over {time.monotonic() - started:.0f} s; "
-                                f"{RETRY_ENV} sets how long to keep trying)")
-                raise PrequantError(message) from error
+                raise PrequantError(message + _tried(tried, time.monotonic() - started)) from error
             log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), wait)
             time.sleep(wait)
     raise AssertionError("unreachable")
+
+
+def _tried(tries: int, seconds: float) -> str:
+    """What a failure's message adds once it was retried: how often, how long, and the setting for it."""
+    if tries <= 1:
+        return ""
+    return f" (tried {tries} times over {seconds:.0f} s; {RETRY_ENV} sets how long to keep trying)"
 
 
 def evict(source: HubCommit, filename: str) -> None:
@@ -235,7 +239,7 @@ def remove_stale_partials(repo_id: str) -> list[str]:
     removed = []
     for partial in partials:
         etag = partial.name.split(".", 1)[0]
-        lock = FileLock(str(cache.cache_dir() / ".locks" / storage.name / f"{etag}.lock"), timeout=0)
+        lock = FileLock(str(cache.lock_path(repo_id, etag)), timeout=0)
         try:
             with lock:
                 partial.unlink(missing_ok=True)
@@ -339,12 +343,9 @@ def _fetch(source: HubCommit, filename: str, token: str | None, large: bool) -> 
         try:
             path = transfer.download(source.repo_id, source.sha, filename, token=token, waits=retry_waits())
         except transfer.TransferFailed as failed:  # its retries are spent: said as the last failure, with them
-            label = f"download {filename} of {source.repo_id}@{source.sha[:12]}"
-            message = explain(failed.cause, label, source.repo_id, source.sha, token, endpoint=cache.endpoint())
-            if failed.tries > 1:
-                message += (f" (tried {failed.tries} times over {failed.seconds:.0f} s; "
-                            f"{RETRY_ENV} sets how long to keep trying)")
-            raise PrequantError(message) from failed
+            action = f"download {filename} of {source.repo_id}@{source.sha[:12]}"
+            message = explain(failed.cause, action, source.repo_id, source.sha, token, endpoint=cache.endpoint())
+            raise PrequantError(message + _tried(failed.tries, failed.seconds)) from failed
     path = path or Path(
         hf_hub_download(
             source.repo_id,

@@ -39,7 +39,7 @@ class IncompleteDownload(Exception):
 
 def is_incomplete(error: BaseException) -> bool:
     """Ours, or huggingface_hub's own size check after a body that ended early."""
-    return isinstance(error, (IncompleteDownload, http.client.IncompleteRead)) or (
+    return isinstance(error, IncompleteDownload) or (
         isinstance(error, OSError) and "Consistency check failed" in str(error)
     )
 

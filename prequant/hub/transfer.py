@@ -74,9 +74,7 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
         return None
     if meta.etag is None or meta.size is None or meta.location is None:
         return None
-    storage = cache.storage_folder(repo_id)
-    blob = storage / "blobs" / meta.etag
-    pointer = storage / "snapshots" / sha / filename
+    blob = cache.storage_folder(repo_id) / "blobs" / meta.etag
     if blob.exists():
         return None
     headers = build_hf_headers(token=token, library_name="prequant")
@@ -85,7 +83,7 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
         headers.pop("authorization", None)  # a signed CDN URL: the token stays with the Hub, as huggingface_hub does
     from filelock import FileLock  # huggingface_hub's own lock library: the same lock as its downloads
 
-    lock = cache.cache_dir() / ".locks" / storage.name / f"{meta.etag}.lock"
+    lock = cache.lock_path(repo_id, meta.etag)
     lock.parent.mkdir(parents=True, exist_ok=True)
     blob.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock)):
@@ -98,6 +96,7 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
                 os.replace(partial, blob)
             finally:
                 partial.unlink(missing_ok=True)  # a failed download leaves nothing (its name is its own anyway)
+        pointer = cache.snapshot_path(repo_id, sha, filename)
         _link(blob, pointer)
     return pointer
 
@@ -105,20 +104,23 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
 def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[float], *, label: str,
           timeout: float = 10.0) -> None:  # fmt: skip
     """Write the ``size``-byte body of ``url`` to the unbuffered file ``out`` from its start, resuming cut bodies and
-    retrying failures after ``waits`` (see the module doc); raise `TransferFailed` once they are spent."""
-    done, tries, started = 0, 0, time.monotonic()
+    retrying failures after ``waits`` (see the module doc); raise `TransferFailed` once they are spent.
+
+    What is on disk is what was written: each request starts at ``out``'s position, which a failure mid-body (a
+    reset, a timeout) leaves where the last whole write ended."""
+    tries, started = 0, time.monotonic()
     pauses: Iterator[float] = iter(waits)
     buffer = memoryview(bytearray(_BUFFER))
     bar = _progress(label, size)
     try:
         while True:
             tries += 1
-            before = done
+            before = out.tell()
             try:
-                done = _body(url, headers, out, done, size, buffer, timeout, bar, label)
-                if done == size:
+                _body(url, headers, out, size, buffer, timeout, bar, label)
+                if out.tell() == size:
                     return
-                failure: BaseException = IncompleteDownload(f"the body stopped at byte {done} of {size}")
+                failure: BaseException = IncompleteDownload(f"the body stopped at byte {out.tell()} of {size}")
             except urllib.error.HTTPError as error:
                 error.read()  # the error's message, so that the connection can close cleanly
                 if error.code not in _RETRY_STATUSES:
@@ -126,9 +128,9 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
                 failure = error
             except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut, bad answer
                 failure = error
-            if done > before:  # bytes came: a cut is resumed at once, and the waits start over
+            if out.tell() > before:  # bytes came: a cut is resumed at once, and the waits start over
                 pauses = iter(waits)
-                log.info("%s: the body was cut at %d of %d bytes (%s); resuming", label, done, size, failure)
+                log.info("%s: the body was cut at %d of %d bytes (%s); resuming", label, out.tell(), size, failure)
                 continue
             pause = next(pauses, None)
             if pause is None:
@@ -140,9 +142,10 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
             bar.close()
 
 
-def _body(url: str, headers: dict[str, str], out, done: int, size: int, buffer: memoryview, timeout: float,
-          bar, label: str) -> int:  # fmt: skip
-    """One request for the body from byte ``done`` on, written to ``out``; return the bytes written in all."""
+def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview, timeout: float, bar,
+          label: str) -> None:  # fmt: skip
+    """One request for the rest of the body, from ``out``'s position on, written to ``out``."""
+    done = out.tell()
     request = urllib.request.Request(url, headers={**headers, **({"Range": f"bytes={done}-"} if done else {})})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         if done and response.status == 200:  # the server ignored the Range: the whole body again
@@ -162,14 +165,13 @@ def _body(url: str, headers: dict[str, str], out, done: int, size: int, buffer: 
         while done < size:
             n = response.readinto(buffer[: min(_BUFFER, size - done)])
             if not n:
-                return done
+                return
             view = buffer[:n]
             while view:  # a write to a regular file is whole unless the disk is full (then it raises)
                 view = view[out.write(view):]
             done += n
             if bar is not None:
                 bar.update(n)
-    return done
 
 
 def _starts_at(content_range: str | None, start: int, size: int) -> bool:

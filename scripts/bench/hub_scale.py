@@ -47,6 +47,7 @@ from common import (
     weight_hashes,
 )
 from hub_path import DOWNLOAD, HASHES, REPO_PREFIX, filesystem, source_hashes
+from synthetic import generate
 
 # prequant's transfer alone: every shard through `client.download(large=True)` (what the download child runs),
 # each deleted once fetched, as DOWNLOAD does with huggingface_hub.
@@ -58,7 +59,6 @@ for name in sorted(commit.files):
     if name.endswith((".safetensors", ".bin")):
         os.remove(os.path.realpath(client.download(commit, name, large=True)))
 """
-from synthetic import generate
 
 
 
@@ -297,7 +297,7 @@ def main() -> None:
             r["same_bytes"] = r["weight_sha256"] == reference
             r["bodies"] = [(rec.status, rec.headers.get("range")) for rec in server.request_log  # not header reads
                            if rec.method == "GET" and rec.path.startswith("/cdn-lfs/") and rec.query.get("file") == [fault_name]
-                           and not rec.headers.get("range", "-").rstrip()[-1:].isdigit()]
+                           and rec.to_the_end]
             server.clear_faults()
             report["fault"] = r
             fresh()

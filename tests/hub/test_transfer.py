@@ -4,6 +4,7 @@ huggingface_hub would put it, cut bodies resume from the byte they reached, a bu
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -42,8 +43,6 @@ def test_the_file_lands_where_huggingface_hub_puts_it_and_it_finds_it_there(hub_
     path = hub.download(hub.resolve(REPO), NAME, large=True)
     assert path.read_bytes() == SHARD
     assert gets(hub_server) == [(200, None)]
-    import hashlib
-
     blob = cached(REPO) / "blobs" / hashlib.sha256(SHARD).hexdigest()
     assert path == cached(REPO) / "snapshots" / repo / NAME and path.is_symlink()
     assert os.readlink(path) == f"../../blobs/{blob.name}" and path.resolve() == blob
@@ -117,3 +116,22 @@ def test_huggingface_hub_downloads_it_when_asked_to(
     hub_server.fail(REPO, NAME, "drop", after_bytes=100_000, times=1)
     assert hub.download(hub.resolve(REPO), NAME, large=True).read_bytes() == SHARD
     assert gets(hub_server) == [(200, None), (200, None)]
+
+
+def test_a_body_that_fails_mid_read_resumes_from_what_is_on_disk(hub_server: HubServer, tmp_path: Path) -> None:
+    """A timeout (or a reset) raises from inside the read loop after whole buffers were written: the resume starts
+    where the file ends, not where the request began (it used to ask from 0 again and write after the 16 MiB)."""
+    big = os.urandom(40 * 2**20)
+    hub_server.add_repo("org/big", {"config.json": b"{}", NAME: big})
+    held = hub_server.fail("org/big", NAME, "hold", after_bytes=20 * 2**20, times=1, ranged=False)
+    oid = hashlib.sha256(big).hexdigest()
+    url = f"{hub_server.cdn_url}/cdn-lfs/{oid}?repo=org/big&file={NAME}"
+    hub_server.clear_log()
+    try:
+        with open(tmp_path / "body", "wb", buffering=0) as out:
+            transfer.fetch(url, {}, out, len(big), [1.0], label=NAME, timeout=1.0)
+    finally:
+        held.release.set()
+    assert (tmp_path / "body").read_bytes() == big
+    # the held request timed out after one whole 16 MiB buffer: the resume asks from there
+    assert gets(hub_server) == [(200, None), (206, f"bytes={16 * 2**20}-")]

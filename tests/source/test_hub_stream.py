@@ -436,9 +436,8 @@ def _bodies(server: HubServer, name: str) -> list[int]:
 
 
 def _gets(server: HubServer, name: str) -> list[tuple[int | None, str | None]]:
-    """(status, Range) of every GET for `name`'s bytes after the header reads (those ask for bytes from 0 on)."""
-    return [(r.status, r.headers.get("range")) for r in server.request_log
-            if _serves(r, name) and not r.headers.get("range", "").startswith("bytes=0-")]
+    """(status, Range) of every GET for `name`'s bytes to its end (whole or resumed; not the header reads)."""
+    return [(r.status, r.headers.get("range")) for r in server.request_log if _serves(r, name) and r.to_the_end]
 
 
 def test_a_shard_cut_mid_body_then_refused_with_5xx_converts_to_the_same_bytes(
