@@ -22,12 +22,11 @@ from ..bnb.layout import Layout, require_known
 from ..bnb.quantize import Quantizer, check_device
 from ..bnb.starting import Starting
 from ..checkpoint import manifest
-from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import TensorRef
 from ..errors import Interrupted, PrequantError
 from ..source import hub_early
-from ..source.resolve import check_delete, reader, resolve, scan
+from ..source.resolve import contents, reader, resolve
 from ..source.spec import Source
 from ..util import signals, trace
 from ..util.progress import Progress
@@ -68,13 +67,12 @@ def convert(
 
 def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -> Plan | Summary:
     started = time.monotonic()
-    src = resolve(str(source), stream=True)
-    check_delete(src, opts.delete_source_shards)
+    src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
+    # OUTPUT_DIR is refused before any header of the source is read (a Hub source's by range requests).
     out = output.target(output_dir, src.path, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
-    tensors = scan(src)
-    if src.index_file is not None:
-        check_index(src.index_file, tensors)
-    config = read_config(src.path)
+    held = contents(src)
+    tensors = held.tensors
+    config = held.config
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the pipeline runs, the CPU quantizing meanwhile (bnb.starting),
     # unless this process started with its libraries cold (as the CLI found before torch's import: its start-up
@@ -86,7 +84,7 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     # A Hub source's first shard downloads from here on, while the quantizer starts and the layout is decided (the
     # plan reads the tensors in this order); a resume starts at its first read, once the journal has said what is
     # done.
-    data = None if opts.dry_run else _reader(src, tensors, opts)
+    data = None if opts.dry_run else reader(src, tensors, delete=opts.delete_source_shards, start=not opts.resume)
     try:
         weight_bytes = _src_bytes(tensors)
         quantizer = None if opts.dry_run else starting.quantizer(
@@ -104,20 +102,11 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
             return _run(out, src, tensors, config, quantizer, layouts.first, layouts, opts, started, data)
         except LayoutMismatch:  # transformers decided otherwise: nothing was published; its layout wins, start again
             data.close()  # a fresh reader: the first one counted the tensors already written
-            data = _reader(src, tensors, opts)
+            data = reader(src, tensors, delete=opts.delete_source_shards, start=not opts.resume)
             return _run(out, src, tensors, config, quantizer, layouts.final(), None, opts, started, data)
     finally:
         if data is not None:
             data.close()
-
-
-def _reader(src: Source, tensors: list[TensorRef], opts: ConvertOptions) -> TensorReader:
-    """The source's reader, reading `tensors` in this order (the plan's); a Hub source's downloads start now
-    unless the run resumes."""
-    data = reader(src, tensors, delete=opts.delete_source_shards)
-    if src.hub is not None and not opts.resume:
-        data.start()  # type: ignore[attr-defined] - a Hub source's reader is a HubShardReader
-    return data
 
 
 def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantizer: Quantizer | Starting | None, layout: Layout,

@@ -1,26 +1,33 @@
 """Resolve SOURCE (a local directory, a Hub repo id, or an alias) into the files to convert; list and read its
 tensors. Local directories are `local`'s, Hub repos `hub_stream`'s (imported only for them: huggingface_hub
-costs its import time)."""
+costs its import time).
+
+A conversion opens its source here in three steps, each complete: `resolve` (where the checkpoint is: its
+directory and files), `contents` (what it holds: every tensor, checked against the index, and config.json) and
+`reader` (its data, a Hub source's downloads started). Between the first two the caller checks where the output
+goes, before any header is read."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
 from .local import local
-from .spec import ALIASES, Source, hub_spec
+from .spec import ALIASES, Contents, Source, hub_spec
 
 
-def resolve(spec: str, *, stream: bool = False) -> Source:
+def resolve(spec: str, *, stream: bool = False, delete: bool = False) -> Source:
     """Find the checkpoint named by `spec`; fail early with what to do when there is none.
 
     `spec` is a local directory, else a Hub repo ``org/name[@revision]`` or an alias from `ALIASES`. A Hub
     source's small files (config, index, tokenizer, code, card) are downloaded into the Hugging Face cache;
     its weight shards too, unless `stream` (then `scan` reads their headers remotely and `reader`
-    downloads them one by one as a conversion reaches them).
+    downloads them one by one as a conversion reaches them). `delete`: the caller will delete the shards it
+    downloads (`check_delete`: refused for a local directory).
     """
     try:
         path = Path(spec).expanduser()
@@ -28,7 +35,9 @@ def resolve(spec: str, *, stream: bool = False) -> Source:
     except (OSError, ValueError, RuntimeError) as e:  # name too long, NUL byte, ~unknown-user
         raise PrequantError(f"source {spec!r} is not a usable path ({e}); pass a local checkpoint directory") from e
     if exists:
-        return local(spec, path)
+        src = local(spec, path)
+        check_delete(src, delete)
+        return src
     repo = hub_spec(spec)
     if repo is not None:
         from . import hub_stream
@@ -49,18 +58,31 @@ def scan(src: Source) -> list[TensorRef]:
     return scan_files(src.weight_files)
 
 
-def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False) -> TensorReader:
+def contents(src: Source) -> Contents:
+    """What the source holds: every tensor, in file order (`scan`), checked against its index when it has one,
+    and its config.json (which must exist, be a JSON object and not be quantized already)."""
+    tensors = scan(src)
+    if src.index_file is not None:
+        check_index(src.index_file, tensors)
+    return Contents(tensors, read_config(src.path))
+
+
+def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False, start: bool = False) -> TensorReader:
     """The TensorReader of the source's data; for a Hub source, one that downloads the shards as the `tensors`
-    (in the order they will be read) reach them.
+    (in the order they will be read) reach them: from now on with `start`, else from the first read.
 
     `delete` (Hub sources only): evict each shard prequant downloaded from the cache once its tensors are
-    written; call the returned reader's `tensor_done(ref)` as each tensor is written."""
+    written; call the returned reader's `tensor_done(ref)` as each tensor is written. Not `start` for a resumed
+    run before its journal has marked the finished tensors: it would download shards that are done."""
     check_delete(src, delete)
     if src.hub is None:
         return TensorReader()
     from . import hub_stream
 
-    return hub_stream.HubShardReader(src, tensors, delete=delete)
+    data = hub_stream.HubShardReader(src, tensors, delete=delete)
+    if start:
+        data.start()
+    return data
 
 
 def check_delete(src: Source, delete: bool) -> None:

@@ -1,4 +1,5 @@
-"""What a SOURCE is once resolved (`Source`), and how a SOURCE string names a Hub repo or an alias."""
+"""What a SOURCE is once resolved (`Source`) and what it holds (`Contents`), and how a SOURCE string names a Hub
+repo or an alias."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..checkpoint.tensors import TensorRef
     from ..hub.client import HubCommit
 
 # Short names for well-known checkpoints (an alias may take a revision: grok-1@main). A local directory of
@@ -44,6 +46,14 @@ class Source:
     def pin(self) -> dict:
         """What identifies a Hub source's weights for a resume (its files are not all on disk to stat)."""
         return {} if self.hub is None else {"hub": {"repo_id": self.repo_id, "commit": self.sha, "files": self.weight_sizes}}
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a resolved source holds (`resolve.contents`)."""
+
+    tensors: list[TensorRef]  # every tensor, in file order, checked against the index when there is one
+    config: dict  # config.json, checked: a JSON object, not quantized already
 
 
 def hub_spec(spec: str) -> tuple[str, str | None] | None:
