@@ -151,6 +151,25 @@ def predict(config: dict, tensors: list[TensorRef], skip: list[str], trust_remot
     return Layout(decisions, skip_modules, method, warnings=unmatched_by_4x(by_skip, skip_modules or []))
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """What the names alone tell of a checkpoint's layout, before transformers is asked."""
+
+    layout: Layout | None  # `predict`'s layout; None: unknown here, or not wanted
+    settled: bool  # `layout` is transformers' own (`settled`): nothing need wait for transformers
+
+
+def prediction(config: dict, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool = False, *,
+               head_start: bool = True) -> Prediction:
+    """`predict`'s layout and whether it is `settled`; a layout that is not settled only with `head_start` (for a
+    conversion that may start on a guess and have transformers confirm it before publishing)."""
+    if settled(config, tensors):
+        layout = predict(config, tensors, skip, trust_remote_code)
+        assert layout is not None  # settled implies a prediction
+        return Prediction(layout, True)
+    return Prediction(predict(config, tensors, skip, trust_remote_code) if head_start else None, False)
+
+
 def settled(config: dict, tensors: list[TensorRef], transformers_version: str | None = None) -> bool:
     """Whether `predict`'s layout for this checkpoint is transformers' own, without asking it: see the module
     docstring. `transformers_version`: the installed one's unless given."""

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from ..bnb.layout import Layout, analyze
-from ..bnb.predict import predict, settled
+from ..bnb.predict import Prediction
 from ..checkpoint.tensors import TensorRef
 from ..util import trace
 from . import layout_worker
@@ -32,21 +32,21 @@ class LayoutMismatch(Exception):
 class Layouts:
     """The predicted layout (`first`) and transformers' (`final()`), decided in the background."""
 
-    def __init__(self, config: dict, source_dir: Path, tensors: list[TensorRef], skip: list[str],
-                 trust_remote_code: bool, *, predicted: bool = True) -> None:
+    def __init__(self, prediction: Prediction, config: dict, source_dir: Path, tensors: list[TensorRef],
+                 skip: list[str], trust_remote_code: bool) -> None:
+        """`prediction`: what `bnb.predict` made of the names, for the same checkpoint, skip list and trust."""
         self._args = (config, source_dir, tensors, list(skip), trust_remote_code)
         self._final: Layout | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.predicted: Layout | None = None
-        self.settled = settled(config, tensors)
+        self.settled = prediction.settled
         if self.settled:
-            self._final = predict(config, tensors, list(skip), trust_remote_code)
-            assert self._final is not None  # settled implies a prediction
+            self._final = prediction.layout
             layout_worker.drop()  # a child started by the CLI would only take cores from this run
             trace.mark("layout-settled")
             return
-        self.predicted = predict(config, tensors, list(skip), trust_remote_code) if predicted else None
+        self.predicted = prediction.layout
         if self.predicted is None:
             self._final = self._decide()  # nothing to start on: wait for transformers, as before
         else:

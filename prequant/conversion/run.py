@@ -19,6 +19,7 @@ from typing import Any
 from .._version import __version__
 from ..bnb import starting, tensor_pool
 from ..bnb.layout import Layout, require_known
+from ..bnb.predict import prediction
 from ..bnb.quantize import Quantizer, check_device
 from ..bnb.starting import Starting
 from ..checkpoint import manifest
@@ -86,18 +87,19 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     # done.
     data = None if opts.dry_run else reader(src, tensors, delete=opts.delete_source_shards, start=not opts.resume)
     try:
+        # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
+        # conversion.layouts) or a head start the pipeline runs on while transformers decides its own (a dry run
+        # prints, and a resume's journal fixes, transformers' plan: they wait for it unless settled; so does a run
+        # that deletes its downloaded shards, which a restart on another layout would download again).
+        foreseen = prediction(config, tensors, list(opts.skip), opts.trust_remote_code,
+                              head_start=not (opts.dry_run or opts.resume or opts.delete_source_shards))
         weight_bytes = _src_bytes(tensors)
         quantizer = None if opts.dry_run else starting.quantizer(
             opts.settings, opts.device, weight_bytes, meanwhile=not readahead.found_libraries_cold())
         if quantizer is not None and quantizer.device_type == "cpu":
             tensor_pool.pool(weight_bytes)  # the CPU workers import torch while the plan is made
         trace.mark("quantizer-ready")
-        # Where the architecture is known, the layout is predicted from names: settled (transformers' own, see
-        # conversion.layouts) or a head start the pipeline runs on while transformers decides its own (a dry run
-        # prints, and a resume's journal fixes, transformers' plan: they wait for it unless settled; so does a run
-        # that deletes its downloaded shards, which a restart on another layout would download again).
-        layouts = Layouts(config, src.path, tensors, list(opts.skip), opts.trust_remote_code,
-                          predicted=not (opts.dry_run or opts.resume or opts.delete_source_shards))
+        layouts = Layouts(foreseen, config, src.path, tensors, list(opts.skip), opts.trust_remote_code)
         try:
             return _run(out, src, tensors, config, quantizer, layouts.first, layouts, opts, started, data)
         except LayoutMismatch:  # transformers decided otherwise: nothing was published; its layout wins, start again
