@@ -181,9 +181,9 @@ def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_
     for t in tensors:
         decision = layout.decisions[t.name]
         if decision.quantize:
-            _check_quantizable(t, decision, settings)
-        dtype = decision.dtype or t.dtype  # as transformers loads it
-        outputs = quantized_outputs(t, settings) if decision.quantize else (OutTensor(t.name, dtype, t.shape),)
+            outputs = quantized_outputs(t, decision, settings)
+        else:
+            outputs = (OutTensor(t.name, decision.dtype or t.dtype, t.shape),)  # as transformers loads it
         groups.append((t, decision, outputs))
     shard_of = _assign_shards([sum(o.nbytes for o in outs) for _, _, outs in groups], max_shard_size)
     count = max(shard_of) + 1
@@ -207,8 +207,10 @@ def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings) -> 
         )
 
 
-def quantized_outputs(t: TensorRef, s: Settings) -> tuple[OutTensor, ...]:
-    """The keys transformers writes for a 4-bit weight, with their dtypes and shapes (`bnb.format`'s layout)."""
+def quantized_outputs(t: TensorRef, decision: Decision, s: Settings) -> tuple[OutTensor, ...]:
+    """The keys transformers writes for a 4-bit weight, with their dtypes and shapes (`bnb.format`'s layout); a
+    weight that has none is refused here, before any work (`_check_quantizable`)."""
+    _check_quantizable(t, decision, s)
     return tuple(OutTensor(e.key, e.dtype, e.shape) for e in settings_entries(t.name, t.numel, s))
 
 
