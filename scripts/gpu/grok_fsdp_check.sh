@@ -11,9 +11,10 @@
 #   PREQUANT_DEVICE=cpu PREQUANT_CPU_RANKS=2 PREQUANT_LAYERS=2 PREQUANT_DEADLINE=1500 \
 #   PREQUANT_DIMS='{"hidden": 256, "inter": 512, "vocab": 1024, "heads": 8}' OUT=/tmp/grok-smoke bash scripts/gpu/grok_fsdp_check.sh
 #
-# Steps: the prequant loader runs first with PREQUANT_FIRST_STEPS (3); its measured seconds per step and per run
-# then size the trainer loader's run (up to PREQUANT_STEPS, 10) to the time left, and, if time is still left, a second
-# prequant run with more steps replaces the first. transformers' own path is not run: it puts the whole model on
+# Steps: the first of PREQUANT_LOADERS ("prequant trainer") runs with PREQUANT_FIRST_STEPS (3); its measured seconds
+# per step and per run then size the second loader's run (up to PREQUANT_STEPS, 10) to the time left, and, if time is
+# still left, a second run of the first loader with more steps replaces its first. PREQUANT_LOADERS="trainer prequant"
+# puts the trainer loader first (on 8 CPU ranks a step takes about a minute: second, it may get no time at all). transformers' own path is not run: it puts the whole model on
 # every rank (8 x the checkpoint in host memory, more than the machine's RAM at 4 layers).
 # The wheels in .whl go into a directory named site-packages (see scripts/gpu/trainer_gpu_check.sh for why).
 # Files in $OUT: log.txt, plan.json, check-prequant.json, check-trainer.json, summary.md (scripts/gpu/fsdp_summary.py).
@@ -31,6 +32,10 @@ LAYERS=${PREQUANT_LAYERS:-}                    # default: 4, fewer if disk or RA
 DIMS=${PREQUANT_DIMS:-}                        # JSON overriding SHAPES["grok"] of scripts/bench/synthetic.py
 STEPS=${PREQUANT_STEPS:-10}
 FIRST_STEPS=${PREQUANT_FIRST_STEPS:-3}
+read -r FIRST SECOND _ <<< "${PREQUANT_LOADERS:-prequant trainer}"
+for l in $FIRST ${SECOND:-}; do
+  case $l in prequant|trainer) ;; *) echo "PREQUANT_LOADERS: '$l' is neither prequant nor trainer"; exit 2;; esac
+done
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 TEE_PID=$!
@@ -110,37 +115,43 @@ check() {  # check LOADER STEPS REPORT LIMIT
     --nproc "$CPU_RANKS" --trust-remote-code --loader "$1" --steps "$2" --seq-len 16 --batch-size 1 \
     --timeout $(($4 - 10)) --report "$3"
 }
-# steps_fitting SECONDS REPORT: how many steps a run fits in SECONDS, from the first run's timing (0: none).
+# steps_fitting SECONDS REPORT WALL LOADER: how many steps a run of LOADER fits in SECONDS, from the first loader's
+# run in REPORT, which took WALL seconds (0: none).
 steps_fitting() {
-  python3 - "$1" "$2" "$STEPS" "$FIRST_STEPS" "$3" <<'EOF'
+  python3 - "$1" "$2" "$STEPS" "$FIRST_STEPS" "$3" "$FIRST" "$4" <<'EOF'
 import json, sys
 seconds, report, most, first, wall = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+measured, sized = sys.argv[6], sys.argv[7]
+# SFTTrainer's steps cost a little more than the plain loop's
+factor = {("prequant", "trainer"): 1.15, ("trainer", "prequant"): 1 / 1.15}.get((measured, sized), 1.0)
 try:
-    r = json.load(open(report))["runs"]["prequant"]
-    per_step = max(x["train"]["seconds"] for x in r["ranks"]) / first * 1.15  # SFTTrainer's steps cost a little more
-    fixed = wall - per_step / 1.15 * first + 25  # torchrun, imports (TRL: more), load, the bytes checks
-    print(max(0, min(most, int((seconds - fixed) / per_step))))
+    r = json.load(open(report))["runs"][measured]
+    step = max(x["train"]["seconds"] for x in r["ranks"]) / first
+    fixed = wall - step * first + 25  # torchrun, imports (TRL: more), load, the bytes checks
+    print(max(0, min(most, int((seconds - fixed) / (step * factor)))))
 except (OSError, KeyError, ValueError, ZeroDivisionError):
     print(0)
 EOF
 }
 
 T0=$(date +%s)
-check prequant "$FIRST_STEPS" "$OUT/check-prequant.json" $(( $(left) - 40 ))
+check "$FIRST" "$FIRST_STEPS" "$OUT/check-$FIRST.json" $(( $(left) - 40 ))
 WALL=$(( $(date +%s) - T0 ))
-[ -f "$OUT/check-prequant.json" ] || { echo "the first prequant run left no report: stopping"; exit 1; }
-TRAINER_STEPS=$(steps_fitting $(( $(left) - 40 )) "$OUT/check-prequant.json" "$WALL")
-if [ "$TRAINER_STEPS" -ge 1 ]; then
-  check trainer "$TRAINER_STEPS" "$OUT/check-trainer.json" $(( $(left) - 40 ))
-else
-  echo "=== check-trainer: skipped, $(left)s left is not enough for one step"; FAILED+=("check-trainer:skipped")
+[ -f "$OUT/check-$FIRST.json" ] || { echo "the first $FIRST run left no report: stopping"; exit 1; }
+if [ -n "${SECOND:-}" ]; then
+  N2=$(steps_fitting $(( $(left) - 40 )) "$OUT/check-$FIRST.json" "$WALL" "$SECOND")
+  if [ "$N2" -ge 1 ]; then
+    check "$SECOND" "$N2" "$OUT/check-$SECOND.json" $(( $(left) - 40 ))
+  else
+    echo "=== check-$SECOND: skipped, $(left)s left is not enough for one step"; FAILED+=("check-$SECOND:skipped")
+  fi
 fi
-MORE=$(steps_fitting $(( $(left) - 40 )) "$OUT/check-prequant.json" "$WALL")
+MORE=$(steps_fitting $(( $(left) - 40 )) "$OUT/check-$FIRST.json" "$WALL" "$FIRST")
 if [ "$MORE" -ge $((2 * FIRST_STEPS)) ]; then  # worth a second run: it replaces the first only if it completes
-  check prequant "$MORE" "$OUT/check-prequant-more.json" $(( $(left) - 40 ))
-  if python3 -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['runs']['prequant'].get('summary') else 1)" \
-      "$OUT/check-prequant-more.json" 2>/dev/null; then
-    mv "$OUT/check-prequant.json" "$OUT/check-prequant-first.json"
-    mv "$OUT/check-prequant-more.json" "$OUT/check-prequant.json"
+  check "$FIRST" "$MORE" "$OUT/check-$FIRST-more.json" $(( $(left) - 40 ))
+  if python3 -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['runs'][sys.argv[2]].get('summary') else 1)" \
+      "$OUT/check-$FIRST-more.json" "$FIRST" 2>/dev/null; then
+    mv "$OUT/check-$FIRST.json" "$OUT/check-$FIRST-first.json"
+    mv "$OUT/check-$FIRST-more.json" "$OUT/check-$FIRST.json"
   fi
 fi
