@@ -21,6 +21,11 @@ on the same disk), then measures, each from a cold page cache:
   kill        --kill: the same, SIGKILLed while shard K is half downloaded, then the same command with --resume:
               the partial files the kill left, the resumed run's time and scratch disk
 
+The server reads the repo from this machine's disk, the disk prequant's libraries, scratch and output are on: a
+remote Hub's disk is not. --endpoint-warm reads the served files into the page cache after every drop, so that
+the endpoint's reads leave the disk to the client (floor and conversions alike) while the libraries, the scratch
+and the output stay cold: the case of a real endpoint, whose bytes come over the network only.
+
 Every run's weight files are compared (sha256) with the first conversion's, and with a local conversion's when one
 was measured beside it (`--local-sha256 FILE`, a report of convert.py). The report is written after every step.
 
@@ -116,10 +121,10 @@ for url in sys.argv[1:]:
 """
 
 
-def curl_floor(url: str, repo: str, files: list[str], output_bytes: int, work: Path) -> dict:
+def curl_floor(url: str, repo: str, files: list[str], output_bytes: int, work: Path, drop) -> dict:
     """curl of every file through the server to /dev/null (following the LFS redirect), beside dd's durable write
-    of the output's bytes: see the module doc."""
-    drop_caches()
+    of the output's bytes: see the module doc. `drop()` drops the page cache first."""
+    drop()
     scratch = work / "write-floor.bin"
     urls = [f"{url}/{repo}/resolve/main/{name}" for name in files]
     fetch = ('for u in "$@"; do curl -sSfL -o /dev/null "$u" || exit 1; done' if shutil.which("curl")
@@ -195,6 +200,8 @@ def main() -> None:
     ap.add_argument("--local", action="store_true", help="also convert the served folder from disk, cold, and "
                     "compare its bytes (what --local-sha256 gives where convert.py measured it)")
     ap.add_argument("--keep-output", type=Path, help="move the first conversion's output here")
+    ap.add_argument("--endpoint-warm", action="store_true", help="the served files read into the page cache "
+                    "after every drop: the endpoint off this disk, as a remote Hub is")
     ap.add_argument("--json", type=Path, help="the report (written after every step)")
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -232,6 +239,16 @@ def main() -> None:
     def save() -> None:
         emit(report, args.json)
 
+    report["endpoint"] = "warm" if args.endpoint_warm else "cold"
+
+    def drop() -> None:
+        """A cold page cache; with --endpoint-warm, then the served files read back into it."""
+        drop_caches()
+        if args.endpoint_warm:
+            t = time.monotonic()
+            subprocess.run(["cat", *map(str, files.values())], stdout=subprocess.DEVNULL, check=True)
+            report.setdefault("endpoint_warm_seconds", []).append(round(time.monotonic() - t, 2))
+
     with HubServer(server_root) as server:
         server.add_repo(repo, files, link=True, sha256s=hashes)
         hub_env = {**server.env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
@@ -244,7 +261,7 @@ def main() -> None:
             shutil.rmtree(hf_home, ignore_errors=True)
 
         fresh()
-        drop_caches()
+        drop()
         first = report["convert"] = convert_hub(repo, out, args, hub_env, cache, shard_blobs)
         first["within_scratch_bound"] = first["scratch_shards_peak_bytes"] <= report["scratch_bound_bytes"]
         reference = first["weight_sha256"]
@@ -255,7 +272,7 @@ def main() -> None:
         save()
         for _ in range(args.repeats - 1):
             fresh()
-            drop_caches()
+            drop()
             again = convert_hub(repo, out, args, hub_env, cache, shard_blobs)
             first.setdefault("repeats", []).append({k: again[k] for k in ("seconds", "peak_rss_anon",
                                                                          "scratch_shards_peak_bytes", "trace")})
@@ -270,14 +287,14 @@ def main() -> None:
         fresh()
 
         if args.local:
-            drop_caches()
+            drop_caches()  # the served files are this folder's: cold, whatever the endpoint's setting
             local_run = run_prequant(str(src), args.dir / "out-local", args.device, args.dir, args.prequant_arg)
             shutil.rmtree(args.dir / "out-local", ignore_errors=True)
             report["local"] = {k: local_run[k] for k in ("seconds", "peak_rss_anon", "output_bytes")}
             first["same_bytes_as_local"] = report["local"]["same_bytes"] = local_run["weight_sha256"] == reference
             save()
 
-        report["floor"] = curl_floor(server.url, repo, list(files), output_bytes, args.dir)
+        report["floor"] = curl_floor(server.url, repo, list(files), output_bytes, args.dir, drop)
         report["floor"].pop("stdout", None)
         report["convert"]["ratio_to_floor"] = round(first["seconds"] / report["floor"]["seconds"], 3)
         if "median_seconds" in first:
@@ -291,7 +308,7 @@ def main() -> None:
             server.fail(repo, fault_name, "drop", after_bytes=cut, times=1, ranged=False)
             server.fail(repo, fault_name, "status", status=503, times=3, ranged="resume")
             server.clear_log()
-            drop_caches()
+            drop()
             r = convert_hub(repo, out, args, hub_env, cache, shard_blobs)
             r["shard"] = fault_name
             r["same_bytes"] = r["weight_sha256"] == reference
@@ -307,7 +324,7 @@ def main() -> None:
             # The server holds shard K's body half sent: the kill comes while that download is surely under way.
             held = server.fail(repo, fault_name, "hold", after_bytes=files[fault_name].stat().st_size // 2, times=1,
                                ranged=False)
-            drop_caches()
+            drop()
             killed = convert_hub(repo, out, args, hub_env, cache, shard_blobs, kill_when=lambda _: held.arrived.is_set())
             held.release.set()
             server.clear_faults()
@@ -323,7 +340,7 @@ def main() -> None:
 
         for variant in args.variant:
             key, _, value = variant.partition("=")
-            drop_caches()
+            drop()
             v = convert_hub(repo, out, args, {**hub_env, key: value}, cache, shard_blobs)
             v["same_bytes"] = v["weight_sha256"] == reference
             v["ratio_to_floor"] = round(v["seconds"] / report["floor"]["seconds"], 3)
@@ -334,7 +351,7 @@ def main() -> None:
 
         if not args.skip_download:
             for key, script in (("download", DOWNLOAD), ("transfer", TRANSFER)):
-                drop_caches()
+                drop()
                 t = time.monotonic()
                 subprocess.run([sys.executable, "-c", script, repo, str(cache)], check=True,
                                env=run_env(**hub_env, HF_HUB_CACHE=str(cache)))
@@ -361,7 +378,8 @@ def print_report(r: dict) -> None:
     c, f = r["convert"], r.get("floor", {})
     gb = 1e9
     print(f"\nHub path, {r['source_bytes'] / gb:.1f} GB {r['shape']} {r['format']} in {r['shards']} shards "
-          f"(largest {r['largest_shard_bytes'] / gb:.2f} GB), --device {r['device']}:", file=sys.stderr)
+          f"(largest {r['largest_shard_bytes'] / gb:.2f} GB), --device {r['device']}, endpoint {r['endpoint']}:",
+          file=sys.stderr)
     print(f"  convert {c['seconds']:.1f} s; floor (curl + dd) {f.get('seconds', float('nan')):.1f} s: "
           f"{c.get('ratio_to_floor', float('nan')):.2f}x; huggingface_hub alone "
           f"{r.get('download', {}).get('seconds', float('nan')):.1f} s, prequant's transfer alone "
