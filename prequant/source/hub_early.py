@@ -54,7 +54,7 @@ def _begin(repo_spec: str, done: threading.Event) -> None:
     try:
         repo_id, revision = client.parse_repo_spec(repo_spec)
         listing = client.resolve(repo_id, revision)
-        layout = weight_layout(listing.files)  # what hub_stream.resolve will find
+        layout = weight_layout(listing.files)  # what hub_repo.resolve will find
         if layout is None:
             return
         index, single, _ = layout

@@ -1,10 +1,6 @@
-"""A Hub repo as a conversion source: resolved to a commit, planned from remote headers, its shards streamed.
+"""A Hub source's shards streamed during a conversion (`hub_repo` resolved the repo, `remote_headers` planned it).
 
-`resolve` downloads the repo's small files (config, index, tokenizer, code, card) and names each weight
-shard by the path it will have in the Hugging Face cache; `remote_headers` plans from the shards' headers,
-read by HTTP range requests, without downloading them.
-
-During conversion `HubShardReader` downloads the shards in the order the plan reads them, `DOWNLOADS` at a time
+`HubShardReader` downloads the shards in the order the plan reads them, `DOWNLOADS` at a time
 while the conversion goes on, each thread through a child process of its own (`hub.fetcher`: not behind this
 one's GIL). The downloads start when the conversion calls `start` (as soon as the tensors are known, so that the
 first shards download while the layout is decided and the quantizer starts), or at the first read. Reading a
@@ -25,7 +21,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ..checkpoint.hf_files import CONFIG, WEIGHT_SUFFIXES, shard_names, weight_layout
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
@@ -38,71 +33,13 @@ log = logging.getLogger(__name__)
 SLOTS = 2  # downloaded source shards on disk at once with delete
 # Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
 # the local Hub on the GPU machine downloaded its shards 3-7 (23.1 GB, after the first shard was converted) at 1.21
-# and 1.62 GB/s with two against 1.05 and 1.40 GB/s with one, on two leases (scripts/bench/hub_scale.py, 2026-12-04; the whole runs differed by
-# their cold start-ups more than by this). huggingface_hub's own loop (PREQUANT_HUB_CLIENT=huggingface_hub) gains
+# and 1.62 GB/s with two against 1.05 and 1.40 GB/s with one, on two leases (scripts/bench/hub_scale.py,
+# 2026-12-04; the whole runs differed by their cold start-ups more than by this). huggingface_hub's own loop (PREQUANT_HUB_CLIENT=huggingface_hub) gains
 # more from two: one download took 0.53-0.75 GB/s where curl read 1.1-1.4. PREQUANT_HUB_DOWNLOADS overrides it;
 # with --delete-source-shards the SLOTS bound holds whatever it is (a partial download counts as a shard on disk).
 DOWNLOADS = 2
 DOWNLOADS_ENV = "PREQUANT_HUB_DOWNLOADS"
 _LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
-
-
-# -------------------------------------------------------------------------------------------- resolve
-
-
-def resolve(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> Source:
-    """Resolve a Hub repo to a commit, download its small files, and describe its weights (see module doc)."""
-    try:
-        repo_id, revision = client.parse_repo_spec(repo_spec)
-        listing = client.resolve(repo_id, revision, alias=alias)
-    except PrequantError as e:
-        # "org/name" may also have been a mistyped local path: unless the repo plainly exists (gated, or only the
-        # revision is unknown), say both (the Hub cannot be reached, no such repo, offline and not cached).
-        from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
-
-        exists = isinstance(e.__cause__, (GatedRepoError, RevisionNotFoundError))
-        if alias is None and not exists:
-            raise e.within(f"source {spec!r} is not a local directory, and ") from e
-        raise
-    label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"
-    files = listing.files
-    layout = weight_layout(files)
-    if layout is None:
-        found = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
-        hint = f" (found {', '.join(found[:5])})" if found else ""
-        raise PrequantError(
-            f"{label}: no model weights found: expected model.safetensors or model.safetensors.index.json{hint}; "
-            "pass the repo of a Hugging Face checkpoint"
-        )
-    if CONFIG not in files:
-        raise PrequantError(
-            f"{label}: config.json is missing from the repo; a Hugging Face checkpoint needs one next to its weights, "
-            "pick a revision that has it"
-        )
-    index_name, single, fmt = layout
-    # Everything but weights: what a conversion copies (tokenizer, code, licence) or reads (config, index, card).
-    small = [n for n in files if not n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".") and "/." not in n]
-    for name in sorted(small, key=lambda n: (n != CONFIG, n != index_name, n)):
-        client.download(listing, name)
-    root = client.cache_path(listing, CONFIG).parent
-    index = root / index_name if index_name else None
-    names = shard_names(f"{repo_id}@{listing.sha[:12]}", index) if index else [single]
-    for name in names:
-        if name not in files:
-            raise PrequantError(
-                f"{index_name}: shard {name!r} is listed but missing from {label}; the repo is incomplete at this "
-                "revision, pick another revision"
-            )
-    if not stream:  # the whole checkpoint on disk, as a local directory would be
-        for name in names:
-            client.download(listing, name)
-    return Source(
-        spec, root, tuple(root / n for n in names), index, fmt,
-        repo_id=repo_id, revision=revision, sha=listing.sha, hub=listing,
-    )
-
-
-# ---------------------------------------------------------------------------------------- streaming
 
 
 class _Stopped(Exception):

@@ -1,6 +1,6 @@
 """Resolve SOURCE (a local directory, a Hub repo id, or an alias) into the files to convert; list and read its
-tensors. Local directories are `local`'s, Hub repos `hub_stream`'s (imported only for them: huggingface_hub
-costs its import time).
+tensors. Local directories are `local`'s, Hub repos `hub_repo`'s and `hub_stream`'s (imported only for them:
+huggingface_hub costs its import time).
 
 A conversion opens its source here in three steps, each complete: `resolve` (where the checkpoint is: its
 directory and files), `contents` (what it holds: every tensor, checked against the index, and config.json) and
@@ -40,9 +40,9 @@ def resolve(spec: str, *, stream: bool = False, delete: bool = False) -> Source:
         return src
     repo = hub_spec(spec)
     if repo is not None:
-        from . import hub_stream
+        from . import hub_repo
 
-        return hub_stream.resolve(spec, *repo, stream=stream)
+        return hub_repo.resolve(spec, *repo, stream=stream)
     raise PrequantError(
         f"source {spec!r} does not exist; pass a local checkpoint directory (holding config.json and "
         f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"
