@@ -52,6 +52,11 @@ def storage_folder(repo_id: str) -> Path:
     return cache_dir() / f"models--{repo_id.replace('/', '--')}"
 
 
+def blobs_folder(repo_id: str) -> Path:
+    """Where the repo's files are kept, each under its etag (the snapshots link to them)."""
+    return storage_folder(repo_id) / "blobs"
+
+
 def snapshot_path(repo_id: str, sha: str, filename: str) -> Path:
     """Where a file of commit `sha` is found in the cache (a link to its blob), whether it is there yet or not."""
     return storage_folder(repo_id) / "snapshots" / sha / filename

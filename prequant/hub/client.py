@@ -207,12 +207,11 @@ def _tried(tries: int, seconds: float) -> str:
 
 def evict(source: HubCommit, filename: str) -> None:
     """Delete a downloaded file (its snapshot pointer and blob) from the cache; does nothing if absent."""
-    storage = cache.storage_folder(source.repo_id)
-    pointer = storage / "snapshots" / source.sha / filename
+    pointer = cache_path(source, filename)
     if pointer.is_symlink():
         blob = Path(os.path.normpath(pointer.parent / os.readlink(pointer)))
         pointer.unlink()
-        if blob.parent == storage / "blobs":  # never follow a link out of this repo's cache
+        if blob.parent == cache.blobs_folder(source.repo_id):  # never follow a link out of this repo's cache
             blob.unlink(missing_ok=True)
     elif pointer.is_file():  # no-symlink caches keep the file itself in the snapshot
         pointer.unlink()
@@ -231,9 +230,8 @@ def remove_stale_partials(repo_id: str) -> list[str]:
     touched."""
     from filelock import FileLock, Timeout  # huggingface_hub's own lock library
 
-    storage = cache.storage_folder(repo_id)
     try:
-        partials = sorted(p for p in (storage / "blobs").iterdir() if _PARTIAL_RE.fullmatch(p.name))
+        partials = sorted(p for p in cache.blobs_folder(repo_id).iterdir() if _PARTIAL_RE.fullmatch(p.name))
     except OSError:
         return []
     removed = []

@@ -24,7 +24,6 @@ import http.client
 import importlib.util
 import logging
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +34,7 @@ from urllib.parse import urlsplit
 
 from ..errors import PrequantError
 from . import cache
-from .failures import IncompleteDownload
+from .failures import IncompleteDownload, short
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +64,7 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
 
     huggingface_hub's errors for the metadata request (no such file, 401, a 5xx) are raised as they are, for the
     caller's retries and messages; a body that cannot be completed raises `TransferFailed` after the waits."""
+    from filelock import FileLock  # huggingface_hub's own lock library: the same lock as its downloads
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
@@ -74,15 +74,13 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
         return None
     if meta.etag is None or meta.size is None or meta.location is None:
         return None
-    blob = cache.storage_folder(repo_id) / "blobs" / meta.etag
+    blob = cache.blobs_folder(repo_id) / meta.etag
     if blob.exists():
         return None
     headers = build_hf_headers(token=token, library_name="prequant")
     headers["Accept-Encoding"] = "identity"  # the bytes as stored: the size is the file's
     if urlsplit(meta.location).netloc != urlsplit(url).netloc:
         headers.pop("authorization", None)  # a signed CDN URL: the token stays with the Hub, as huggingface_hub does
-    from filelock import FileLock  # huggingface_hub's own lock library: the same lock as its downloads
-
     lock = cache.lock_path(repo_id, meta.etag)
     lock.parent.mkdir(parents=True, exist_ok=True)
     blob.parent.mkdir(parents=True, exist_ok=True)
@@ -130,12 +128,13 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
                 failure = error
             if out.tell() > before:  # bytes came: a cut is resumed at once, and the waits start over
                 pauses = iter(waits)
-                log.info("%s: the body was cut at %d of %d bytes (%s); resuming", label, out.tell(), size, failure)
+                log.info("%s: the body was cut at %d of %d bytes (%s); resuming", label, out.tell(), size,
+                         short(failure, None))
                 continue
             pause = next(pauses, None)
             if pause is None:
                 raise TransferFailed(failure, tries, time.monotonic() - started) from failure
-            log.warning("download of %s failed (%s); retrying in %.0fs", label, _reason(failure), pause)
+            log.warning("download of %s failed (%s); retrying in %.0fs", label, short(failure, None), pause)
             time.sleep(pause)
     finally:
         if bar is not None:
@@ -177,16 +176,6 @@ def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview,
 def _starts_at(content_range: str | None, start: int, size: int) -> bool:
     """Whether a 206's Content-Range is ``bytes START-(size-1)/size``."""
     return content_range is not None and content_range.replace(" ", "").lower() == f"bytes{start}-{size - 1}/{size}"
-
-
-def _reason(error: BaseException) -> str:
-    if isinstance(error, urllib.error.HTTPError):
-        return f"{error.code} {error.reason}"
-    if isinstance(error, IncompleteDownload):
-        return str(error)
-    if isinstance(error, (socket.timeout, TimeoutError)):
-        return "timed out"
-    return f"{type(error).__name__}: {error}"
 
 
 def _progress(label: str, size: int):
