@@ -73,8 +73,8 @@ def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False, s
 
     `delete` (Hub sources only): evict each shard prequant downloaded from the cache once its tensors are
     written; call the returned reader's `tensor_done(ref)` as each tensor is written. Not `start` for a resumed
-    run before its journal has marked the finished tensors: it would download shards that are done."""
-    check_delete(src, delete)
+    run before its journal has marked the finished tensors: it would download shards that are done. `resolve`
+    refused `delete` for a local directory already."""
     if src.hub is None:
         return TensorReader()
     from . import hub_stream
