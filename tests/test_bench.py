@@ -242,7 +242,7 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
         [sys.executable, str(ROOT / "scripts" / "bench" / "hub_scale.py"), "--shape", "grok", "--layers", "3",
          "--dims", '{"hidden": 512, "inter": 2048, "vocab": 4096, "heads": 8}', "--shard-gb", "0.02",
          "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--local",
-         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub", "--endpoint-warm",
+         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub", "--endpoint-warm", "--repeats", "2",
          "--dir", str(tmp_path / "work"), "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=900,
     )
@@ -260,8 +260,12 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     variant = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub"]
     assert variant["same_bytes"] and variant["within_scratch_bound"]
     assert r["download"]["seconds"] > 0 and r["transfer"]["seconds"] > 0  # each client alone
-    # the served files read back after each drop: conversion, floor, fault, kill, variant, each client alone
-    assert r["endpoint"] == "warm" and len(r["endpoint_warm_seconds"]) == 7, r["endpoint_warm_seconds"]
+    # the served files read back after each drop: 2 conversions, floor, fault, kill, variant, each client alone
+    assert r["endpoint"] == "warm" and len(r["endpoint_warm_seconds"]) == 8, r["endpoint_warm_seconds"]
+    # the first conversion again: the same bytes, and the median of the two times (their mean)
+    assert c["repeats_same_bytes"] == [True] and len(c["repeat_seconds"]) == 2
+    assert c["median_seconds"] == sum(c["repeat_seconds"]) / 2
+    assert c["median_ratio_to_floor"] == round(c["median_seconds"] / r["floor"]["seconds"], 3)
     killed, resumed = r["kill"]["killed"], r["kill"]["resumed"]
     assert killed["returncode"] == -9 and killed["partials_left"]  # killed mid-body: its partial file is left
     assert resumed["same_bytes"] and resumed["partials_left"] == [] and resumed["within_scratch_bound"]

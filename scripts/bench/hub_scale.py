@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -279,7 +280,7 @@ def main() -> None:
             first.setdefault("repeats_same_bytes", []).append(again["weight_sha256"] == reference)
         if args.repeats > 1:
             first["repeat_seconds"] = [first["seconds"]] + [x["seconds"] for x in first["repeats"]]
-            first["median_seconds"] = sorted(first["repeat_seconds"])[len(first["repeat_seconds"]) // 2]
+            first["median_seconds"] = statistics.median(first["repeat_seconds"])
         save()
         if args.keep_output:
             shutil.rmtree(args.keep_output, ignore_errors=True)
