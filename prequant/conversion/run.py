@@ -78,10 +78,9 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     # CUDA and bitsandbytes start on a thread while the pipeline runs, the CPU quantizing meanwhile (bnb.starting),
     # unless this process started with its libraries cold (as the CLI found before torch's import: its start-up
     # read-ahead for a local source, `readahead.note_cold_start` for a Hub one): CUDA's start then reads them page
-    # fault by page fault,
-    # behind the pipeline's reads and writes, and took 29 s beside them against 4-12 s with the pipeline waiting (a
-    # 33 GB Grok-shaped checkpoint, `scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`, the GPU
-    # machine).
+    # fault by page fault, behind the pipeline's reads and writes, and took 29 s beside them against 4-12 s with the
+    # pipeline waiting (a 33 GB Grok-shaped checkpoint, `scripts/bench/convert.py --size-gb 33 --shape grok
+    # --device cuda`, the GPU machine).
     # A Hub source's first shard downloads from here on, while the quantizer starts and the layout is decided (the
     # plan reads the tensors in this order); a resume starts at its first read, once the journal has said what is
     # done.

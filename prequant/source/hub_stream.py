@@ -34,9 +34,10 @@ SLOTS = 2  # downloaded source shards on disk at once with delete
 # Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
 # the local Hub on the GPU machine downloaded its shards 3-7 (23.1 GB, after the first shard was converted) at 1.21
 # and 1.62 GB/s with two against 1.05 and 1.40 GB/s with one, on two leases (scripts/bench/hub_scale.py,
-# 2026-12-04; the whole runs differed by their cold start-ups more than by this). huggingface_hub's own loop (PREQUANT_HUB_CLIENT=huggingface_hub) gains
-# more from two: one download took 0.53-0.75 GB/s where curl read 1.1-1.4. PREQUANT_HUB_DOWNLOADS overrides it;
-# with --delete-source-shards the SLOTS bound holds whatever it is (a partial download counts as a shard on disk).
+# 2026-12-04; the whole runs differed by their cold start-ups more than by this). huggingface_hub's own loop
+# (PREQUANT_HUB_CLIENT=huggingface_hub) gains more from two: one download took 0.53-0.75 GB/s where curl read
+# 1.1-1.4. PREQUANT_HUB_DOWNLOADS overrides it; with --delete-source-shards the SLOTS bound holds whatever it is (a
+# partial download counts as a shard on disk).
 DOWNLOADS = 2
 DOWNLOADS_ENV = "PREQUANT_HUB_DOWNLOADS"
 _LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
