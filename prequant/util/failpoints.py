@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 _spec = os.environ.get("PREQUANT_FAILPOINT", "")
 _name, _, _rest = _spec.partition(":")
@@ -24,4 +25,10 @@ def hit(name: str) -> None:
         if _left[name] == 0:
             if _action == "raise":
                 raise RuntimeError(f"failure injected at {name} (PREQUANT_FAILPOINT)")
-            os.kill(os.getpid(), getattr(signal, _action or "SIGKILL"))
+            sig = getattr(signal, _action or "SIGKILL")
+            if sig in (signal.SIGKILL, signal.SIGSTOP):
+                # At this thread: a signal sent to the process may land on another thread first, and this one
+                # would go on for a few more steps (a shard evicted after the journal's write) before it stops.
+                signal.pthread_kill(threading.get_ident(), sig)
+            else:
+                os.kill(os.getpid(), sig)  # handled in the main thread, whichever thread it lands on
