@@ -70,6 +70,11 @@ class TensorReader:
                 self._fds[path] = os.open(path, os.O_RDONLY)
             return self._fds[path]
 
+    def holds(self, path: Path) -> bool:
+        """Whether this reader holds `path` open (it has read from it, and not released it)."""
+        with self._open_lock:
+            return path in self._fds
+
     def _bin_tensor(self, ref: TensorRef) -> torch.Tensor:
         if ref.file not in self._bins:
             self._bins[ref.file] = binreader.load(ref.file)

@@ -100,12 +100,15 @@ def resolve(
     return HubCommit(repo_id=repo_id, revision=revision, sha=info.sha, files=files)  # type: ignore[arg-type]
 
 
-def download(source: HubCommit, filename: str, *, token: str | None = None, large: bool = False) -> Path:
+def download(source: HubCommit, filename: str, *, token: str | None = None, large: bool = False,
+             limit: Callable[[], int] | None = None) -> Path:  # fmt: skip
     """Download ``filename`` at ``source.sha`` into the Hugging Face cache and return its local path.
 
     Transient failures are retried a few times; a failed or incomplete download raises `PrequantError`
     naming the file (a shard is never silently skipped). ``large``: a weight shard, whose body prequant transfers
-    itself unless Xet stores it (`transfer`: huggingface_hub's loop is slower than the link).
+    itself unless Xet stores it (`transfer`: huggingface_hub's loop is slower than the link). ``limit``: how many
+    bytes of the file may be on disk so far (`transfer`'s); a file huggingface_hub downloads, which writes all of
+    it at once, waits until the whole file is allowed.
     """
     label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
     if filename not in source.files:
@@ -115,7 +118,7 @@ def download(source: HubCommit, filename: str, *, token: str | None = None, larg
     def attempt() -> Path:
         remove_stale_partials(source.repo_id)  # e.g. of a run killed mid-download: they would fill the disk
         try:
-            return _fetch(source, filename, token, large)
+            return _fetch(source, filename, token, large, limit)
         except Exception as error:
             if cache.offline():
                 raise cache.not_cached_offline(f"download {label}") from error
@@ -333,17 +336,21 @@ def _label(repo_id: str, revision: str | None, alias: str | None) -> str:
 # --------------------------------------------------------------------------------------- downloading
 
 
-def _fetch(source: HubCommit, filename: str, token: str | None, large: bool) -> Path:
+def _fetch(source: HubCommit, filename: str, token: str | None, large: bool,
+           limit: Callable[[], int] | None = None) -> Path:  # fmt: skip
     # Pinned to the sha: a cached file is returned without any network call.
     pointer = cache_path(source, filename)
     path = None
     if large and transfer.enabled() and not cache.offline() and not pointer.is_file():
         try:
-            path = transfer.download(source.repo_id, source.sha, filename, token=token, waits=retry_waits())
+            path = transfer.download(source.repo_id, source.sha, filename, token=token, waits=retry_waits(),
+                                     limit=limit)
         except transfer.TransferFailed as failed:  # its retries are spent: said as the last failure, with them
             action = f"download {filename} of {source.repo_id}@{source.sha[:12]}"
             message = explain(failed.cause, action, source.repo_id, source.sha, token, endpoint=cache.endpoint())
             raise PrequantError(message + _tried(failed.tries, failed.seconds)) from failed
+    if path is None and limit is not None and not pointer.is_file():
+        transfer.allowed(limit, source.files[filename] - 1)  # huggingface_hub writes the file whole
     path = path or Path(
         hf_hub_download(
             source.repo_id,

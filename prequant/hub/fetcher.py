@@ -18,6 +18,11 @@ A download can be begun early (`begin`: the request is sent, its answer read by 
 later) by a Fetcher that the conversion then takes over (`keep_early`, `adopt`): the CLI begins a Hub source's
 first shard before it imports torch (`source.hub_early`). Each answer says whether this download put the file in
 the cache (`Fetched.fresh`), judged when its request was sent: only such files are a conversion's to delete.
+
+A download asked for with ``limited=True`` writes at most `set_limit`'s bytes of its file so far (`transfer`'s
+``limit``): the parent keeps the number in a memfd the child inherits (8 bytes, read before each buffer), which
+`source.hub_stream` raises as the shard before is freed. Where there is no memfd (not Linux), `limits` is False
+and every download is whole.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import pickle
 import select
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -42,6 +48,8 @@ log = logging.getLogger(__name__)
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding this prequant
 _EXIT_WAIT_S = 2.0  # for an idle child to see its stdin close and exit, before it is killed
+_UNLIMITED = (1 << 63) - 1
+_LIMIT = struct.Struct("<q")  # the limit's bytes in the memfd
 
 
 @dataclass(frozen=True)
@@ -78,12 +86,29 @@ class Fetcher:
         self._in_process = False
         self._pending: _Pending | None = None  # a request in flight (its answer not read yet)
         self._unclaimed: dict[str, Fetched] = {}  # begun downloads answered before their `download` came
+        self._limit_fd = _limit_memfd()  # the limit of a limited download, for the child to read
         self._closed = False
         self.ended = threading.Event()  # set by `close`: the thread that started the child may end now
 
     @property
     def _busy(self) -> bool:
         return self._pending is not None
+
+    @property
+    def limits(self) -> bool:
+        """Whether this Fetcher's downloads can be held to a limit (`set_limit`)."""
+        return self._limit_fd is not None
+
+    def set_limit(self, nbytes: int) -> None:
+        """From now on, a limited download may have `nbytes` of its file on disk (set it before `download`)."""
+        with self._lock:  # never on a descriptor `close` has closed (its number may be another file's by then)
+            if self._limit_fd is not None:
+                os.pwrite(self._limit_fd, _LIMIT.pack(nbytes), 0)
+
+    def _read_limit(self) -> int:
+        """The limit, read here (a download in this process); none once closed."""
+        with self._lock:
+            return _UNLIMITED if self._limit_fd is None else _read(self._limit_fd)
 
     def begin(self, filename: str) -> None:
         """Send the request for `filename` now; `download(filename)` reads its answer."""
@@ -92,12 +117,15 @@ class Fetcher:
             return  # in this process downloads cannot run ahead; one request at a time
         self._send(proc, _Pending(self.source, filename))
 
-    def download(self, filename: str) -> Fetched:
-        """`client.download(source, filename)`, run in the child: the file, or its error raised here."""
+    def download(self, filename: str, *, limited: bool = False) -> Fetched:
+        """`client.download(source, filename)`, run in the child: the file, or its error raised here. `limited`:
+        held to `set_limit` (where `limits`); a download begun early (`begin`) never is."""
+        limited = limited and self.limits
         proc = self._child()
         if proc is None:
             pending = _Pending(self.source, filename)
-            return pending.fetched(client.download(self.source, filename, large=True))
+            limit = self._read_limit if limited else None
+            return pending.fetched(client.download(self.source, filename, large=True, limit=limit))
         if filename in self._unclaimed:
             return self._unclaimed.pop(filename)
         if self._pending is not None and self._pending.filename != filename:
@@ -109,11 +137,11 @@ class Fetcher:
             except Exception as error:  # noqa: BLE001 - its own `download`, when it comes, tries again
                 log.debug("the begun download of %s failed (%s); it is tried again when asked for", begun, error)
         if self._pending is None:
-            self._send(proc, _Pending(self.source, filename))
+            self._send(proc, _Pending(self.source, filename), limited)
         return self._answer(proc)
 
-    def _send(self, proc: subprocess.Popen[str], pending: _Pending) -> None:
-        request = json.dumps({"source": asdict(self.source), "filename": pending.filename})
+    def _send(self, proc: subprocess.Popen[str], pending: _Pending, limited: bool = False) -> None:
+        request = json.dumps({"source": asdict(self.source), "filename": pending.filename, "limited": limited})
         self._pending = pending
         try:
             assert proc.stdin is not None
@@ -158,6 +186,9 @@ class Fetcher:
         """End the child: at once if it is downloading (the conversion is over), else once it sees EOF."""
         with self._lock:
             proc, self._proc, self._closed = self._proc, None, True
+            if self._limit_fd is not None:
+                os.close(self._limit_fd)  # the child's own copy stays valid until it exits
+                self._limit_fd = None
         self.ended.set()
         if proc is None:
             return
@@ -182,9 +213,10 @@ class Fetcher:
                 paths = (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))  # the child imports this same prequant
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
                 try:
+                    limit = [] if self._limit_fd is None else ["--limit-fd", str(self._limit_fd)]
                     self._proc = subprocess.Popen(
-                        [sys.executable, "-m", "prequant.hub.fetcher"], stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE, text=True, env=env,
+                        [sys.executable, "-m", "prequant.hub.fetcher", *limit], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True, env=env, pass_fds=() if not limit else (self._limit_fd,),
                     )  # fmt: skip
                 except OSError as error:  # e.g. an embedded interpreter without a python executable
                     log.debug("downloading in this process: no child (%s)", error)
@@ -247,6 +279,23 @@ def close_early() -> list[tuple[client.HubCommit, Fetched]]:
     return finished
 
 
+def _limit_memfd() -> int | None:
+    """An 8-byte memfd holding "no limit", or None where memfds do not exist."""
+    if not hasattr(os, "memfd_create"):
+        return None
+    try:
+        fd = os.memfd_create("prequant-download-limit", 0)  # not MFD_CLOEXEC: the child inherits it (pass_fds)
+    except OSError:
+        return None
+    os.pwrite(fd, _LIMIT.pack(_UNLIMITED), 0)
+    return fd
+
+
+def _read(fd: int) -> int:
+    """The limit in the memfd `fd`."""
+    return _LIMIT.unpack(os.pread(fd, _LIMIT.size, 0))[0]
+
+
 def _die_with_parent() -> None:
     """Linux: be killed when the thread that started this process ends (the parent's download thread, or the
     whole parent if it is killed); elsewhere nothing: the closed stdin ends this process after its download."""
@@ -261,15 +310,18 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _serve() -> None:
-    """The child: one download per request line, one reply line each, until stdin closes."""
+def _serve(limit_fd: int | None) -> None:
+    """The child: one download per request line, one reply line each, until stdin closes; `limit_fd`: the
+    parent's memfd holding a limited download's limit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     replies, sys.stdout = sys.stdout, sys.stderr  # whatever a library prints goes to stderr, not into the replies
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            path = client.download(client.HubCommit(**request["source"]), request["filename"], large=True)
+            limit = (lambda: _read(limit_fd)) if request.get("limited") and limit_fd is not None else None
+            path = client.download(client.HubCommit(**request["source"]), request["filename"], large=True,
+                                   limit=limit)
             reply = {"path": str(path)}
         except Exception as error:  # noqa: BLE001 - every failure goes back to the parent, which raises it
             try:
@@ -283,4 +335,4 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[2]) if sys.argv[1:2] == ["--limit-fd"] else None)

@@ -16,6 +16,11 @@ A body cut mid-way is resumed from the byte it reached (a ranged request); a ret
 connection that fails is tried again after the waits the caller gives, those starting over each time bytes come;
 so a cut followed by a burst of 503s costs the waits, not the bytes already downloaded. Set
 PREQUANT_HUB_CLIENT=huggingface_hub to have huggingface_hub download everything itself.
+
+A download may be held to a `limit`: how many bytes of the file may be on disk so far, asked before each buffer.
+The streaming reader uses it to keep its scratch disk within two shards while the shard before is freed as it is
+converted (`source.hub_stream`); the connection waits meanwhile (the server's sends block), and one the server
+closes while it waits is resumed from the byte reached like any cut.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -41,6 +46,7 @@ log = logging.getLogger(__name__)
 CLIENT_ENV = "PREQUANT_HUB_CLIENT"  # "prequant" (default) or "huggingface_hub"
 _BUFFER = 16 << 20  # one readinto, one write: large enough that the per-call cost vanishes beside the copy
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_LIMIT_POLL_S = (0.002, 0.05)  # the first and the longest pause between asks of a download's limit
 
 
 class TransferFailed(Exception):
@@ -57,13 +63,15 @@ def enabled() -> bool:
     return os.environ.get(CLIENT_ENV, "prequant").strip().lower() != "huggingface_hub"
 
 
-def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits: Sequence[float]) -> Path | None:
+def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits: Sequence[float],
+             limit: Callable[[], int] | None = None) -> Path | None:  # fmt: skip
     """Download ``filename`` of ``repo_id`` at commit ``sha`` into the Hugging Face cache and return its snapshot
     path; None where huggingface_hub should download it instead (Xet-backed with hf_xet, no etag or size, or its
     blob is in the cache already: huggingface_hub links it without a download).
 
     huggingface_hub's errors for the metadata request (no such file, 401, a 5xx) are raised as they are, for the
-    caller's retries and messages; a body that cannot be completed raises `TransferFailed` after the waits."""
+    caller's retries and messages; a body that cannot be completed raises `TransferFailed` after the waits.
+    ``limit``: see the module docstring (None: no limit)."""
     from filelock import FileLock  # huggingface_hub's own lock library: the same lock as its downloads
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
@@ -90,7 +98,7 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
             try:
                 with open(partial, "wb", buffering=0) as out:  # created with the umask's permissions
                     fetch(meta.location, headers, out, meta.size, waits, label=filename,
-                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT, limit=limit)
                 os.replace(partial, blob)
             finally:
                 partial.unlink(missing_ok=True)  # a failed download leaves nothing (its name is its own anyway)
@@ -100,12 +108,13 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
 
 
 def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[float], *, label: str,
-          timeout: float = 10.0) -> None:  # fmt: skip
+          timeout: float = 10.0, limit: Callable[[], int] | None = None) -> None:  # fmt: skip
     """Write the ``size``-byte body of ``url`` to the unbuffered file ``out`` from its start, resuming cut bodies and
     retrying failures after ``waits`` (see the module doc); raise `TransferFailed` once they are spent.
 
     What is on disk is what was written: each request starts at ``out``'s position, which a failure mid-body (a
-    reset, a timeout) leaves where the last whole write ended."""
+    reset, a timeout) leaves where the last whole write ended. ``limit()``, if given, is how many bytes of the file may
+    be written so far: each buffer waits until it allows more (module docstring)."""
     tries, started = 0, time.monotonic()
     pauses: Iterator[float] = iter(waits)
     buffer = memoryview(bytearray(_BUFFER))
@@ -115,7 +124,7 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
             tries += 1
             before = out.tell()
             try:
-                _body(url, headers, out, size, buffer, timeout, bar, label)
+                _body(url, headers, out, size, buffer, timeout, bar, label, limit)
                 if out.tell() == size:
                     return
                 failure: BaseException = IncompleteDownload(f"the body stopped at byte {out.tell()} of {size}")
@@ -142,7 +151,7 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
 
 
 def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview, timeout: float, bar,
-          label: str) -> None:  # fmt: skip
+          label: str, limit: Callable[[], int] | None = None) -> None:  # fmt: skip
     """One request for the rest of the body, from ``out``'s position on, written to ``out``."""
     done = out.tell()
     request = urllib.request.Request(url, headers={**headers, **({"Range": f"bytes={done}-"} if done else {})})
@@ -162,7 +171,8 @@ def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview,
                 "changed on the server, run again"
             )
         while done < size:
-            n = response.readinto(buffer[: min(_BUFFER, size - done)])
+            may = size if limit is None else allowed(limit, done)
+            n = response.readinto(buffer[: min(_BUFFER, size - done, may - done)])
             if not n:
                 return
             view = buffer[:n]
@@ -171,6 +181,15 @@ def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview,
             done += n
             if bar is not None:
                 bar.update(n)
+
+
+def allowed(limit: Callable[[], int], done: int) -> int:
+    """What `limit()` allows once it allows more than `done` bytes (waiting until it does)."""
+    pause = _LIMIT_POLL_S[0]
+    while (may := limit()) <= done:
+        time.sleep(pause)
+        pause = min(pause * 2, _LIMIT_POLL_S[1])
+    return may
 
 
 def _starts_at(content_range: str | None, start: int, size: int) -> bool:

@@ -4,11 +4,22 @@
 while the conversion goes on, each thread through a child process of its own (`hub.fetcher`: not behind this
 one's GIL). The downloads start when the conversion calls `start` (as soon as the tensors are known, so that the
 first shards download while the layout is decided and the quantizer starts), or at the first read. Reading a
-shard waits until it is complete and its header has been checked against the plan. With `delete`, a shard prequant
-downloaded is evicted from the cache once all its tensors are written, and at most `SLOTS` shards of this run take
-disk space at any moment (downloading, downloaded, or deleted but still memory-mapped or open). Shards that were
-in the cache before the run are never deleted; those an interrupted run of the same conversion downloaded are this
-run's to delete (`claim`).
+shard waits until it is complete and its header has been checked against the plan. Shards that were in the cache
+before the run are never deleted; those an interrupted run of the same conversion downloaded are this run's to
+delete (`claim`).
+
+With `delete`, this run's shards take at most `SLOTS` times the largest shard's bytes of disk at any moment
+(`budget`), counted in bytes: a download holds what it may write so far (the whole shard, or with
+PREQUANT_HUB_FREE_AS_CONVERTED=1 its limit, `hub.fetcher`), a downloaded shard its size less what was freed of it.
+With PREQUANT_HUB_FREE_AS_CONVERTED=1 (not yet the default: `FREE_ENV`) a shard is freed as it is converted: at
+its first tensor written it leaves the cache (its snapshot link and blob deleted, its bytes still open here), and
+each tensor written gives its whole blocks back to the disk (`util.holes`); the last one closes it. So the next
+shard downloads while the one before is converted, rather than after (the two-shard bound held the third download
+until the first shard was converted: 15.5 s into a cold Grok-shaped 33 GB conversion from the local Hub on the GPU
+machine, run U), and a killed run leaves no shard it had begun converting: nothing with holes looks complete in the
+cache, and the kernel frees the rest. Where holes cannot be punched (the filesystem, `.bin` shards: no byte ranges) a shard is
+freed whole after its last tensor, as before; where downloads cannot be limited, one starts only once all of it
+fits.
 """
 
 from __future__ import annotations
@@ -22,15 +33,23 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ..checkpoint.reader import TensorReader, scan_files
-from ..checkpoint.tensors import TensorRef
+from ..checkpoint.tensors import BIN_OFFSET, TensorRef
 from ..errors import PrequantError
 from ..hub import client, fetcher
-from ..util import trace
+from ..util import holes, trace
 from .spec import Source
 
 log = logging.getLogger(__name__)
 
-SLOTS = 2  # downloaded source shards on disk at once with delete
+SLOTS = 2  # with delete, this run's shards take at most SLOTS x the largest shard's bytes of disk
+# The least a download starts with: a limited download begins once this much (or the whole shard) fits, and is
+# allowed more as the shards before it are freed.
+GRANT_STEP = 64 << 20
+# "1": shards freed as they are converted and downloads held to their grants (module docstring). Not yet the default:
+# built and tested on the CPU machine (2026-12-04), not measured at scale on the GPU machine, and a shard out of the
+# cache cannot be handed to the CPU workers by path (`bnb.kernels._wire.file_origin`), so `--device cpu` would
+# quantize its later tensors in this process. Unset or "0": freed whole after the last tensor, downloads whole.
+FREE_ENV = "PREQUANT_HUB_FREE_AS_CONVERTED"
 # Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
 # the local Hub on the GPU machine downloaded its shards 3-7 (23.1 GB, after the first shard was converted) at 1.21
 # and 1.62 GB/s with two against 1.05 and 1.40 GB/s with one, on two leases (scripts/bench/hub_scale.py,
@@ -63,6 +82,16 @@ class HubShardReader(TensorReader):
         for ref in tensors:
             self._planned.setdefault(ref.file, {})[ref.name] = ref
         self._left = {path: len(refs) for path, refs in self._planned.items()}
+        self._sizes = {path: src.hub.files[self._name(path)] for path in self._planned}
+        self.budget = SLOTS * max(self._sizes.values(), default=0)  # bytes on disk with delete (module docstring)
+        self._granted: dict[Path, int] = {}  # a download in flight: the bytes it may have on disk so far
+        self._limited: dict[Path, fetcher.Fetcher] = {}  # a download in flight held to its grant: by whom
+        self._freed: dict[Path, int] = {}  # this run's shard: bytes given back to the disk (holes)
+        self._to_free: dict[Path, list[tuple[int, int]]] = {}  # written tensors' byte ranges not yet freed
+        self._stream = os.environ.get(FREE_ENV, "0").strip() == "1"  # shards freed as converted (FREE_ENV)
+        self._holes = self._stream  # until the filesystem says it cannot
+        self._writable: dict[Path, int] = {}  # a shard being freed: its descriptor open for writing (holes)
+        self._punch_lock = threading.Lock()  # a descriptor is never closed while a hole is punched through it
         self._cond = threading.Condition()
         self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
         self._owned: dict[Path, Path] = {}  # downloaded by this run, still in the cache: path -> blob
@@ -138,23 +167,79 @@ class HubShardReader(TensorReader):
             record(name)
 
     def tensor_done(self, ref: TensorRef) -> None:
-        """A tensor's outputs are written (or were, before a resume); with delete, evict its shard after its last."""
+        """A tensor's outputs are written (or were, before a resume); with delete, its shard is freed as it goes
+        (module docstring) and evicted after its last tensor."""
         path = ref.file
         with self._cond:
             if path not in self._left:
                 return
             self._left[path] -= 1
-            if self._left[path] > 0 or not self.delete:
+            if not self.delete:
                 return
-            blob = self._owned.pop(path, None)
-            if blob is not None:  # counted as on disk from here on, until it is gone: never in neither
-                self._deleted[path] = blob
+            ours = path in self._owned or path in self._deleted
+            last = self._left[path] == 0
+            if not last:
+                if ours and self._holes and ref.offset != BIN_OFFSET and ref.nbytes:
+                    self._to_free.setdefault(path, []).append((ref.offset, ref.offset + ref.nbytes))
+                blob = None
+            else:
+                self._to_free.pop(path, None)
+                blob = self._owned.pop(path, None)
+                if blob is not None:  # counted as on disk from here on, until it is gone: never in neither
+                    self._deleted[path] = blob
+        if not last:
+            if path in self._to_free:
+                self._free_written(path)
+            return
+        self._drop_writable(path)
         self.release(path)
         if blob is not None:
             client.evict(self.src.hub, self._name(path))  # type: ignore[arg-type]
             with self._cond:
                 self.evicted.append(self._name(path))
-                self._cond.notify_all()
+        with self._cond:
+            self._regrant()
+
+    def _free_written(self, path: Path) -> None:
+        """Give the written tensors' blocks of shard `path` back to the disk; at the first, take the shard out of
+        the cache (it stays open here), so that nothing with holes is ever there to look complete."""
+        if not self.holds(path):
+            return  # not read yet (a resume's finished tensors): freed with the first tensor written after it opens
+        with self._cond:
+            blob = self._owned.pop(path, None)
+            if blob is not None:
+                self._deleted[path] = blob
+            ranges = self._to_free.pop(path, [])
+        freed = 0
+        with self._punch_lock:
+            if blob is not None:
+                try:  # holes need a descriptor open for writing, taken before the file leaves the cache
+                    self._writable[path] = os.open(path, os.O_WRONLY)
+                except OSError as e:
+                    log.debug("cannot open %s to free its converted parts (%s)", self._name(path), e)
+                client.evict(self.src.hub, self._name(path))  # type: ignore[arg-type]
+                with self._cond:
+                    self.evicted.append(self._name(path))
+            fd = self._writable.get(path)
+            try:
+                freed = sum(holes.punch(fd, start, end) for start, end in ranges) if fd is not None else 0
+            except holes.Unsupported as e:
+                log.info("cannot free converted parts of %s (%s): each shard is freed after its last tensor",
+                         self._name(path), e)
+                self._holes = False
+            except OSError as e:  # advisory: the shard is freed whole after its last tensor anyway
+                log.debug("freeing converted parts of %s failed: %s", self._name(path), e)
+        with self._cond:
+            self._freed[path] = self._freed.get(path, 0) + freed
+            self._regrant()
+
+    def _drop_writable(self, path: Path | None = None) -> None:
+        """Close the descriptor `_free_written` opened on `path` (every one, without a path)."""
+        with self._punch_lock:
+            for each in [path] if path is not None else list(self._writable):
+                fd = self._writable.pop(each, None)  # type: ignore[arg-type]
+                if fd is not None:
+                    os.close(fd)
 
     def close(self) -> None:
         with self._cond:
@@ -164,6 +249,7 @@ class HubShardReader(TensorReader):
             self._cond.notify_all()
         for each in fetchers:
             each.close()
+        self._drop_writable()
         if cut:
             client.remove_stale_partials(self.src.repo_id)  # type: ignore[arg-type]
         super().close()
@@ -173,22 +259,26 @@ class HubShardReader(TensorReader):
     def _name(self, path: Path) -> str:
         return path.relative_to(self.src.path).as_posix()
 
-    def _on_disk(self) -> int:
-        """Shards of this run taking disk space: downloading, downloaded, or evicted but still there (being
-        deleted, or deleted and still mapped or open: its space is freed only once the last goes)."""
+    def _held(self, *, deleted: bool = True) -> int:
+        """Bytes of disk this run's shards take (with delete): what each download may have written so far, each
+        downloaded shard's size less what was freed of it, and each evicted one still there (being deleted, or
+        deleted and still mapped or open: its space is freed only once the last goes). Without the evicted ones
+        where `deleted` is false."""
         if self._deleted:
             held = _held_files()
             for path, blob in list(self._deleted.items()):
                 if not os.path.lexists(blob) and f"{blob} (deleted)" not in held:
                     del self._deleted[path]
-        return self._downloading + len(self._owned) + len(self._deleted)
+                    self._freed.pop(path, None)
+        shards = [*self._owned, *self._deleted] if deleted else list(self._owned)
+        return sum(self._granted.values()) + sum(self._sizes[p] - self._freed.get(p, 0) for p in shards)
 
-    def _wait_for_room(self) -> bool:
-        """With delete, wait until fewer than SLOTS shards are on disk; False once closed."""
-        polls = 0  # of 0.1 s, while only deleted-but-mapped shards are in the way
-        while not self._closed and self.delete and self._on_disk() >= SLOTS:
+    def _wait_for_room(self, need: int) -> bool:
+        """With delete, wait until `need` more bytes fit in the budget; False once closed."""
+        polls = 0  # of 0.1 s, while only evicted shards still mapped or open are in the way
+        while not self._closed and self.delete and self._held() + need > self.budget:
             self._cond.wait(0.1)
-            if self._deleted and self._downloading + len(self._owned) < SLOTS:
+            if self._deleted and self._held(deleted=False) + need <= self.budget:
                 polls += 1
                 if polls % 20 == 0:
                     gc.collect()  # a reference cycle may hold the last view
@@ -199,6 +289,22 @@ class HubShardReader(TensorReader):
                     self._deleted.clear()
         return not self._closed
 
+    def _regrant(self) -> None:
+        """Give the limited downloads in flight, in plan order, what the budget has room for (under `_cond`)."""
+        room = self.budget - self._held()
+        for path in self._order:
+            if room <= 0:
+                break
+            mine = self._limited.get(path)
+            if mine is None:
+                continue
+            more = min(self._sizes[path] - self._granted[path], room)
+            if more > 0:
+                self._granted[path] += more
+                room -= more
+                mine.set_limit(self._granted[path])
+        self._cond.notify_all()
+
     def _download_all(self, k: int) -> None:
         """Download thread `k`: take the next shard in plan order while there is room, until none is left."""
         with self._cond:
@@ -206,14 +312,16 @@ class HubShardReader(TensorReader):
                 self._fetchers.append(fetcher.Fetcher(self.src.hub))  # type: ignore[arg-type]
             mine = self._fetchers[k]
         try:
-            while (path := self._take(first=k == 0)) is not None:
+            while (path := self._take(mine, first=k == 0)) is not None:
                 self._fetch(path, mine)
         finally:
             mine.close()  # nothing more to fetch (on Linux its child would die with this thread anyway)
 
-    def _take(self, first: bool) -> Path | None:
-        """The next shard to download, once there is room for it; None when none is left or the reader stopped.
-        The first thread takes the first shard: its fetcher may have begun it (`hub_early`)."""
+    def _take(self, mine: fetcher.Fetcher, first: bool) -> Path | None:
+        """The next shard to download, once there is room for it (its grant set, with delete); None when none is
+        left or the reader stopped. The first thread takes the first shard: its fetcher may have begun it
+        (`hub_early`)."""
+        limited = self.delete and self._stream and mine.limits
         with self._cond:
             while not first and self._next == 0 and not self._closed:
                 self._cond.wait(0.1)
@@ -224,12 +332,19 @@ class HubShardReader(TensorReader):
                     continue
                 # A shard on disk already (downloaded by the interrupted run this one resumes: `claim`) takes no
                 # more room; waiting for room for it would wait for itself.
-                if path not in self._owned and not self._wait_for_room():
+                size = self._sizes[path]
+                need = min(size, GRANT_STEP) if limited else size
+                if path not in self._owned and not self._wait_for_room(need):
                     return None
                 if self._next >= len(self._order) or self._order[self._next] is not path:  # taken meanwhile
                     continue
                 self._next += 1
                 self._downloading += 1
+                if self.delete and path not in self._owned:
+                    self._granted[path] = size if not limited else max(need, min(size, self.budget - self._held()))
+                    if limited:
+                        self._limited[path] = mine
+                        mine.set_limit(self._granted[path])
                 self._cond.notify_all()  # the other threads wait for the first shard to be taken
                 return path
             return None
@@ -237,13 +352,15 @@ class HubShardReader(TensorReader):
     def _fetch(self, path: Path, mine: fetcher.Fetcher) -> None:
         """Download `path` with `mine` and say so to its reader; a failure is every later shard's too."""
         try:
-            blob = self._download(path, mine)
+            blob = self._download(path, mine, limited=path in self._limited)
         except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
             if isinstance(e, PrequantError) and not self._closed:
                 e = e.noted("; the tensors converted so far are kept: rerun the same command with --resume to "
                             "continue from them")
             with self._cond:
                 self._downloading -= 1
+                self._granted.pop(path, None)
+                self._limited.pop(path, None)
                 self._failed = True
                 for later in self._order[self._order.index(path):]:
                     self._ready.setdefault(later, e)  # not those downloaded already
@@ -251,18 +368,21 @@ class HubShardReader(TensorReader):
             return
         with self._cond:
             self._downloading -= 1
+            self._granted.pop(path, None)
+            self._limited.pop(path, None)
             if blob is not None:
                 self._owned[path] = blob
             self._ready[path] = None
-            self._cond.notify_all()
+            self._regrant()  # a shard already in the cache gives its grant back
 
-    def _download(self, path: Path, mine: fetcher.Fetcher) -> Path | None:
-        """Download one shard and check its header against the plan; its blob if this run put it in the cache."""
+    def _download(self, path: Path, mine: fetcher.Fetcher, *, limited: bool = False) -> Path | None:
+        """Download one shard (held to its grant where `limited`) and check its header against the plan; its blob
+        if this run put it in the cache."""
         assert self.src.hub is not None
         name = self._name(path)
         started = time.monotonic()
         trace.mark(f"download-start:{name}")
-        fetched = mine.download(name)
+        fetched = mine.download(name, limited=limited)
         trace.mark(f"download-done:{name}")
         log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
         blob = fetched.path.resolve()

@@ -37,6 +37,7 @@ was measured beside it (`--local-sha256 FILE`, a report of convert.py). The repo
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -82,24 +83,45 @@ class ScratchPeak(Periodic):
 
     def sample(self) -> None:
         total, per_shard = 0, {}
-        for root, _, names in os.walk(self.folder):
-            for name in names:
-                try:
-                    size = os.lstat(os.path.join(root, name)).st_blocks * 512
-                except OSError:
-                    continue
-                total += size
-                sha = name.split(".", 1)[0]
-                if sha in self.shards:
-                    # A partial file renamed to its blob while the folder is listed can be listed under both names:
-                    # one shard, counted once.
-                    per_shard[sha] = max(per_shard.get(sha, 0), size)
-                if name.endswith(".incomplete"):
-                    self.partials.add(name)
+        for _, name, size in [*self._named(), *self._deleted_open()]:
+            total += size
+            sha = name.split(".", 1)[0]
+            if sha in self.shards:
+                # A partial file renamed to its blob while the folder is listed can be listed under both names:
+                # one shard, counted once.
+                per_shard[sha] = max(per_shard.get(sha, 0), size)
+            if name.endswith(".incomplete"):
+                self.partials.add(name)
         self.peak = max(self.peak, total)
         if sum(per_shard.values()) > self.shard_peak:
             self.shard_peak = sum(per_shard.values())
             self.at_peak = {sha[:12]: size for sha, size in per_shard.items()}
+
+    def _named(self):
+        """(folder, name, bytes allocated) of every file under the folder."""
+        for root, _, names in os.walk(self.folder):
+            for name in names:
+                try:
+                    yield root, name, os.lstat(os.path.join(root, name)).st_blocks * 512
+                except OSError:
+                    continue
+
+    def _deleted_open(self):
+        """The same for files under the folder that are deleted but still open in some process (a shard that
+        PREQUANT_HUB_FREE_AS_CONVERTED=1 took out of the cache while it is converted), each inode once."""
+        seen: set[int] = set()
+        prefix = str(self.folder)
+        for fd in glob.glob("/proc/[0-9]*/fd/*"):
+            try:
+                target = os.readlink(fd)
+                if not (target.startswith(prefix) and target.endswith(" (deleted)")):
+                    continue
+                st = os.stat(fd)
+            except OSError:
+                continue
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                yield os.path.dirname(target), os.path.basename(target.removesuffix(" (deleted)")), st.st_blocks * 512
 
     def stop(self) -> tuple[int, int]:
         """(peak of all, peak of the source shards)"""

@@ -135,3 +135,42 @@ def test_a_body_that_fails_mid_read_resumes_from_what_is_on_disk(hub_server: Hub
     assert (tmp_path / "body").read_bytes() == big
     # the held request timed out after one whole 16 MiB buffer: the resume asks from there
     assert gets(hub_server) == [(200, None), (206, f"bytes={16 * 2**20}-")]
+
+
+def test_a_limited_download_writes_no_more_than_its_limit_and_goes_on_as_it_grows(
+    hub_server: HubServer, repo: str
+) -> None:
+    """The streaming reader's hold on a download (`limit`): at most that many bytes on disk at any ask, the
+    connection kept meanwhile (one request), and the whole file once the limit allows it."""
+    import threading
+    import time
+
+    limit = [1 << 20]
+    over: list[tuple[int, int]] = []  # (bytes on disk, limit) wherever the first passed the second
+
+    def allowed() -> int:
+        for partial in (cached(REPO) / "blobs").glob("*.incomplete"):
+            if partial.stat().st_size > limit[0]:
+                over.append((partial.stat().st_size, limit[0]))
+        return limit[0]
+
+    def on_disk() -> int | None:
+        found = list((cached(REPO) / "blobs").glob("*.incomplete"))
+        return found[0].stat().st_size if found else None
+
+    result: list[Path] = []
+    thread = threading.Thread(target=lambda: result.append(hub.download(hub.resolve(REPO), NAME, large=True,
+                                                                         limit=allowed)))  # fmt: skip
+    thread.start()
+    try:
+        for step in (1 << 20, 5 << 19):  # 1 MiB, then 2.5 MiB: each reached exactly, none passed
+            limit[0] = step
+            while on_disk() != step and thread.is_alive():  # no deadline: it must come, or the thread ended
+                time.sleep(0.005)
+            assert on_disk() == step and not result
+    finally:
+        limit[0] = len(SHARD)
+        thread.join()
+    assert result and result[0].read_bytes() == SHARD
+    assert over == []
+    assert gets(hub_server) == [(200, None)]  # one connection, held while it waited

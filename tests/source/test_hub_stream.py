@@ -252,8 +252,8 @@ def test_two_shards_download_at_once_within_the_two_shard_bound(
         _wait_for(lambda: files[1].name in data.downloaded or not any(t.is_alive() for t in data._threads))
         assert data.downloaded == [files[1].name]  # the second came meanwhile: two downloads at once
         _wait_for(lambda: _all_waiting_for_room(data) or files[0].name in data.downloaded)
-        with data._cond:
-            assert data._on_disk() == 2  # one downloading, one downloaded: no third yet
+        with data._cond:  # one downloading (all of it allowed: smaller than a grant step), one downloaded
+            assert data._held() == sum((tiny / f.name).stat().st_size for f in files[:2])  # no third yet
         assert not files[2].exists()
     finally:
         held.release.set()
@@ -283,7 +283,8 @@ def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
             assert not files[0].exists() and data.evicted == [files[0].name]
             assert os.fstat(held).st_blocks > 0  # deleted, but its blocks still allocated
             with data._cond:  # the download threads' own count, as they decide
-                assert (data._on_disk(), data._downloading) == (2, 0)
+                two = sum((tiny / f.name).stat().st_size for f in files[:2])  # the evicted one's too
+                assert (data._held(), data._downloading) == (two, 0)
             assert sorted(data.downloaded) == sorted(f.name for f in files[:2]) and not files[2].exists()
         finally:
             os.close(held)
@@ -684,3 +685,115 @@ def test_malicious_pickle_on_the_hub_is_refused_while_planning(
     assert shard.name in str(error.value) and "org/evil" in str(error.value)
     assert not marker.exists()
     assert not list(cache_repo("org/evil").rglob("*.bin"))  # refused from its pickle, never downloaded
+
+
+def _partial_size(name: str, tiny: Path) -> int | None:
+    """The size of shard `name`'s partial download in the cache, None if there is none."""
+    etag = hashlib.sha256((tiny / name).read_bytes()).hexdigest()
+    found = list((cache_repo(REPO) / "blobs").glob(f"{etag}.*.incomplete"))
+    return found[0].stat().st_size if found else None
+
+
+def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanwhile(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With delete, the third shard downloads while the first is converted, held to the bytes the budget has room
+    for: at its first tensor written the first leaves the cache (open here, so nothing with holes is there to look
+    complete), each tensor written frees its whole blocks, and the third's download is allowed exactly that more."""
+    monkeypatch.setenv(hub_stream.FREE_ENV, "1")
+    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)  # the tiny shards are 50-60 KB
+    plan, files, data = _streamed(tmp_path)
+    first = [step.source for step in plan.steps if step.source.file == files[0]]
+    sizes = [(tiny / f.name).stat().st_size for f in files]
+
+    def settled() -> int | None:
+        """Wait until the third shard's download has written all it may (or waits for room to start); its grant."""
+        _wait_for(lambda: _all_waiting_for_room(data) or files[2] in data._granted)
+        with data._cond:
+            grant = data._granted.get(files[2])
+        if grant is not None:
+            _wait_for(lambda: _partial_size(files[2].name, tiny) == grant or files[2].name in data.downloaded)
+            assert files[2].name not in data.downloaded and _partial_size(files[2].name, tiny) == grant < sizes[2]
+        return grant
+
+    try:
+        data.prepare(files[0])
+        data.prepare(files[1])
+        assert data.budget == 2 * max(sizes)
+        grants = [settled()]
+        fd = data.fd(files[0])
+        blocks = os.fstat(fd).st_blocks
+        for ref in first[:-1]:  # all but its last tensor
+            data.view(ref)  # read, as the pipeline reads it
+            data.tensor_done(ref)
+            assert not files[0].exists() and data.evicted == [files[0].name]  # out of the cache, still open here
+            grants.append(settled())
+        allowed = [g for g in grants if g is not None]
+        assert len(set(allowed)) >= 2 and allowed == sorted(allowed), grants  # it grew as the first was freed
+        freed = data._freed[files[0]]
+        assert freed > 0 and (blocks - os.fstat(fd).st_blocks) * 512 >= freed  # really given back to the disk
+        with data._cond:
+            assert data._held() == sizes[0] - freed + sizes[1] + allowed[-1] <= data.budget
+        data.tensor_done(first[-1])  # its last: closed, gone; the third may finish
+        _wait_for(lambda: files[2].name in data.downloaded or not any(t.is_alive() for t in data._threads))
+        data.prepare(files[2])
+        assert files[2].read_bytes() == (tiny / files[2].name).read_bytes()
+        requests = shard_requests(hub_server)
+        assert requests.count((files[2].name, False)) == 1  # one connection, held while it waited: no resume,
+        assert requests.count((files[2].name, True)) == requests.count((files[0].name, True))  # the header reads
+    finally:
+        data.close()
+
+
+def test_freed_shards_convert_to_the_same_bytes_within_the_budget(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole conversion freeing its shards as it goes: the local conversion's bytes; the disk the shards really
+    take (blocks allocated, partial downloads and shards held open after leaving the cache included) stays within
+    the budget; nothing left in the cache."""
+    monkeypatch.setenv(hub_stream.FREE_ENV, "1")
+    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)
+    sizes = [p.stat().st_size for p in tiny.glob("*.safetensors")]
+    etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
+    blobs = cache_repo(REPO) / "blobs"
+    peak = [0]
+    stop = threading.Event()
+
+    def allocated() -> int:
+        files = {}  # inode -> blocks allocated: each file once, whatever names or descriptors reach it
+        for name in os.listdir(blobs) if blobs.is_dir() else []:
+            if name.split(".", 1)[0] not in etags:  # config.json and the other small files are not shards
+                continue
+            try:
+                st = os.lstat(blobs / name)
+            except FileNotFoundError:
+                continue
+            files[st.st_ino] = st.st_blocks * 512
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith(str(blobs)) and target.endswith(" (deleted)"):
+                    st = os.stat(f"/proc/self/fd/{fd}")
+                    files[st.st_ino] = st.st_blocks * 512
+            except OSError:
+                continue
+        return sum(files.values())
+
+    def keep_sampling() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], allocated())
+
+    sampler = threading.Thread(target=keep_sampling, daemon=True)
+    sampler.start()
+    try:
+        prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
+    finally:
+        stop.set()
+        sampler.join()
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
+    # The budget counts bytes; the disk allocates blocks: each shard file in play (at most the 4) may take one
+    # partial block more than its bytes.
+    block = os.statvfs(blobs).f_frsize
+    assert 0 < peak[0] <= 2 * max(sizes) + len(sizes) * block
+    assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # every shard gone, partials too
