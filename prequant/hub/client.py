@@ -45,7 +45,9 @@ RETRY_ENV = "PREQUANT_HUB_RETRY_S"
 _DEFAULT_RETRY_S = 120.0
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _API_TIMEOUT_S = 60.0
-_PARTIAL_RE = re.compile(r"[0-9a-f]+\.[0-9a-f]{8}\.incomplete")  # one download's own partial file (module doc)
+# One download's own partial file (module doc), or a file a conversion set aside to free as it converts it.
+_PARTIAL_RE = re.compile(r"[0-9a-f]+\.(?:[0-9a-f]{8}\.incomplete|prequant-freeing)")
+_ASIDE = "prequant-freeing"  # blobs/<etag>.prequant-freeing: a name huggingface_hub never gives a file
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,50 @@ def evict(source: HubCommit, filename: str) -> None:
         pointer.unlink()
 
 
+class SetAside:
+    """A downloaded file out of the cache while a conversion frees it (`set_aside`): its path, and its etag's lock
+    held until `drop`."""
+
+    def __init__(self, path: Path, lock) -> None:
+        self.path, self._lock = path, lock
+
+    def drop(self) -> None:
+        """Delete the file (its space goes once nothing holds it open) and release the lock."""
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            self._lock.release()
+
+
+def set_aside(source: HubCommit, filename: str) -> SetAside | None:
+    """Take a downloaded file out of the cache to free it as it is converted: its snapshot link deleted, its blob
+    renamed ``blobs/<etag>.prequant-freeing`` (a name huggingface_hub never takes for a file, and which stays visible
+    to the CPU workers, which open a source by its path), under the etag's lock. So a file with holes never looks
+    complete in the cache, and one a killed run left is removed by `remove_stale_partials` once its lock is free.
+    None where it cannot: not a link to this repo's blobs (a cache without links), or the lock held elsewhere."""
+    from filelock import FileLock, Timeout  # huggingface_hub's own lock library
+
+    pointer = cache_path(source, filename)
+    if not pointer.is_symlink():
+        return None
+    blob = Path(os.path.normpath(pointer.parent / os.readlink(pointer)))
+    if blob.parent != cache.blobs_folder(source.repo_id) or not blob.is_file():
+        return None
+    lock = FileLock(str(cache.lock_path(source.repo_id, blob.name)), timeout=0)
+    try:
+        lock.acquire()
+    except (Timeout, OSError):
+        return None
+    try:
+        aside = blob.with_name(f"{blob.name}.{_ASIDE}")
+        pointer.unlink()  # first: a run killed between the two leaves the blob whole, merely unlinked
+        os.replace(blob, aside)
+    except OSError:
+        lock.release()
+        return None
+    return SetAside(aside, lock)
+
+
 def remove_stale_partials(repo_id: str) -> list[str]:
     """Delete the repo's partial downloads that no download is writing; return their names.
 
@@ -230,7 +276,7 @@ def remove_stale_partials(repo_id: str) -> list[str]:
     bounding. A partial file whose lock this process can take is one no download is writing (the lock is the
     kernel's flock, released when its holder dies), so it goes; one whose lock is held stays. Earlier
     huggingface_hub releases wrote ``<etag>.incomplete`` and resumed it on the next download: those are never
-    touched."""
+    touched. A file a conversion set aside (`set_aside`) goes the same way: its lock is held while it is used."""
     from filelock import FileLock, Timeout  # huggingface_hub's own lock library
 
     try:

@@ -11,15 +11,16 @@ delete (`claim`).
 With `delete`, this run's shards take at most `SLOTS` times the largest shard's bytes of disk at any moment
 (`budget`), counted in bytes: a download holds what it may write so far (the whole shard, or with
 PREQUANT_HUB_FREE_AS_CONVERTED=1 its limit, `hub.fetcher`), a downloaded shard its size less what was freed of it.
-With PREQUANT_HUB_FREE_AS_CONVERTED=1 (not yet the default: `FREE_ENV`) a shard is freed as it is converted: at
-its first tensor written it leaves the cache (its snapshot link and blob deleted, its bytes still open here), and
-each tensor written gives its whole blocks back to the disk (`util.holes`); the last one closes it. So the next
-shard downloads while the one before is converted, rather than after (the two-shard bound held the third download
-until the first shard was converted: 15.5 s into a cold Grok-shaped 33 GB conversion from the local Hub on the GPU
-machine, run U), and a killed run leaves no shard it had begun converting: nothing with holes looks complete in the
-cache, and the kernel frees the rest. Where holes cannot be punched (the filesystem, `.bin` shards: no byte ranges) a shard is
-freed whole after its last tensor, as before; where downloads cannot be limited, one starts only once all of it
-fits.
+With PREQUANT_HUB_FREE_AS_CONVERTED=1 (not yet the default: `FREE_ENV`) a shard is freed as it is converted: at its
+first tensor written it leaves the cache (its snapshot link deleted, its blob renamed, open here and by name for the
+CPU workers: `client.set_aside`), and each tensor written gives its whole blocks back to the disk (`util.holes`);
+the last one deletes it. So the next shard downloads while the one before is converted, rather than after (the
+two-shard bound held the third download until the first shard was converted: 15.5 s into a cold Grok-shaped 33 GB
+conversion from the local Hub on the GPU machine, run U), and a killed run leaves nothing with holes that looks
+complete: the shard it was freeing stays as ``<etag>.prequant-freeing``, which the next download from the repo
+removes (`client.remove_stale_partials`). Where holes cannot be punched (the filesystem, `.bin` shards: no byte ranges) a
+shard is freed whole after its last tensor, as before; where downloads cannot be limited, one starts only once all
+of it fits.
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ SLOTS = 2  # with delete, this run's shards take at most SLOTS x the largest sha
 # allowed more as the shards before it are freed.
 GRANT_STEP = 64 << 20
 # "1": shards freed as they are converted and downloads held to their grants (module docstring). Not yet the default:
-# built and tested on the CPU machine (2026-12-04), not measured at scale on the GPU machine, and a shard out of the
-# cache cannot be handed to the CPU workers by path (`bnb.kernels._wire.file_origin`), so `--device cpu` would
-# quantize its later tensors in this process. Unset or "0": freed whole after the last tensor, downloads whole.
+# built and tested on the CPU machine (2026-12-04), not yet measured at scale on the GPU machine. Unset or "0": each
+# shard freed whole after its last tensor, and a download started only once all of it fits.
 FREE_ENV = "PREQUANT_HUB_FREE_AS_CONVERTED"
 # Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
 # the local Hub on the GPU machine downloaded its shards 3-7 (23.1 GB, after the first shard was converted) at 1.21
@@ -91,6 +91,8 @@ class HubShardReader(TensorReader):
         self._stream = os.environ.get(FREE_ENV, "0").strip() == "1"  # shards freed as converted (FREE_ENV)
         self._holes = self._stream  # until the filesystem says it cannot
         self._writable: dict[Path, int] = {}  # a shard being freed: its descriptor open for writing (holes)
+        self._aside: dict[Path, client.SetAside] = {}  # a shard being freed: out of the cache, its lock held
+        self._whole: set[Path] = set()  # this run's shards that could not be set aside: freed whole at the end
         self._punch_lock = threading.Lock()  # a descriptor is never closed while a hole is punched through it
         self._cond = threading.Condition()
         self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
@@ -176,7 +178,7 @@ class HubShardReader(TensorReader):
             self._left[path] -= 1
             if not self.delete:
                 return
-            ours = path in self._owned or path in self._deleted
+            ours = (path in self._owned or path in self._aside) and path not in self._whole
             last = self._left[path] == 0
             if not last:
                 if ours and self._holes and ref.offset != BIN_OFFSET and ref.nbytes:
@@ -193,6 +195,7 @@ class HubShardReader(TensorReader):
             return
         self._drop_writable(path)
         self.release(path)
+        self._drop_aside(path)
         if blob is not None:
             client.evict(self.src.hub, self._name(path))  # type: ignore[arg-type]
             with self._cond:
@@ -202,24 +205,34 @@ class HubShardReader(TensorReader):
 
     def _free_written(self, path: Path) -> None:
         """Give the written tensors' blocks of shard `path` back to the disk; at the first, take the shard out of
-        the cache (it stays open here), so that nothing with holes is ever there to look complete."""
+        the cache (`client.set_aside`: it stays open here, and by its new name for the CPU workers), so that nothing
+        with holes is ever there to look complete."""
         if not self.holds(path):
             return  # not read yet (a resume's finished tensors): freed with the first tensor written after it opens
         with self._cond:
-            blob = self._owned.pop(path, None)
-            if blob is not None:
-                self._deleted[path] = blob
+            first = path in self._owned
             ranges = self._to_free.pop(path, [])
+        if first:
+            aside = client.set_aside(self.src.hub, self._name(path))  # type: ignore[arg-type]
+            if aside is None:  # freed whole after its last tensor, as without holes
+                with self._cond:
+                    self._whole.add(path)
+                return
+            try:  # holes need a descriptor open for writing
+                writable: int | None = os.open(aside.path, os.O_WRONLY)
+            except OSError as e:
+                log.debug("cannot open %s to free its converted parts (%s)", aside.path, e)
+                writable = None
+            with self._cond:
+                self._owned.pop(path, None)
+                self._deleted[path] = aside.path  # on disk until deleted (`_drop_aside`) and closed
+                self._aside[path] = aside
+                self.evicted.append(self._name(path))
+            with self._punch_lock:
+                if writable is not None:
+                    self._writable[path] = writable
         freed = 0
         with self._punch_lock:
-            if blob is not None:
-                try:  # holes need a descriptor open for writing, taken before the file leaves the cache
-                    self._writable[path] = os.open(path, os.O_WRONLY)
-                except OSError as e:
-                    log.debug("cannot open %s to free its converted parts (%s)", self._name(path), e)
-                client.evict(self.src.hub, self._name(path))  # type: ignore[arg-type]
-                with self._cond:
-                    self.evicted.append(self._name(path))
             fd = self._writable.get(path)
             try:
                 freed = sum(holes.punch(fd, start, end) for start, end in ranges) if fd is not None else 0
@@ -232,6 +245,16 @@ class HubShardReader(TensorReader):
         with self._cond:
             self._freed[path] = self._freed.get(path, 0) + freed
             self._regrant()
+
+    def _drop_aside(self, path: Path | None = None) -> None:
+        """Delete the shard(s) set aside (`_free_written`), every one without a path: converted, or the run over."""
+        with self._cond:
+            asides = [self._aside.pop(path, None)] if path is not None else list(self._aside.values())
+            if path is None:
+                self._aside.clear()
+        for aside in asides:
+            if aside is not None:
+                aside.drop()
 
     def _drop_writable(self, path: Path | None = None) -> None:
         """Close the descriptor `_free_written` opened on `path` (every one, without a path)."""
@@ -253,6 +276,7 @@ class HubShardReader(TensorReader):
         if cut:
             client.remove_stale_partials(self.src.repo_id)  # type: ignore[arg-type]
         super().close()
+        self._drop_aside()  # half-freed shards are of no use to anyone: a resume downloads them again
 
     # -- internals
 

@@ -180,6 +180,22 @@ def test_a_replaced_or_deleted_source_file_is_not_read_by_the_workers(workers, t
         assert _wire.file_origin(views["w"]) is None
 
 
+def test_a_renamed_source_file_is_read_by_the_workers_under_its_new_name(workers, tmp_path):
+    """A Hub shard set aside while it is freed (`hub.client.set_aside`) is renamed under the mapping: the workers
+    find it by its new name, the same file."""
+    x = (torch.randn(100, 500, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    path, reader, views = _mapped(tmp_path, {"w": x})
+    with reader:
+        aside = path.with_name(f"{path.name}.prequant-freeing")
+        os.replace(path, aside)
+        origin = _wire.file_origin(views["w"])
+        assert origin is not None and origin.path == os.fsencode(aside)
+        got = _on_workers(cpu.quantize_4bit, views["w"], quant_type="nf4", blocksize=64,
+                          chunks=_kernel_chunks(x.numel(), 64))  # fmt: skip
+        want = _on_threads(cpu.quantize_4bit, x, quant_type="nf4", blocksize=64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_worker_checks_the_file_is_the_one_mapped(workers, tmp_path):
     """Between this process' check and the worker's read the file may be replaced: the worker refuses it."""
     x = torch.randn(64, 1024).to(torch.bfloat16)

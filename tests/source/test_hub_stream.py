@@ -128,6 +128,26 @@ def _disk_sampler(repo_id: str, shard_sizes: dict[str, int]):
     return sample, peaks
 
 
+def _convert_sampling(sample, tiny: Path, tmp_path: Path) -> None:
+    """Convert REPO with --delete-source-shards into tmp_path/out while a thread calls `sample()` over and over;
+    check its bytes against the local conversion of `tiny`."""
+    stop = threading.Event()
+
+    def keep_sampling() -> None:
+        while not stop.is_set():
+            sample()
+
+    sampler = threading.Thread(target=keep_sampling, daemon=True)
+    sampler.start()
+    try:
+        prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
+    finally:
+        stop.set()
+        sampler.join()
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
+
+
 def test_delete_source_shards_keeps_at_most_two_on_disk(
     hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -149,21 +169,7 @@ def test_delete_source_shards_keeps_at_most_two_on_disk(
 
     monkeypatch.setattr(hub, "download", download)
     monkeypatch.setattr(hub_stream.HubShardReader, "tensor_done", tensor_done)
-    stop = threading.Event()
-
-    def keep_sampling() -> None:
-        while not stop.is_set():
-            sample()
-
-    sampler = threading.Thread(target=keep_sampling, daemon=True)
-    sampler.start()
-    try:
-        prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
-    finally:
-        stop.set()
-        sampler.join()
-    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
-    assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
+    _convert_sampling(sample, tiny, tmp_path)
     two_largest = sum(sorted(shards.values())[-2:])
     assert 1 <= peaks["shards"] <= 2 and peaks["bytes"] <= two_largest
     assert peaks["downloading"] <= 2  # two download at once, and their partial files count as shards on disk
@@ -723,10 +729,12 @@ def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanw
         grants = [settled()]
         fd = data.fd(files[0])
         blocks = os.fstat(fd).st_blocks
+        blob = files[0].resolve()
         for ref in first[:-1]:  # all but its last tensor
             data.view(ref)  # read, as the pipeline reads it
             data.tensor_done(ref)
             assert not files[0].exists() and data.evicted == [files[0].name]  # out of the cache, still open here
+            assert not blob.exists() and blob.with_name(f"{blob.name}.prequant-freeing").is_file()  # set aside
             grants.append(settled())
         allowed = [g for g in grants if g is not None]
         assert len(set(allowed)) >= 2 and allowed == sorted(allowed), grants  # it grew as the first was freed
@@ -735,6 +743,7 @@ def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanw
         with data._cond:
             assert data._held() == sizes[0] - freed + sizes[1] + allowed[-1] <= data.budget
         data.tensor_done(first[-1])  # its last: closed, gone; the third may finish
+        assert not blob.with_name(f"{blob.name}.prequant-freeing").exists()
         _wait_for(lambda: files[2].name in data.downloaded or not any(t.is_alive() for t in data._threads))
         data.prepare(files[2])
         assert files[2].read_bytes() == (tiny / files[2].name).read_bytes()
@@ -757,7 +766,6 @@ def test_freed_shards_convert_to_the_same_bytes_within_the_budget(
     etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
     blobs = cache_repo(REPO) / "blobs"
     peak = [0]
-    stop = threading.Event()
 
     def allocated() -> int:
         files = {}  # inode -> blocks allocated: each file once, whatever names or descriptors reach it
@@ -779,21 +787,46 @@ def test_freed_shards_convert_to_the_same_bytes_within_the_budget(
                 continue
         return sum(files.values())
 
-    def keep_sampling() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], allocated())
+    def sample() -> None:
+        peak[0] = max(peak[0], allocated())
 
-    sampler = threading.Thread(target=keep_sampling, daemon=True)
-    sampler.start()
-    try:
-        prequant.convert(REPO, tmp_path / "out", device="cpu", progress=False, delete_source_shards=True)
-    finally:
-        stop.set()
-        sampler.join()
-    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
-    assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
+    _convert_sampling(sample, tiny, tmp_path)
     # The budget counts bytes; the disk allocates blocks: each shard file in play (at most the 4) may take one
     # partial block more than its bytes.
     block = os.statvfs(blobs).f_frsize
     assert 0 < peak[0] <= 2 * max(sizes) + len(sizes) * block
     assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # every shard gone, partials too
+
+
+def test_a_run_killed_while_freeing_a_shard_leaves_nothing_that_looks_complete_and_resumes(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    """Frozen, then SIGKILLed, after its second tensor is journaled: the shard it was freeing is out of the cache
+    (set aside with holes, no link to it), every shard blob left is whole; --resume converts to the local bytes
+    and removes the leftover."""
+    etags = {hashlib.sha256(p.read_bytes()).hexdigest(): p.read_bytes() for p in tiny.glob("*.safetensors")}
+    blobs = cache_repo(REPO) / "blobs"
+    out = tmp_path / "out"
+    env = {hub_stream.FREE_ENV: "1"}
+    proc = start_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
+                     env={**env, "PREQUANT_FAILPOINT": "step-journaled:2:SIGSTOP"})
+    try:
+        _wait_for(lambda: proc.poll() is not None or _stopped(proc.pid))
+        assert proc.poll() is None, proc.communicate()[1]
+        aside = [p for p in blobs.iterdir() if p.name.endswith(".prequant-freeing")]
+        assert len(aside) == 1 and aside[0].name.split(".", 1)[0] in etags
+        for blob in blobs.iterdir():  # what the cache holds under a shard's etag is that shard, whole
+            if blob.name in etags:
+                assert blob.read_bytes() == etags[blob.name]
+        for link in cache_repo(REPO).glob("snapshots/*/*.safetensors"):
+            assert link.resolve().name in etags and link.resolve().is_file()
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(out) == outputs(tmp_path / "local")
+    assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # the leftover too
