@@ -174,3 +174,31 @@ def test_a_limited_download_writes_no_more_than_its_limit_and_goes_on_as_it_grow
     assert result and result[0].read_bytes() == SHARD
     assert over == []
     assert gets(hub_server) == [(200, None)]  # one connection, held while it waited
+
+
+def test_a_limited_download_left_to_huggingface_hub_waits_until_the_whole_file_is_allowed(
+    hub_server: HubServer, repo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub writes a file whole, with no limit of its own: a limited download it makes starts only once
+    the limit allows the whole file, so the streaming reader's budget holds there too."""
+    import threading
+
+    monkeypatch.setenv(transfer.CLIENT_ENV, "huggingface_hub")
+    limit = [1 << 20]
+    asked = threading.Event()
+
+    def allowed() -> int:
+        asked.set()
+        return limit[0]
+
+    result: list[Path] = []
+    thread = threading.Thread(target=lambda: result.append(hub.download(hub.resolve(REPO), NAME, large=True,
+                                                                         limit=allowed)))  # fmt: skip
+    thread.start()
+    try:
+        assert asked.wait(60)  # it waits on the limit, and asks again until it allows the file
+        assert gets(hub_server) == [] and not list((cached(REPO) / "blobs").glob("*"))  # nothing fetched yet
+    finally:
+        limit[0] = len(SHARD)
+        thread.join()
+    assert result and result[0].read_bytes() == SHARD and gets(hub_server) == [(200, None)]
