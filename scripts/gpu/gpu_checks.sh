@@ -13,6 +13,9 @@
 #   startup      a tiny checkpoint's whole conversion and --dry-run, libraries warm, beside a baseline
 #                (bench/startup.py), with --device auto: what a user who names no device gets
 #   gpu-tests    every test marked gpu (bitsandbytes' kernel as the reference, FSDP on NCCL, ...)
+#   hub-free     not by default: bench/hub_scale.py, the 33 GB Grok-shaped repo from the local Hub, three runs as
+#                they are, then one with PREQUANT_HUB_FREE_AS_CONVERTED=1 (shards freed as they are converted:
+#                docs/performance.md), all against one floor (about 300 s with its generation)
 # Disk (64 GB): one checkpoint at a time (16 GB, then 33 GB); outputs are deleted once hashed; the Hub path
 # holds the 33 GB source (served by hard links), at most 2 downloaded shards and the 11 GB output.
 set -uo pipefail
@@ -72,6 +75,10 @@ clear_checkpoints_except none
 step startup 130 python3 scripts/bench/startup.py --repeats 3 --device auto --skip 'head start' \
   --json "$OUT/startup.json"
 python3 scripts/bench/summary.py "$OUT"
+clear_checkpoints_except grok-33gb
+step hub-free 420 sh -c "cd scripts/bench && python3 hub_scale.py --shape grok --size-gb 33 --device cuda --repeats 3 \
+  --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=1 --dir '$WORK' --json '$OUT/hub-free.json'"
+clear_checkpoints_except none
 step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
 rm -rf "$WORK"/*gb
 printf '%s\n' "${STATUS[@]}" | tee "$OUT/steps.txt"
