@@ -207,7 +207,7 @@ class HubShardReader(TensorReader):
         """Give the written tensors' blocks of shard `path` back to the disk; at the first, take the shard out of
         the cache (`client.set_aside`: it stays open here, and by its new name for the CPU workers), so that nothing
         with holes is ever there to look complete."""
-        if not self.holds(path):
+        if self._closed or not self.holds(path):
             return  # not read yet (a resume's finished tensors): freed with the first tensor written after it opens
         with self._cond:
             first = path in self._owned
