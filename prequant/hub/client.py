@@ -13,7 +13,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -28,6 +29,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from ..errors import PrequantError, UsageError
+from ..util import holes
 from . import cache, transfer
 from .failures import IncompleteDownload, RemoteEntryNotFound, explain, first_line, is_incomplete, short
 
@@ -223,18 +225,36 @@ def evict(source: HubCommit, filename: str) -> None:
 
 
 class SetAside:
-    """A downloaded file out of the cache while a conversion frees it (`set_aside`): its path, and its etag's lock
-    held until `drop`."""
+    """A downloaded file out of the cache while a conversion frees it (`set_aside`): its path, a descriptor open for
+    writing (holes need one), and its etag's lock, held until `drop`."""
 
     def __init__(self, path: Path, lock) -> None:
         self.path, self._lock = path, lock
+        self._guard = threading.Lock()  # the descriptor is never closed while a hole is punched through it
+        try:
+            self._fd: int | None = os.open(path, os.O_WRONLY)
+        except OSError as e:
+            log.debug("cannot open %s to free its converted parts (%s)", path, e)
+            self._fd = None
+
+    def free(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """Give the whole blocks of these byte ranges back to the disk (`util.holes.punch`); the bytes freed (0 once
+        dropped). Raises `util.holes.Unsupported` where the filesystem cannot, OSError for another failure."""
+        with self._guard:
+            if self._fd is None:
+                return 0
+            return sum(holes.punch(self._fd, start, end) for start, end in ranges)
 
     def drop(self) -> None:
         """Delete the file (its space goes once nothing holds it open) and release the lock."""
-        try:
-            self.path.unlink(missing_ok=True)
-        finally:
-            self._lock.release()
+        with self._guard:
+            fd, self._fd = self._fd, None
+            try:
+                if fd is not None:
+                    os.close(fd)
+                self.path.unlink(missing_ok=True)
+            finally:
+                self._lock.release()
 
 
 def set_aside(source: HubCommit, filename: str) -> SetAside | None:

@@ -90,10 +90,8 @@ class HubShardReader(TensorReader):
         self._to_free: dict[Path, list[tuple[int, int]]] = {}  # written tensors' byte ranges not yet freed
         self._stream = os.environ.get(FREE_ENV, "0").strip() == "1"  # shards freed as converted (FREE_ENV)
         self._holes = self._stream  # until the filesystem says it cannot
-        self._writable: dict[Path, int] = {}  # a shard being freed: its descriptor open for writing (holes)
         self._aside: dict[Path, client.SetAside] = {}  # a shard being freed: out of the cache, its lock held
         self._whole: set[Path] = set()  # this run's shards that could not be set aside: freed whole at the end
-        self._punch_lock = threading.Lock()  # a descriptor is never closed while a hole is punched through it
         self._cond = threading.Condition()
         self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
         self._owned: dict[Path, Path] = {}  # downloaded by this run, still in the cache: path -> blob
@@ -193,7 +191,6 @@ class HubShardReader(TensorReader):
             if path in self._to_free:
                 self._free_written(path)
             return
-        self._drop_writable(path)
         self.release(path)
         self._drop_aside(path)
         if blob is not None:
@@ -214,34 +211,24 @@ class HubShardReader(TensorReader):
             ranges = self._to_free.pop(path, [])
         if first:
             aside = client.set_aside(self.src.hub, self._name(path))  # type: ignore[arg-type]
-            if aside is None:  # freed whole after its last tensor, as without holes
-                with self._cond:
-                    self._whole.add(path)
-                return
-            try:  # holes need a descriptor open for writing
-                writable: int | None = os.open(aside.path, os.O_WRONLY)
-            except OSError as e:
-                log.debug("cannot open %s to free its converted parts (%s)", aside.path, e)
-                writable = None
             with self._cond:
+                if aside is None:  # freed whole after its last tensor, as without holes
+                    self._whole.add(path)
+                    return
                 self._owned.pop(path, None)
                 self._deleted[path] = aside.path  # on disk until deleted (`_drop_aside`) and closed
                 self._aside[path] = aside
                 self.evicted.append(self._name(path))
-            with self._punch_lock:
-                if writable is not None:
-                    self._writable[path] = writable
+        aside = self._aside.get(path)
         freed = 0
-        with self._punch_lock:
-            fd = self._writable.get(path)
-            try:
-                freed = sum(holes.punch(fd, start, end) for start, end in ranges) if fd is not None else 0
-            except holes.Unsupported as e:
-                log.info("cannot free converted parts of %s (%s): each shard is freed after its last tensor",
-                         self._name(path), e)
-                self._holes = False
-            except OSError as e:  # advisory: the shard is freed whole after its last tensor anyway
-                log.debug("freeing converted parts of %s failed: %s", self._name(path), e)
+        try:
+            freed = aside.free(ranges) if aside is not None else 0
+        except holes.Unsupported as e:
+            log.info("cannot free converted parts of %s (%s): each shard is freed after its last tensor",
+                     self._name(path), e)
+            self._holes = False
+        except OSError as e:  # advisory: the shard is freed whole after its last tensor anyway
+            log.debug("freeing converted parts of %s failed: %s", self._name(path), e)
         with self._cond:
             self._freed[path] = self._freed.get(path, 0) + freed
             self._regrant()
@@ -256,14 +243,6 @@ class HubShardReader(TensorReader):
             if aside is not None:
                 aside.drop()
 
-    def _drop_writable(self, path: Path | None = None) -> None:
-        """Close the descriptor `_free_written` opened on `path` (every one, without a path)."""
-        with self._punch_lock:
-            for each in [path] if path is not None else list(self._writable):
-                fd = self._writable.pop(each, None)  # type: ignore[arg-type]
-                if fd is not None:
-                    os.close(fd)
-
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -272,7 +251,6 @@ class HubShardReader(TensorReader):
             self._cond.notify_all()
         for each in fetchers:
             each.close()
-        self._drop_writable()
         if cut:
             client.remove_stale_partials(self.src.repo_id)  # type: ignore[arg-type]
         super().close()
