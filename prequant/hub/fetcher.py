@@ -284,7 +284,7 @@ def _limit_memfd() -> int | None:
     if not hasattr(os, "memfd_create"):
         return None
     try:
-        fd = os.memfd_create("prequant-download-limit", 0)  # not MFD_CLOEXEC: the child inherits it (pass_fds)
+        fd = os.memfd_create("prequant-download-limit")  # close-on-exec: only the fetcher's child gets it (pass_fds)
     except OSError:
         return None
     os.pwrite(fd, _LIMIT.pack(_UNLIMITED), 0)

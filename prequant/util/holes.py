@@ -43,8 +43,9 @@ _CALL = _fallocate()
 
 
 def block_size(fd: int) -> int:
-    """The granularity that frees blocks on this file's filesystem: its block size, at least a page."""
-    return max(os.fstat(fd).st_blksize, os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096)
+    """The granularity that frees blocks on this file's filesystem: its fundamental block size (statvfs'
+    f_frsize, not st_blksize, which is the preferred I/O size and may be far larger), at least a page."""
+    return max(os.fstatvfs(fd).f_frsize, os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096)
 
 
 def inner(start: int, end: int, block: int) -> tuple[int, int]:
