@@ -60,6 +60,7 @@ def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_pa
     for r in runs:
         assert r["same_bytes"] and r["ratio_to_floor"] == round(r["seconds"] / floor, 3)
         assert r["pipeline_start"] <= r["pipeline_end"] and r["read_ahead_done"] is not None
+        assert r["quantizer_ready"] <= r["pipeline_end"] and r["peak_rss_anon"] > 0
         # The disk's timeline: a row per whole second sampled (the run and its hashing), each busy a share.
         if not sampled:
             assert r["disk"] == []
@@ -242,7 +243,8 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
         [sys.executable, str(ROOT / "scripts" / "bench" / "hub_scale.py"), "--shape", "grok", "--layers", "3",
          "--dims", '{"hidden": 512, "inter": 2048, "vocab": 4096, "heads": 8}', "--shard-gb", "0.02",
          "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--local",
-         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub", "--endpoint-warm", "--repeats", "2",
+         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1", "--endpoint-warm",
+         "--repeats", "2",
          "--dir", str(tmp_path / "work"), "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=900,
     )
@@ -257,7 +259,8 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     bodies = r["fault"]["bodies"]
     assert r["fault"]["same_bytes"] and [status for status, _ in bodies] == [200, 503, 503, 503, 206], bodies
     assert bodies[0][1] is None and len({asked for _, asked in bodies[1:]}) == 1
-    variant = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub"]
+    variant = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1"]
+    assert variant["env"] == {"PREQUANT_HUB_CLIENT": "huggingface_hub", "PREQUANT_HUB_DOWNLOADS": "1"}  # both set
     assert variant["same_bytes"] and variant["within_scratch_bound"]
     assert r["download"]["seconds"] > 0 and r["transfer"]["seconds"] > 0  # each client alone
     # the served files read back after each drop: 2 conversions, floor, fault, kill, variant, each client alone

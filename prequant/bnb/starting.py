@@ -15,7 +15,8 @@ start then reads its libraries page fault by page fault, and beside the pipeline
 everything cold, 2026-12-02) where it took 4-12 s with the pipeline waiting for it (the session before's leases, and
 the same command with the pipeline waiting). PREQUANT_CPU_WHILE_CUDA_STARTS=0 waits for CUDA before the
 first tensor too (the GPU tests of the CUDA path use it, so that every tensor there goes through bitsandbytes'
-kernel).
+kernel); =1 quantizes on the CPU meanwhile even when the libraries are cold, in this process; =workers the same on
+the CPU worker processes (`bnb.tensor_pool`); unset or `auto`, the rule above.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ class Starting:
 
     device_type = "cuda"
 
-    def __init__(self, settings: Settings, start: Callable[[], Quantizer]) -> None:
-        """`start()` builds the CUDA quantizer (it runs on the thread); meanwhile `now()` is the CPU's."""
+    def __init__(self, settings: Settings, start: Callable[[], Quantizer], workers: bool = False) -> None:
+        """`start()` builds the CUDA quantizer (it runs on the thread); meanwhile `now()` is the CPU's, whose tensors
+        go to the CPU worker processes if `workers` (`bnb.tensor_pool`), else to the kernel's threads here."""
         self.settings = settings
+        self.workers = workers
         self.cpu = Quantizer(settings, torch.device("cpu"))
         self._cuda: Quantizer | None = None
         self._error: BaseException | None = None
@@ -85,16 +88,24 @@ class Starting:
         return self.wait().device
 
 
+def uses_workers(quantizer: Quantizer | Starting) -> bool:
+    """Whether the CPU's tensors go to worker processes: a CPU conversion's, or those read while CUDA starts when
+    `Starting` says so."""
+    return quantizer.device_type == "cpu" or (isinstance(quantizer, Starting) and quantizer.workers)
+
+
 def quantizer(settings: Settings, device: str, weight_bytes: int | None = None, *,
               meanwhile: bool = True) -> Quantizer | Starting:  # fmt: skip
     """What converts on `device` (`bnb.quantize.pick_device`): on CUDA, a `Starting` (unless `meanwhile` is false,
     PREQUANT_CPU_WHILE_CUDA_STARTS=0, or CUDA is running already in this process: then the CUDA `Quantizer`, started
-    here), else the CPU's `Quantizer`. Refuses a CUDA conversion without bitsandbytes at once, before anything is
-    written."""
+    here; PREQUANT_CPU_WHILE_CUDA_STARTS=1 or =workers overrides `meanwhile`), else the CPU's `Quantizer`. Refuses a
+    CUDA conversion without bitsandbytes at once, before anything is written."""
     if not uses_cuda(device, weight_bytes):
         return Quantizer(settings, torch.device("cpu"))
     if importlib.util.find_spec("bitsandbytes") is None:
         raise no_bitsandbytes("no module named 'bitsandbytes'")
-    if not meanwhile or os.environ.get(ENV, "1").strip() == "0" or torch.cuda.is_initialized():
+    choice = os.environ.get(ENV, "auto").strip()
+    if choice == "0" or (choice not in ("1", "workers") and not meanwhile) or torch.cuda.is_initialized():
         return Quantizer(settings, pick_device(device, weight_bytes))
-    return Starting(settings, lambda: Quantizer(settings, pick_device(device, weight_bytes)))
+    return Starting(settings, lambda: Quantizer(settings, pick_device(device, weight_bytes)),
+                    workers=choice == "workers")

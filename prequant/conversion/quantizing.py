@@ -5,7 +5,8 @@ goes on to the next one. On the CPU, where there are enough cores (`bnb.tensor_p
 flight at once, one per worker process, and are handed on in plan order as they come back; what a worker cannot
 take (a small or cast tensor, a `.bin` shard's, or any tensor while the workers are still starting) is quantized here,
 on the kernel's threads. Either way the bytes and the statistics are the same. A conversion on a GPU whose CUDA is
-still starting (`bnb.starting`) quantizes the tensors read meanwhile here on the CPU, with the same bytes.
+still starting (`bnb.starting`) quantizes the tensors read meanwhile on the CPU, with the same bytes: here, or on the
+worker processes when `Starting.workers` says so, the tensors read onto the GPU once it is ready staying here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from ..bnb import tensor_pool
 from ..bnb.format import entry_key
 from ..bnb.quantize import Quantizer
-from ..bnb.starting import Starting
+from ..bnb.starting import Starting, uses_workers
 from ..bnb.stats import TensorStats
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..util import trace
@@ -42,7 +43,7 @@ def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer | Startin
     """Take (step, (tensor, ready event), found) items from `loaded` until END; put (step, entries, copied event,
     found) items into `quantized`, in the same order, then END. `work_bytes`: what is to be quantized (whether
     worker processes would pay)."""
-    pool = tensor_pool.pool(work_bytes) if quantizer.device_type == "cpu" else None
+    pool = tensor_pool.pool(work_bytes) if uses_workers(quantizer) else None
     if pool is not None and pool.owner.acquire(blocking=False):  # else another thread's conversion has it
         try:
             _with_workers(loaded, quantized, quantizer, pool, stats, check)
@@ -68,8 +69,8 @@ class _Pending:
     result: tuple | None = None
 
 
-def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer, pool: tensor_pool.Pool, stats: Stats | None,
-                  check) -> None:  # fmt: skip
+def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starting, pool: tensor_pool.Pool,
+                  stats: Stats | None, check) -> None:  # fmt: skip
     # Why the writer is offered items rather than waited for: while this thread waits for the writer (a shard's
     # writes held up by the disk, a kept tensor copied), no worker gets its next tensor, and once the writer is
     # free it waits in turn for tensors just sent. On the GPU machine's 16 GB Llama this thread waited 8.4 s for
@@ -120,7 +121,7 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer, pool: t
             step, (tensor, _ready), found = loaded_item  # type: ignore[misc]
             del loaded_item
             job = None
-            if step.quantize and not step.decision.dtype:
+            if step.quantize and not step.decision.dtype and tensor.device.type == "cpu":  # not one on the GPU
                 while pool.full() and pool.busy():  # every worker has its tensors: wait until one answers
                     pool.wait_any()
                     pass_on()

@@ -16,8 +16,8 @@ on the same disk), then measures, each from a cold page cache:
               source shards, the disk's timeline, prequant's own timeline
   fault       --faults: the same, the server cutting shard K's body mid-way once and then answering 503 three times
               to the ranged requests that resume it
-  variant     --variant KEY=VALUE (repeatable): the conversion again with that environment, e.g.
-              PREQUANT_HUB_CLIENT=huggingface_hub or PREQUANT_HUB_DOWNLOADS=1
+  variant     --variant KEY=VALUE (repeatable; several variables: 'K1=V1 K2=V2'): the conversion again with that
+              environment, e.g. PREQUANT_HUB_CLIENT=huggingface_hub or PREQUANT_HUB_DOWNLOADS=1
   kill        --kill: the same, SIGKILLed while shard K is half downloaded, then the same command with --resume:
               the partial files the kill left, the resumed run's time and scratch disk
 
@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--skip-download", action="store_true", help="no download-alone runs")
     ap.add_argument("--repeats", type=int, default=1, help="the first conversion this many times (a median)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
-                    help="the conversion again with this environment variable set (repeatable)")
+                    help="the conversion again with this environment (repeatable; 'K1=V1 K2=V2' sets several)")
     ap.add_argument("--local-sha256", type=Path, help="convert.py's JSON report of the same checkpoint, local")
     ap.add_argument("--local", action="store_true", help="also convert the served folder from disk, cold, and "
                     "compare its bytes (what --local-sha256 gives where convert.py measured it)")
@@ -362,9 +362,10 @@ def main() -> None:
             save()
 
         for variant in args.variant:
-            key, _, value = variant.partition("=")
+            env = dict(pair.partition("=")[::2] for pair in variant.split())
             drop()
-            v = convert_hub(repo, out, args, {**hub_env, key: value}, cache, shard_blobs)
+            v = convert_hub(repo, out, args, {**hub_env, **env}, cache, shard_blobs)
+            v["env"] = env
             v["same_bytes"] = v["weight_sha256"] == reference
             v["ratio_to_floor"] = round(v["seconds"] / report["floor"]["seconds"], 3)
             v["within_scratch_bound"] = v["scratch_shards_peak_bytes"] <= report["scratch_bound_bytes"]

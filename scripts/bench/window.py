@@ -3,8 +3,8 @@
 The same synthetic checkpoint as convert.py, its cold read and its floor (the read while dd durably writes as
 many bytes as the output), then `prequant convert` as a whole process for every device and window, interleaved,
 each from a cold page cache (libraries warm with --warm-libraries): wall time, its ratio to the floor, when the
-read-ahead had read the whole source and when the pipeline ended (PREQUANT_TRACE), and whether every run wrote the
-same bytes.
+read-ahead had read the whole source, when the quantizer was ready (CUDA's, where it started on a thread) and when
+the pipeline ended (PREQUANT_TRACE), the process tree's peak RssAnon, and whether every run wrote the same bytes.
 
     python scripts/bench/window.py --size-gb 16 --shape llama --devices cuda,cpu --windows 2,4,0 --warm-libraries
     python scripts/bench/window.py --size-gb 33 --shape grok --devices cuda --windows 2,0 --repeats 2
@@ -73,6 +73,8 @@ def main() -> None:
         row = {"device": device, "window_gb": float(window), "seconds": run["seconds"],
                "read_ahead_done": events.get("read-ahead-done"), "pipeline_start": events.get("pipeline-start"),
                "pipeline_end": events.get("pipeline-end"), "output_bytes": run["output_bytes"],
+               "quantizer_ready": events.get("cuda-ready", events.get("quantizer-ready")),
+               "peak_rss_anon": run["peak_rss_anon"],
                "busy": run.get("trace", {}).get("busy", {}), "env": {name: value} if name else {},
                "events": events, "disk": disk_timeline}  # fmt: skip
         hashes = report["weight_sha256"] = hashes or run["weight_sha256"]  # the first run's: every other's must match
@@ -91,17 +93,19 @@ def main() -> None:
     floor = report["read_write"]["seconds"]
     print(f"\nsource {report['source_bytes'] / 1e9:.1f} GB {args.shape}, {report['libraries']} libraries: read "
           f"{report['read']['seconds']} s, floor {floor} s", file=sys.stderr)
-    print(f"{'device':6} {'window GB':>9} {'value':>10} {'wall s':>7} {'x floor':>8} {'read-ahead done':>16} "
-          f"{'pipeline':>14} {'disk busy':>9} {'same bytes':>10}", file=sys.stderr)
+    print(f"{'device':6} {'window GB':>9} {'value':>10} {'wall s':>7} {'x floor':>8} {'quantizer':>9} "
+          f"{'read-ahead done':>16} {'pipeline':>14} {'disk busy':>9} {'RssAnon GiB':>11} {'same bytes':>10}",
+          file=sys.stderr)
     for row in report["runs"]:
         row["ratio_to_floor"] = round(row["seconds"] / floor, 3)
         span = f"{row['pipeline_start']}-{row['pipeline_end']}"
         busy = [s["busy"] for s in row["disk"]]
         row["disk_busy"] = round(sum(busy) / len(busy), 2) if busy else None  # the run's mean
         value = next(iter(row["env"].values()), "-")
+        rss = round(row["peak_rss_anon"] / 2**30, 2) if row["peak_rss_anon"] else None
         print(f"{row['device']:6} {row['window_gb']:9g} {value:>10} {row['seconds']:7.1f} {row['ratio_to_floor']:8.3f} "
-              f"{row['read_ahead_done']!s:>16} {span:>14} {row['disk_busy']!s:>9} {row['same_bytes']!s:>10}",
-              file=sys.stderr)
+              f"{row['quantizer_ready']!s:>9} {row['read_ahead_done']!s:>16} {span:>14} {row['disk_busy']!s:>9} "
+              f"{rss!s:>11} {row['same_bytes']!s:>10}", file=sys.stderr)
     emit(report, args.json)
 
 

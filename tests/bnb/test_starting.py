@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import prequant
-from prequant.bnb import starting
+from prequant.bnb import starting, tensor_pool, tensor_spawn
 from prequant.bnb.quantize import Quantizer
 from prequant.bnb.starting import Starting
 from prequant.conversion import pipeline
@@ -31,17 +31,22 @@ def llama(tmp_path_factory) -> Path:
     return build_checkpoint("llama", tmp_path_factory.mktemp("starting-src"))
 
 
-def _convert_while_starting(src: Path, staging: Path, device: torch.device) -> tuple[Starting, int]:
+def _convert_while_starting(src: Path, staging: Path, device: torch.device,
+                            workers: bool = False) -> tuple[Starting, int]:  # fmt: skip
     """Run the pipeline on a Starting whose quantizer for `device` becomes ready only once the first quantized
-    tensor is written (the writer waits for it there); return it and the number of tensors quantized."""
+    tensor is written (the writer waits for it there); return it and the number of tensors quantized. `workers`:
+    the CPU's share goes to the CPU worker processes."""
     plan = prequant.convert(src, staging.parent / "never-written", dry_run=True, progress=False)
+    if workers:  # started after convert(), which closes the workers as it returns, and ready from the first tensor
+        started = tensor_pool.pool()
+        assert started is not None and started.wait_ready(), "the workers did not start"
     gate = threading.Event()
 
     def start() -> Quantizer:
         gate.wait()
         return Quantizer(plan.settings, device)
 
-    quantizers = Starting(plan.settings, start)
+    quantizers = Starting(plan.settings, start, workers=workers)
 
     def on_step(step) -> None:
         if step.quantize and not gate.is_set():
@@ -67,6 +72,47 @@ def test_tensors_read_before_and_after_the_hand_over_give_a_plain_conversions_by
     assert 1 <= quantizers.early < quantized  # both quantizers took tensors
     prequant.convert(llama, tmp_path / "plain", device="cpu", progress=False)
     _same_files(tmp_path / "staging", tmp_path / "plain")
+
+
+@pytest.fixture()
+def two_workers():
+    """The CPU worker pool at two processes that take tensors from 4096 elements, for conversions of any size."""
+    saved = (tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES)
+    tensor_pool.close()
+    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES = 2, 1 << 12, 0
+    yield
+    tensor_pool.close()
+    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES = saved
+
+
+def test_the_worker_processes_take_the_cpus_share_while_cuda_starts_with_the_same_bytes(llama, two_workers, tmp_path):
+    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"), workers=True)
+    assert 1 <= quantizers.early < quantized
+    pool = tensor_pool.pool()
+    assert pool.tensors >= 1 and pool.held == 0 and not pool.busy()  # workers quantized what was read meanwhile
+    prequant.convert(llama, tmp_path / "plain", device="cpu", progress=False)
+    _same_files(tmp_path / "staging", tmp_path / "plain")
+
+
+def test_the_environment_picks_how_a_cold_start_quantizes_meanwhile(monkeypatch):
+    """PREQUANT_CPU_WHILE_CUDA_STARTS: 0 waits for CUDA; 1 and workers quantize meanwhile even after a cold start
+    (`meanwhile=False`), on this process' threads or the worker processes; unset, the caller's rule."""
+    settings = prequant.ConvertOptions().settings
+    made = []
+    monkeypatch.setattr(starting, "Starting", lambda s, start, workers=False: made.append(workers) or "starting")
+    monkeypatch.setattr(starting, "Quantizer", lambda s, device: "waits")
+    monkeypatch.setattr(starting, "uses_cuda", lambda device, weight_bytes: True)
+    monkeypatch.setattr(starting, "pick_device", lambda device, weight_bytes: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(starting.importlib.util, "find_spec", lambda name: object())
+    for env, meanwhile, expected in [(None, True, "starting"), (None, False, "waits"), ("auto", False, "waits"),
+                                     ("0", True, "waits"), ("1", False, "starting"), ("workers", False, "starting")]:
+        if env is None:
+            monkeypatch.delenv(starting.ENV, raising=False)
+        else:
+            monkeypatch.setenv(starting.ENV, env)
+        assert starting.quantizer(settings, "cuda", meanwhile=meanwhile) == expected, (env, meanwhile)
+    assert made == [False, False, True]
 
 
 def test_a_failed_start_fails_the_conversion_with_its_error(llama, tmp_path):
