@@ -34,7 +34,7 @@ from .params import expected
 ENV = "PREQUANT_PREDICT_LAYOUT"
 CONFIRM_ENV = "PREQUANT_CONFIRM_LAYOUT"
 # transformers (major, minor) versions whose layout the prediction is, for a checkpoint `settled` accepts.
-# `python scripts/check_layout_rules.py VERSION...` runs tests/bnb/test_predict.py and test_params.py (each
+# `python scripts/dev/check_layout_rules.py VERSION...` runs tests/bnb/test_predict.py and test_params.py (each
 # architecture's models built, saved and decided by that transformers) with each version; on 2026-12-02 it
 # passed with every 5.x minor from 5.1 to 5.24. 5.0 differs (with tied embeddings and --skip, its skip list
 # lacks the last module), so there the prediction stays a head start. The suite itself checks the newest it

@@ -25,7 +25,7 @@ step() {
   return 0
 }
 
-# install_wheels DIR: the wheels carried in .whl (scripts/train_wheels.sh's, bitsandbytes') installed into DIR, which
+# install_wheels DIR: the wheels carried in .whl (scripts/gpu/train_wheels.sh's, bitsandbytes') installed into DIR, which
 # goes on PYTHONPATH after the checkout (the current directory: the repository root).
 install_wheels() {
   if compgen -G ".whl/*.whl" > /dev/null; then

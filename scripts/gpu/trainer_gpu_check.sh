@@ -7,7 +7,7 @@
 #   2. 8 gloo ranks on the machine's CPU (CUDA hidden): `check-fsdp --loader trainer --nproc 8`, 2 steps of 16 tokens,
 #      per-rank RssFile/RssAnon and the bytes of the checkpoint each rank's shards hold.
 #
-#   bash scripts/train_wheels.sh                     # where PyPI is reachable: ./.whl with TRL, datasets, pyarrow...
+#   bash scripts/gpu/train_wheels.sh                     # where PyPI is reachable: ./.whl with TRL, datasets, pyarrow...
 #   OUT=/some/dir bash scripts/gpu/trainer_gpu_check.sh   # on the GPU machine, from the repository root, .whl carried
 #
 # The wheels in .whl (bitsandbytes' too) are installed into a directory named site-packages, first on PYTHONPATH:

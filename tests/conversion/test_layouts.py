@@ -16,7 +16,7 @@ from conftest import cli_env, run_cli
 TRANSFORMERS_ONLY = {ENV: "0"}  # the conversion waits for transformers' layout, as before prediction existed
 CONFIRMED = {CONFIRM_ENV: "1"}  # predicted, and transformers confirms even what would be settled
 # On a transformers newer than predict.VERIFIED nothing settles (the head-start tests above still run): raise it
-# after scripts/check_layout_rules.py passes with that version.
+# after scripts/dev/check_layout_rules.py passes with that version.
 SETTLES_HERE = pytest.mark.skipif(not verified(), reason="the installed transformers is outside predict.VERIFIED")
 
 

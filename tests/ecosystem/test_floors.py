@@ -9,7 +9,7 @@ from importlib import metadata
 import pytest
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "dev"))
 import floors  # noqa: E402
 
 
@@ -27,7 +27,7 @@ def test_a_dependency_without_a_floor_is_refused():
 
 
 def test_script_prints_pip_constraints():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "floors.py")], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "dev" / "floors.py")], capture_output=True, text=True,
                          check=True).stdout
     pins = dict(line.split("==") for line in out.splitlines() if line and not line.startswith("#"))
     assert pins["torch"] == floors.CPU_TORCH and pins["transformers"] == "5.0"

@@ -5,7 +5,7 @@
 # for CPython 3.12 on x86-64 Linux, into ./.whl (git-excluded) of the repo you run this from. bitsandbytes comes
 # from the lead's own wheel script. Run it where PyPI is reachable.
 #
-#   bash scripts/train_wheels.sh            # then carry [".whl"]; trainer_gpu_check.sh installs them itself
+#   bash scripts/gpu/train_wheels.sh            # then carry [".whl"]; trainer_gpu_check.sh installs them itself
 #
 # pyarrow's wheel is 55 MB, most of what may travel (64 MiB with the repo). Dropped from it: Arrow Flight, the S3
 # filesystem, the C++ headers and the tests (about 19 MB), which datasets' local JSON loading, its fingerprints and

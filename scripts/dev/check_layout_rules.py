@@ -4,7 +4,7 @@ and the rest come from this interpreter) and tests/bnb/test_predict.py and tests
 that folder first on the path. Run it before raising
 `predict.VERIFIED`; it prints one line per version and exits 1 if any failed.
 
-    python scripts/check_layout_rules.py 5.17.0 5.20.2 5.24.0 [--cache /tmp/prequant-transformers]
+    python scripts/dev/check_layout_rules.py 5.17.0 5.20.2 5.24.0 [--cache /tmp/prequant-transformers]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/bnb/test_predict.py", "tests/bnb/test_params.py"]
 
 

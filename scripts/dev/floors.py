@@ -1,6 +1,6 @@
 """The lowest versions pyproject.toml declares, as pip constraints: the floor environment of `.ci/run`.
 
-    python3 scripts/floors.py > floors.txt && pip install -c floors.txt torch==2.13.0 -e '.[transformers,fsdp,testtools]'
+    python3 scripts/dev/floors.py > floors.txt && pip install -c floors.txt torch==2.13.0 -e '.[transformers,fsdp,testtools]'
 
 Each `name>=X` of the runtime dependencies and of the `transformers` and `fsdp` extras becomes `name==X` (the
 highest floor when a name appears twice); the `testtools` extra's tools are not part of the range users install, so
@@ -21,7 +21,7 @@ try:
 except ImportError:  # Python 3.10
     tomllib = None  # type: ignore[assignment]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = ("transformers", "fsdp")
 CPU_TORCH = "2.13.0"  # the CPU build scripts/setup.sh installs (the oldest on this project's machines)
 _FLOOR = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[[^\]]*\])?\s*>=\s*([0-9][0-9A-Za-z.]*)\s*(?:,.*)?$")
@@ -30,7 +30,7 @@ _FLOOR = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[[^\]]*\])?\s*>=\s*([0-9][0-9A
 def requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The runtime requirements and those of the `EXTRAS`, as written (self-references to prequant left out)."""
     if tomllib is None:
-        raise SystemExit("scripts/floors.py needs Python 3.11 or later (tomllib)")
+        raise SystemExit("scripts/dev/floors.py needs Python 3.11 or later (tomllib)")
     project = tomllib.loads(pyproject.read_text())["project"]
     found = list(project["dependencies"])
     for extra in EXTRAS:
