@@ -1,4 +1,4 @@
-"""Hub access through huggingface_hub: resolve a repo to a commit, download or evict one file, upload a folder.
+"""Hub access through huggingface_hub: resolve a repo to a commit, download one file into the cache or take it out.
 
 Settings are read from the environment at call time (HF_ENDPOINT, HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE,
 HF_TOKEN), not only when huggingface_hub was imported, so a library caller can change them between calls.
@@ -8,7 +8,6 @@ Every failure becomes one `PrequantError` line that names the repo (and the file
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from huggingface_hub import HfApi, constants, hf_hub_download
+from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
     HfHubHTTPError,
     HFValidationError,
@@ -46,7 +45,7 @@ _LONGEST_WAIT_S = 30.0
 RETRY_ENV = "PREQUANT_HUB_RETRY_S"
 _DEFAULT_RETRY_S = 120.0
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-_API_TIMEOUT_S = 60.0
+API_TIMEOUT_S = 60.0
 # One download's own partial file (module doc), or a file a conversion set aside to free as it converts it.
 _PARTIAL_RE = re.compile(r"[0-9a-f]+\.(?:[0-9a-f]{8}\.incomplete|prequant-freeing)")
 _ASIDE = "prequant-freeing"  # blobs/<etag>.prequant-freeing: a name huggingface_hub never gives a file
@@ -90,7 +89,7 @@ def resolve(
         sha, files = cache.resolve_offline(repo_id, revision, label)
         return HubCommit(repo_id=repo_id, revision=revision, sha=sha, files=files)
     try:
-        info = _api(token).model_info(repo_id, revision=revision, files_metadata=True, timeout=_API_TIMEOUT_S)
+        info = api(token).model_info(repo_id, revision=revision, files_metadata=True, timeout=API_TIMEOUT_S)
     except Exception as error:
         message = explain(error, f"resolve {label}", repo_id, revision, token, endpoint=cache.endpoint())
         raise PrequantError(message) from error
@@ -150,7 +149,7 @@ def read_range(source: HubCommit, filename: str, start: int, end: int, *, token:
     headers = {**build_hf_headers(token=token, library_name="prequant"), "Range": f"bytes={start}-{end - 1}"}
 
     def attempt() -> bytes:
-        with get_session().stream("GET", url, headers=headers, timeout=_API_TIMEOUT_S) as response:
+        with get_session().stream("GET", url, headers=headers, timeout=API_TIMEOUT_S) as response:
             if response.status_code >= 400:
                 response.read()  # the error's message is in the body
             hf_raise_for_status(response)
@@ -318,79 +317,8 @@ def remove_stale_partials(repo_id: str) -> list[str]:
     return removed
 
 
-@dataclass(frozen=True)
-class Uploaded:
-    """What `upload` did: the commit, the repo's visibility, the remote files it deleted."""
-
-    commit_url: str
-    private: bool
-    deleted: list[str]
-
-
-def upload(
-    folder: Path,
-    repo_id: str,
-    *,
-    revision: str | None = None,
-    private: bool = False,
-    commit_message: str | None = None,
-    token: str | None = None,
-    stale: Callable[[list[str]], list[str]] | None = None,
-) -> Uploaded:
-    """Create ``repo_id`` if needed and upload ``folder`` to it in one commit.
-
-    ``repo_id`` may carry the branch as ``org/name@branch`` instead of ``revision``; a new branch is created
-    from main. ``stale(remote files)`` names the branch's files to delete in the same commit. ``private`` makes
-    a new repo private; an existing public repo is refused (nothing sent): its visibility is its owner's setting.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UsageError(f"cannot upload {folder}: not a directory")
-    repo_id, spec_revision = parse_repo_spec(repo_id)
-    if spec_revision is not None and revision not in (None, spec_revision):
-        raise UsageError(f"two revisions given for the upload to {repo_id}: {spec_revision} and {revision}")
-    revision = revision or spec_revision
-    if revision is not None and cache.SHA_RE.fullmatch(revision):
-        raise UsageError(f"cannot upload to commit {revision} of {repo_id}: pass a branch name")
-    action = f"upload {folder} to {repo_id}" + (f"@{revision}" if revision else "")
-    if cache.offline():
-        raise PrequantError(f"cannot {action}: HF_HUB_OFFLINE is set; unset it to upload")
-    api = _api(token)
-    visibility = _visibility(api, repo_id)
-    if visibility is False and private:
-        raise PrequantError(
-            f"refusing to upload to {repo_id}: it exists and is public, and --private does not change an existing "
-            f"repo's visibility; make it private first (its settings on the Hub, or huggingface_hub's "
-            f"update_repo_settings({repo_id!r}, private=True)), or upload without --private"
-        )
-    try:
-        if visibility is None:
-            api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        if revision not in (None, constants.DEFAULT_REVISION):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)  # type: ignore[arg-type]
-        deleted = sorted(stale(api.list_repo_files(repo_id, revision=revision))) if stale is not None else []
-        info = api.upload_folder(
-            folder_path=folder,
-            repo_id=repo_id,
-            revision=revision,
-            commit_message=commit_message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
-            delete_patterns=[glob.escape(name) for name in deleted] or None,  # exact names, not patterns
-        )
-    except Exception as error:
-        message = explain(error, action, repo_id, revision, token, endpoint=cache.endpoint(), writing=True)
-        raise PrequantError(message) from error
-    return Uploaded(info.commit_url, private if visibility is None else visibility, deleted)
-
-
-def _visibility(api: HfApi, repo_id: str) -> bool | None:
-    """Whether the repo is private; None when it does not exist (or cannot be seen, which create_repo then says)."""
-    try:
-        return bool(api.model_info(repo_id, timeout=_API_TIMEOUT_S).private)
-    except Exception:  # noqa: BLE001 - missing, unreachable, no access: create_repo says which
-        return None
-
-
-def _api(token: str | None) -> HfApi:
+def api(token: str | None) -> HfApi:
+    """huggingface_hub's API client for the endpoint set now (HF_ENDPOINT), as prequant."""
     return HfApi(endpoint=cache.endpoint(), token=token, library_name="prequant")
 
 
@@ -445,6 +373,6 @@ def _is_transient(error: BaseException) -> bool:
 
 
 __all__ = [
-    "HubCommit", "Uploaded", "cache_path", "download", "evict", "parse_repo_spec", "read_range", "remove_stale_partials",
-    "resolve", "retry_waits", "upload",
+    "HubCommit", "SetAside", "api", "cache_path", "download", "evict", "parse_repo_spec", "read_range",
+    "remove_stale_partials", "resolve", "retry_waits", "set_aside",
 ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..checkpoint.manifest import MANIFEST
 from ..errors import PrequantError
-from ..hub import client
+from ..hub import upload as hub_upload
 from .report import VerificationFailed
 from .run import verify
 
@@ -40,8 +40,8 @@ def upload(
             "would be published too; move it out of OUTPUT_DIR"
         )
     files = report.listed_files + [MANIFEST]  # as verify just read them
-    done = client.upload(out, repo_id, revision=revision, private=private, commit_message=commit_message, token=token,
-                         stale=_replaced_by(files))
+    done = hub_upload.upload(out, repo_id, revision=revision, private=private, commit_message=commit_message,
+                             token=token, stale=_replaced_by(files))
     return {
         "repo_id": repo_id,
         "revision": revision,
