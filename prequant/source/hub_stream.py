@@ -8,8 +8,8 @@ shard waits until it is complete and its header has been checked against the pla
 before the run are never deleted; those an interrupted run of the same conversion downloaded are this run's to
 delete (`claim`).
 
-With `delete`, this run's shards take at most `SLOTS` times the largest shard's bytes of disk at any moment
-(`budget`), counted in bytes: a download holds what it may write so far (the whole shard, or with
+With `delete`, this run's shards take at most twice the largest shard's bytes of disk at any moment, counted in bytes
+by `hub_scratch.Scratch`: a download holds what it may write so far (the whole shard, or with
 PREQUANT_HUB_FREE_AS_CONVERTED=1 its limit, `hub.fetcher`), a downloaded shard its size less what was freed of it.
 With PREQUANT_HUB_FREE_AS_CONVERTED=1 (not yet the default: `FREE_ENV`) a shard is freed as it is converted: at its
 first tensor written it leaves the cache (its snapshot link deleted, its blob renamed, open here and by name for the
@@ -25,7 +25,6 @@ of it fits.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
@@ -38,14 +37,11 @@ from ..checkpoint.tensors import BIN_OFFSET, TensorRef
 from ..errors import PrequantError
 from ..hub import client, fetcher
 from ..util import holes, trace
+from .hub_scratch import Scratch
 from .spec import Source
 
 log = logging.getLogger(__name__)
 
-SLOTS = 2  # with delete, this run's shards take at most SLOTS x the largest shard's bytes of disk
-# The least a download starts with: a limited download begins once this much (or the whole shard) fits, and is
-# allowed more as the shards before it are freed.
-GRANT_STEP = 64 << 20
 # "1": shards freed as they are converted and downloads held to their grants (module docstring). Not yet the default:
 # built and tested on the CPU machine (2026-12-04), not yet measured at scale on the GPU machine. Unset or "0": each
 # shard freed whole after its last tensor, and a download started only once all of it fits.
@@ -55,11 +51,10 @@ FREE_ENV = "PREQUANT_HUB_FREE_AS_CONVERTED"
 # and 1.62 GB/s with two against 1.05 and 1.40 GB/s with one, on two leases (scripts/bench/hub_scale.py,
 # 2026-12-04; the whole runs differed by their cold start-ups more than by this). huggingface_hub's own loop
 # (PREQUANT_HUB_CLIENT=huggingface_hub) gains more from two: one download took 0.53-0.75 GB/s where curl read
-# 1.1-1.4. PREQUANT_HUB_DOWNLOADS overrides it; with --delete-source-shards the SLOTS bound holds whatever it is (a
-# partial download counts as a shard on disk).
+# 1.1-1.4. PREQUANT_HUB_DOWNLOADS overrides it; with --delete-source-shards the scratch bound holds whatever it is (a
+# partial download counts as on disk: `hub_scratch`).
 DOWNLOADS = 2
 DOWNLOADS_ENV = "PREQUANT_HUB_DOWNLOADS"
-_LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
 
 
 class _Stopped(Exception):
@@ -82,20 +77,15 @@ class HubShardReader(TensorReader):
         for ref in tensors:
             self._planned.setdefault(ref.file, {})[ref.name] = ref
         self._left = {path: len(refs) for path, refs in self._planned.items()}
-        self._sizes = {path: src.hub.files[self._name(path)] for path in self._planned}
-        self.budget = SLOTS * max(self._sizes.values(), default=0)  # bytes on disk with delete (module docstring)
-        self._granted: dict[Path, int] = {}  # a download in flight: the bytes it may have on disk so far
-        self._limited: dict[Path, fetcher.Fetcher] = {}  # a download in flight held to its grant: by whom
-        self._freed: dict[Path, int] = {}  # this run's shard: bytes given back to the disk (holes)
+        self._cond = threading.Condition()
+        # This run's shards on disk, within their budget with delete (module docstring); changed under _cond.
+        self.scratch = Scratch({path: src.hub.files[self._name(path)] for path in self._planned}, self._cond)
         self._to_free: dict[Path, list[tuple[int, int]]] = {}  # written tensors' byte ranges not yet freed
         self._stream = os.environ.get(FREE_ENV, "0").strip() == "1"  # shards freed as converted (FREE_ENV)
         self._holes = self._stream  # until the filesystem says it cannot
         self._aside: dict[Path, client.SetAside] = {}  # a shard being freed: out of the cache, its lock held
         self._whole: set[Path] = set()  # this run's shards that could not be set aside: freed whole at the end
-        self._cond = threading.Condition()
         self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
-        self._owned: dict[Path, Path] = {}  # downloaded by this run, still in the cache: path -> blob
-        self._deleted: dict[Path, Path] = {}  # evicted by this run; may still be mapped until its last view goes
         self._downloading = 0  # downloads in flight
         self._closed = False
         self._failed = False
@@ -155,8 +145,8 @@ class HubShardReader(TensorReader):
         wanted = set(names)
         with self._cond:
             for path in self._planned:
-                if self._name(path) in wanted and path not in self._owned and path.is_file():
-                    self._owned[path] = path.resolve()
+                if self._name(path) in wanted and path not in self.scratch.owned and path.is_file():
+                    self.scratch.owned[path] = path.resolve()
 
     def on_download(self, record: Callable[[str], None]) -> None:
         """Call `record(name)` for each shard this run downloads into the cache (those downloaded so far at once)."""
@@ -176,7 +166,7 @@ class HubShardReader(TensorReader):
             self._left[path] -= 1
             if not self.delete:
                 return
-            ours = (path in self._owned or path in self._aside) and path not in self._whole
+            ours = (path in self.scratch.owned or path in self._aside) and path not in self._whole
             last = self._left[path] == 0
             if not last:
                 if ours and self._holes and ref.offset != BIN_OFFSET and ref.nbytes:
@@ -184,9 +174,9 @@ class HubShardReader(TensorReader):
                 blob = None
             else:
                 self._to_free.pop(path, None)
-                blob = self._owned.pop(path, None)
+                blob = self.scratch.owned.pop(path, None)
                 if blob is not None:  # counted as on disk from here on, until it is gone: never in neither
-                    self._deleted[path] = blob
+                    self.scratch.deleted[path] = blob
         if not last:
             if path in self._to_free:
                 self._free_written(path)
@@ -198,7 +188,7 @@ class HubShardReader(TensorReader):
             with self._cond:
                 self.evicted.append(self._name(path))
         with self._cond:
-            self._regrant()
+            self.scratch.regrant(self._order)
 
     def _free_written(self, path: Path) -> None:
         """Give the written tensors' blocks of shard `path` back to the disk; at the first, take the shard out of
@@ -207,7 +197,7 @@ class HubShardReader(TensorReader):
         if self._closed or not self.holds(path):
             return  # not read yet (a resume's finished tensors): freed with the first tensor written after it opens
         with self._cond:
-            first = path in self._owned
+            first = path in self.scratch.owned
             ranges = self._to_free.pop(path, [])
         if first:
             aside = client.set_aside(self.src.hub, self._name(path))  # type: ignore[arg-type]
@@ -215,8 +205,8 @@ class HubShardReader(TensorReader):
                 if aside is None:  # freed whole after its last tensor, as without holes
                     self._whole.add(path)
                     return
-                self._owned.pop(path, None)
-                self._deleted[path] = aside.path  # on disk until deleted (`_drop_aside`) and closed
+                self.scratch.owned.pop(path, None)
+                self.scratch.deleted[path] = aside.path  # on disk until deleted (`_drop_aside`) and closed
                 self._aside[path] = aside
                 self.evicted.append(self._name(path))
         aside = self._aside.get(path)
@@ -230,8 +220,8 @@ class HubShardReader(TensorReader):
         except OSError as e:  # advisory: the shard is freed whole after its last tensor anyway
             log.debug("freeing converted parts of %s failed: %s", self._name(path), e)
         with self._cond:
-            self._freed[path] = self._freed.get(path, 0) + freed
-            self._regrant()
+            self.scratch.freed[path] = self.scratch.freed.get(path, 0) + freed
+            self.scratch.regrant(self._order)
 
     def _drop_aside(self, path: Path | None = None) -> None:
         """Delete the shard(s) set aside (`_free_written`), every one without a path: converted, or the run over."""
@@ -261,52 +251,6 @@ class HubShardReader(TensorReader):
     def _name(self, path: Path) -> str:
         return path.relative_to(self.src.path).as_posix()
 
-    def _held(self, *, deleted: bool = True) -> int:
-        """Bytes of disk this run's shards take (with delete): what each download may have written so far, each
-        downloaded shard's size less what was freed of it, and each evicted one still there (being deleted, or
-        deleted and still mapped or open: its space is freed only once the last goes). Without the evicted ones
-        where `deleted` is false."""
-        if self._deleted:
-            held = _held_files()
-            for path, blob in list(self._deleted.items()):
-                if not os.path.lexists(blob) and f"{blob} (deleted)" not in held:
-                    del self._deleted[path]
-                    self._freed.pop(path, None)
-        shards = [*self._owned, *self._deleted] if deleted else list(self._owned)
-        return sum(self._granted.values()) + sum(self._sizes[p] - self._freed.get(p, 0) for p in shards)
-
-    def _wait_for_room(self, need: int) -> bool:
-        """With delete, wait until `need` more bytes fit in the budget; False once closed."""
-        polls = 0  # of 0.1 s, while only evicted shards still mapped or open are in the way
-        while not self._closed and self.delete and self._held() + need > self.budget:
-            self._cond.wait(0.1)
-            if self._deleted and self._held(deleted=False) + need <= self.budget:
-                polls += 1
-                if polls % 20 == 0:
-                    gc.collect()  # a reference cycle may hold the last view
-                if polls > _LEAK_WAIT_S * 10:
-                    why = {str(p): "its blob is still on disk" if os.path.lexists(b) else "mapped or open here"
-                           for p, b in sorted(self._deleted.items())}  # fmt: skip
-                    log.warning("evicted shards still take disk space (%s); downloading on", why)
-                    self._deleted.clear()
-        return not self._closed
-
-    def _regrant(self) -> None:
-        """Give the limited downloads in flight, in plan order, what the budget has room for (under `_cond`)."""
-        room = self.budget - self._held()
-        for path in self._order:
-            if room <= 0:
-                break
-            mine = self._limited.get(path)
-            if mine is None:
-                continue
-            more = min(self._sizes[path] - self._granted[path], room)
-            if more > 0:
-                self._granted[path] += more
-                room -= more
-                mine.set_limit(self._granted[path])
-        self._cond.notify_all()
-
     def _download_all(self, k: int) -> None:
         """Download thread `k`: take the next shard in plan order while there is room, until none is left."""
         with self._cond:
@@ -334,19 +278,16 @@ class HubShardReader(TensorReader):
                     continue
                 # A shard on disk already (downloaded by the interrupted run this one resumes: `claim`) takes no
                 # more room; waiting for room for it would wait for itself.
-                size = self._sizes[path]
-                need = min(size, GRANT_STEP) if limited else size
-                if path not in self._owned and not self._wait_for_room(need):
+                new = path not in self.scratch.owned
+                if self.delete and new and not self.scratch.wait_for_room(self.scratch.first_grant(path, limited),
+                                                                          lambda: self._closed):
                     return None
                 if self._next >= len(self._order) or self._order[self._next] is not path:  # taken meanwhile
                     continue
                 self._next += 1
                 self._downloading += 1
-                if self.delete and path not in self._owned:
-                    self._granted[path] = size if not limited else max(need, min(size, self.budget - self._held()))
-                    if limited:
-                        self._limited[path] = mine
-                        mine.set_limit(self._granted[path])
+                if self.delete and new:
+                    self.scratch.grant(path, mine if limited else None)
                 self._cond.notify_all()  # the other threads wait for the first shard to be taken
                 return path
             return None
@@ -354,15 +295,14 @@ class HubShardReader(TensorReader):
     def _fetch(self, path: Path, mine: fetcher.Fetcher) -> None:
         """Download `path` with `mine` and say so to its reader; a failure is every later shard's too."""
         try:
-            blob = self._download(path, mine, limited=path in self._limited)
+            blob = self._download(path, mine, limited=path in self.scratch.limited)
         except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
             if isinstance(e, PrequantError) and not self._closed:
                 e = e.noted("; the tensors converted so far are kept: rerun the same command with --resume to "
                             "continue from them")
             with self._cond:
                 self._downloading -= 1
-                self._granted.pop(path, None)
-                self._limited.pop(path, None)
+                self.scratch.downloaded(path, None)
                 self._failed = True
                 for later in self._order[self._order.index(path):]:
                     self._ready.setdefault(later, e)  # not those downloaded already
@@ -370,12 +310,9 @@ class HubShardReader(TensorReader):
             return
         with self._cond:
             self._downloading -= 1
-            self._granted.pop(path, None)
-            self._limited.pop(path, None)
-            if blob is not None:
-                self._owned[path] = blob
+            self.scratch.downloaded(path, blob)
             self._ready[path] = None
-            self._regrant()  # a shard already in the cache gives its grant back
+            self.scratch.regrant(self._order)  # a shard already in the cache gives its grant back
 
     def _download(self, path: Path, mine: fetcher.Fetcher, *, limited: bool = False) -> Path | None:
         """Download one shard (held to its grant where `limited`) and check its header against the plan; its blob
@@ -416,22 +353,4 @@ def _downloads() -> int:
         return DOWNLOADS
 
 
-def _held_files() -> set[str]:
-    """The deleted files this process still maps or holds open, each as "PATH (deleted)" (how /proc names them)."""
-    held: set[str] = set()
-    try:
-        for line in Path("/proc/self/maps").read_text().splitlines():
-            fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
-            if len(fields) == 6 and fields[5].endswith(" (deleted)"):
-                held.add(fields[5])
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                held.add(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:
-                continue
-    except OSError:
-        pass
-    return held
-
-
-__all__ = ["HubShardReader", "resolve"]
+__all__ = ["DOWNLOADS", "FREE_ENV", "HubShardReader"]

@@ -22,7 +22,7 @@ from hub_server import HubServer
 
 import prequant
 from prequant.hub import client as hub
-from prequant.source import hub_early, hub_stream, remote_headers
+from prequant.source import hub_early, hub_scratch, hub_stream, remote_headers
 from prequant.source import resolve as sources
 from prequant.errors import PrequantError, UsageError
 
@@ -212,7 +212,7 @@ def _finish_shard(data, plan, file: Path) -> None:
 
 def _all_waiting_for_room(data) -> bool:
     """Whether every download thread of `data` is inside its wait for room (or has ended)."""
-    return all(_blocked_in(t, "_wait_for_room") or not t.is_alive() for t in data._threads)
+    return all(_blocked_in(t, "wait_for_room") or not t.is_alive() for t in data._threads)
 
 
 def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
@@ -259,7 +259,7 @@ def test_two_shards_download_at_once_within_the_two_shard_bound(
         assert data.downloaded == [files[1].name]  # the second came meanwhile: two downloads at once
         _wait_for(lambda: _all_waiting_for_room(data) or files[0].name in data.downloaded)
         with data._cond:  # one downloading (all of it allowed: smaller than a grant step), one downloaded
-            assert data._held() == sum((tiny / f.name).stat().st_size for f in files[:2])  # no third yet
+            assert data.scratch.held() == sum((tiny / f.name).stat().st_size for f in files[:2])  # no third yet
         assert not files[2].exists()
     finally:
         held.release.set()
@@ -290,7 +290,7 @@ def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
             assert os.fstat(held).st_blocks > 0  # deleted, but its blocks still allocated
             with data._cond:  # the download threads' own count, as they decide
                 two = sum((tiny / f.name).stat().st_size for f in files[:2])  # the evicted one's too
-                assert (data._held(), data._downloading) == (two, 0)
+                assert (data.scratch.held(), data._downloading) == (two, 0)
             assert sorted(data.downloaded) == sorted(f.name for f in files[:2]) and not files[2].exists()
         finally:
             os.close(held)
@@ -707,16 +707,16 @@ def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanw
     for: at its first tensor written the first leaves the cache (open here, so nothing with holes is there to look
     complete), each tensor written frees its whole blocks, and the third's download is allowed exactly that more."""
     monkeypatch.setenv(hub_stream.FREE_ENV, "1")
-    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)  # the tiny shards are 50-60 KB
+    monkeypatch.setattr(hub_scratch, "GRANT_STEP", 4096)  # the tiny shards are 50-60 KB
     plan, files, data = _streamed(tmp_path)
     first = [step.source for step in plan.steps if step.source.file == files[0]]
     sizes = [(tiny / f.name).stat().st_size for f in files]
 
     def settled() -> int | None:
         """Wait until the third shard's download has written all it may (or waits for room to start); its grant."""
-        _wait_for(lambda: _all_waiting_for_room(data) or files[2] in data._granted)
+        _wait_for(lambda: _all_waiting_for_room(data) or files[2] in data.scratch.granted)
         with data._cond:
-            grant = data._granted.get(files[2])
+            grant = data.scratch.granted.get(files[2])
         if grant is not None:
             _wait_for(lambda: _partial_size(files[2].name, tiny) == grant or files[2].name in data.downloaded)
             assert files[2].name not in data.downloaded and _partial_size(files[2].name, tiny) == grant < sizes[2]
@@ -725,7 +725,7 @@ def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanw
     try:
         data.prepare(files[0])
         data.prepare(files[1])
-        assert data.budget == 2 * max(sizes)
+        assert data.scratch.budget == 2 * max(sizes)
         grants = [settled()]
         fd = data.fd(files[0])
         blocks = os.fstat(fd).st_blocks
@@ -738,10 +738,10 @@ def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanw
             grants.append(settled())
         allowed = [g for g in grants if g is not None]
         assert len(set(allowed)) >= 2 and allowed == sorted(allowed), grants  # it grew as the first was freed
-        freed = data._freed[files[0]]
+        freed = data.scratch.freed[files[0]]
         assert freed > 0 and (blocks - os.fstat(fd).st_blocks) * 512 >= freed  # really given back to the disk
         with data._cond:
-            assert data._held() == sizes[0] - freed + sizes[1] + allowed[-1] <= data.budget
+            assert data.scratch.held() == sizes[0] - freed + sizes[1] + allowed[-1] <= data.scratch.budget
         data.tensor_done(first[-1])  # its last: closed, gone; the third may finish
         assert not blob.with_name(f"{blob.name}.prequant-freeing").exists()
         _wait_for(lambda: files[2].name in data.downloaded or not any(t.is_alive() for t in data._threads))
@@ -761,7 +761,7 @@ def test_freed_shards_convert_to_the_same_bytes_within_the_budget(
     take (blocks allocated, partial downloads and shards held open after leaving the cache included) stays within
     the budget; nothing left in the cache."""
     monkeypatch.setenv(hub_stream.FREE_ENV, "1")
-    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)
+    monkeypatch.setattr(hub_scratch, "GRANT_STEP", 4096)
     sizes = [p.stat().st_size for p in tiny.glob("*.safetensors")]
     etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
     blobs = cache_repo(REPO) / "blobs"
