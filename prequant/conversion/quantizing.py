@@ -60,10 +60,10 @@ def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer | Startin
 @dataclass
 class _Pending:
     """One item on its way to the writer, in plan order: `result` is the writer's item once known (at once for one
-    done here; a worker's once its job is answered)."""
+    done here; a worker's once its job is answered). `tensor`: a worker's input, kept to redo it here if it fails."""
 
     step: Step
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None
     job: tensor_pool.Job | None
     found: object
     result: tuple | None = None
@@ -77,7 +77,9 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
     # the writer and the writer 5.4 s for it (`scripts/bench/convert.py --size-gb 16 --shape llama --device cuda
     # --also-device cpu --warm-libraries`, 2026-12-02). So finished items wait here, up to `most`, while the
     # workers go on; the wait for the writer comes only past that. The writer then waited 2.6 s (the same command:
-    # 19.6 s, 1.40x the floor, then 16.1 s, 1.38x, on another lease).
+    # 19.6 s, 1.40x the floor, then 16.1 s, 1.38x, on another lease). Tensors quantized on the GPU (CUDA ready
+    # while workers still hold the CPU's tensors: `bnb.starting`) wait no deeper than the GPU path's own queue,
+    # IN_FLIGHT, each holding its outputs in pinned memory: past that the workers are waited for.
     pending: deque[_Pending] = deque()
     most = pool.size * tensor_pool.JOBS_PER_WORKER + IN_FLIGHT
 
@@ -108,7 +110,7 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
         pending.popleft()
         return True
 
-    def pass_on() -> None:
+    def pass_on(most: int = most) -> None:
         """Pass on what is done, as far as the writer takes it; past `most` items, wait for the oldest."""
         while pending:
             if len(pending) > most:
@@ -118,7 +120,7 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
 
     try:
         while (loaded_item := loaded.get()) is not END:
-            step, (tensor, _ready), found = loaded_item  # type: ignore[misc]
+            step, (tensor, ready), found = loaded_item  # type: ignore[misc]
             del loaded_item
             job = None
             if step.quantize and not step.decision.dtype and tensor.device.type == "cpu":  # not one on the GPU
@@ -126,12 +128,13 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
                     pool.wait_any()
                     pass_on()
                 job = pool.take(tensor, step.source.name, quantizer.settings, stats is not None, step.decision.transpose)
-            item = _Pending(step, tensor, job, found)
-            if job is None:  # anything a worker does not take is done now
-                item.result = _here(step, tensor, None, found, quantizer, stats, check)
+            item = _Pending(step, tensor if job is not None else None, job, found)
+            if job is None:  # anything a worker does not take is done now (on the GPU once its copy is in)
+                item.result = _here(step, tensor, ready, found, quantizer, stats, check)
             pending.append(item)
+            on_gpu = isinstance(tensor, torch.Tensor) and tensor.is_cuda  # not a kept tensor's FileSlice
             del tensor, item
-            pass_on()
+            pass_on(IN_FLIGHT if on_gpu else most)
         while pending:
             hand_over(block=True)
     except BaseException:

@@ -156,6 +156,17 @@ def test_bitsandbytes_takes_over_from_the_cpu_kernel_with_transformers_bytes(lla
 
 
 @gpu_only
+def test_the_worker_processes_hand_over_to_bitsandbytes_with_transformers_bytes(llama, two_workers, tmp_path):
+    """The tensors read once CUDA is ready go to the GPU in this process, behind the workers' tensors still in
+    flight: each waits for its own copy to the GPU (its ready event), and the order is the plan's."""
+    ref = transformers_reference(llama, tmp_path / "ref", device="cuda")
+    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0),
+                                                    workers=True)  # fmt: skip
+    assert 1 <= quantizers.early < quantized and tensor_pool.pool().tensors >= 1
+    _transformers_bytes(tmp_path / "staging", ref)
+
+
+@gpu_only
 def test_a_fresh_process_on_cuda_starts_cuda_on_a_thread_and_writes_transformers_bytes(llama, tmp_path):
     """The CLI in a new process: CUDA is not started yet, so the conversion takes the Starting path (how many tensors
     the CPU took meanwhile depends on timing: the test above holds that)."""
