@@ -94,18 +94,32 @@ def uses_workers(quantizer: Quantizer | Starting) -> bool:
     return quantizer.device_type == "cpu" or (isinstance(quantizer, Starting) and quantizer.workers)
 
 
+def meanwhile_mode(cold: bool) -> str | None:
+    """How a CUDA conversion quantizes while CUDA starts: None (it waits for CUDA), "threads" (this process' CPU
+    kernel) or "workers" (the CPU worker processes). PREQUANT_CPU_WHILE_CUDA_STARTS says: 0 waits, 1 threads,
+    workers; unset or auto, threads unless the process started with its libraries `cold` (module docstring)."""
+    choice = os.environ.get(ENV, "auto").strip()
+    if choice == "0":
+        return None
+    if choice == "1":
+        return "threads"
+    if choice == "workers":
+        return "workers"
+    return None if cold else "threads"
+
+
 def quantizer(settings: Settings, device: str, weight_bytes: int | None = None, *,
-              meanwhile: bool = True) -> Quantizer | Starting:  # fmt: skip
-    """What converts on `device` (`bnb.quantize.pick_device`): on CUDA, a `Starting` (unless `meanwhile` is false,
-    PREQUANT_CPU_WHILE_CUDA_STARTS=0, or CUDA is running already in this process: then the CUDA `Quantizer`, started
-    here; PREQUANT_CPU_WHILE_CUDA_STARTS=1 or =workers overrides `meanwhile`), else the CPU's `Quantizer`. Refuses a
-    CUDA conversion without bitsandbytes at once, before anything is written."""
+              cold: bool = False) -> Quantizer | Starting:  # fmt: skip
+    """What converts on `device` (`bnb.quantize.pick_device`): on CUDA, a `Starting` that quantizes on the CPU
+    meanwhile as `meanwhile_mode(cold)` says, or, where that is to wait or CUDA is running already in this process,
+    the CUDA `Quantizer`, started here; else the CPU's `Quantizer`. Refuses a CUDA conversion without bitsandbytes
+    at once, before anything is written."""
     if not uses_cuda(device, weight_bytes):
         return Quantizer(settings, torch.device("cpu"))
     if importlib.util.find_spec("bitsandbytes") is None:
         raise no_bitsandbytes("no module named 'bitsandbytes'")
-    choice = os.environ.get(ENV, "auto").strip()
-    if choice == "0" or (choice not in ("1", "workers") and not meanwhile) or torch.cuda.is_initialized():
+    mode = meanwhile_mode(cold)
+    if mode is None or torch.cuda.is_initialized():
         return Quantizer(settings, pick_device(device, weight_bytes))
     return Starting(settings, lambda: Quantizer(settings, pick_device(device, weight_bytes)),
-                    workers=choice == "workers")
+                    workers=mode == "workers")

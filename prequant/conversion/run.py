@@ -95,7 +95,7 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
                               head_start=not (opts.dry_run or opts.resume or opts.delete_source_shards))
         weight_bytes = _src_bytes(tensors)
         quantizer = None if opts.dry_run else starting.quantizer(
-            opts.settings, opts.device, weight_bytes, meanwhile=not readahead.found_libraries_cold())
+            opts.settings, opts.device, weight_bytes, cold=readahead.found_libraries_cold())
         if quantizer is not None and uses_workers(quantizer):
             tensor_pool.pool(weight_bytes)  # the CPU workers import torch while the plan is made
         trace.mark("quantizer-ready")

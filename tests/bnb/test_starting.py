@@ -94,25 +94,18 @@ def test_the_worker_processes_take_the_cpus_share_while_cuda_starts_with_the_sam
     _same_files(tmp_path / "staging", tmp_path / "plain")
 
 
-def test_the_environment_picks_how_a_cold_start_quantizes_meanwhile(monkeypatch):
-    """PREQUANT_CPU_WHILE_CUDA_STARTS: 0 waits for CUDA; 1 and workers quantize meanwhile even after a cold start
-    (`meanwhile=False`), on this process' threads or the worker processes; unset, the caller's rule."""
-    settings = prequant.ConvertOptions().settings
-    made = []
-    monkeypatch.setattr(starting, "Starting", lambda s, start, workers=False: made.append(workers) or "starting")
-    monkeypatch.setattr(starting, "Quantizer", lambda s, device: "waits")
-    monkeypatch.setattr(starting, "uses_cuda", lambda device, weight_bytes: True)
-    monkeypatch.setattr(starting, "pick_device", lambda device, weight_bytes: torch.device("cuda", 0))
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(starting.importlib.util, "find_spec", lambda name: object())
-    for env, meanwhile, expected in [(None, True, "starting"), (None, False, "waits"), ("auto", False, "waits"),
-                                     ("0", True, "waits"), ("1", False, "starting"), ("workers", False, "starting")]:
-        if env is None:
-            monkeypatch.delenv(starting.ENV, raising=False)
-        else:
-            monkeypatch.setenv(starting.ENV, env)
-        assert starting.quantizer(settings, "cuda", meanwhile=meanwhile) == expected, (env, meanwhile)
-    assert made == [False, False, True]
+@pytest.mark.parametrize(("env", "cold", "mode"), [
+    (None, False, "threads"), (None, True, None), ("auto", True, None), ("0", False, None), ("1", True, "threads"),
+    ("workers", True, "workers"), ("workers", False, "workers"),
+])  # fmt: skip
+def test_the_environment_picks_how_cuda_s_start_is_spent(monkeypatch, env, cold, mode):
+    """PREQUANT_CPU_WHILE_CUDA_STARTS: 0 waits for CUDA; 1 and workers quantize meanwhile even after a cold start,
+    on this process' threads or the worker processes; unset or auto, threads unless the libraries were cold."""
+    if env is None:
+        monkeypatch.delenv(starting.ENV, raising=False)
+    else:
+        monkeypatch.setenv(starting.ENV, env)
+    assert starting.meanwhile_mode(cold) == mode
 
 
 def test_a_failed_start_fails_the_conversion_with_its_error(llama, tmp_path):
