@@ -18,7 +18,7 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 from ..hub import fetcher
@@ -36,6 +36,7 @@ class Scratch:
     """This run's shards on disk against `budget` (module docstring); every method is called under `cond`."""
 
     def __init__(self, sizes: dict[Path, int], cond: threading.Condition) -> None:
+        """`sizes`: every shard's bytes, in the order the plan reads them (the order grants are given in)."""
         self.sizes = sizes
         self.budget = SLOTS * max(sizes.values(), default=0)
         self.cond = cond
@@ -89,6 +90,19 @@ class Scratch:
         self.limited[path] = mine
         mine.set_limit(self.granted[path])
 
+    def leaving(self, path: Path, where: Path | None = None) -> Path | None:
+        """Shard `path` leaves the cache (evicted, or set aside under the name `where`): if it is this run's, it
+        counts as on disk until it is really gone, never in neither. Its blob, or None where it is not this run's."""
+        blob = self.owned.pop(path, None)
+        if blob is not None:
+            self.deleted[path] = where or blob
+        return blob
+
+    def free(self, path: Path, nbytes: int) -> None:
+        """`nbytes` of shard `path` were given back to the disk (holes): the downloads in flight may have them."""
+        self.freed[path] = self.freed.get(path, 0) + nbytes
+        self.regrant()
+
     def downloaded(self, path: Path, blob: Path | None) -> None:
         """The download of `path` is over (`blob`: this run put it in the cache; None: it was there, or it failed)."""
         self.granted.pop(path, None)
@@ -96,10 +110,10 @@ class Scratch:
         if blob is not None:
             self.owned[path] = blob
 
-    def regrant(self, order: Iterable[Path]) -> None:
-        """Give the limited downloads in flight, in `order`, what the budget has room for; wake the waiters."""
+    def regrant(self) -> None:
+        """Give the limited downloads in flight, in plan order, what the budget has room for; wake the waiters."""
         room = self.budget - self.held()
-        for path in order:
+        for path in self.sizes:
             if room <= 0:
                 break
             mine = self.limited.get(path)

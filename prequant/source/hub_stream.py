@@ -174,9 +174,7 @@ class HubShardReader(TensorReader):
                 blob = None
             else:
                 self._to_free.pop(path, None)
-                blob = self.scratch.owned.pop(path, None)
-                if blob is not None:  # counted as on disk from here on, until it is gone: never in neither
-                    self.scratch.deleted[path] = blob
+                blob = self.scratch.leaving(path)
         if not last:
             if path in self._to_free:
                 self._free_written(path)
@@ -188,7 +186,7 @@ class HubShardReader(TensorReader):
             with self._cond:
                 self.evicted.append(self._name(path))
         with self._cond:
-            self.scratch.regrant(self._order)
+            self.scratch.regrant()
 
     def _free_written(self, path: Path) -> None:
         """Give the written tensors' blocks of shard `path` back to the disk; at the first, take the shard out of
@@ -205,8 +203,7 @@ class HubShardReader(TensorReader):
                 if aside is None:  # freed whole after its last tensor, as without holes
                     self._whole.add(path)
                     return
-                self.scratch.owned.pop(path, None)
-                self.scratch.deleted[path] = aside.path  # on disk until deleted (`_drop_aside`) and closed
+                self.scratch.leaving(path, aside.path)  # on disk until deleted (`_drop_aside`) and closed
                 self._aside[path] = aside
                 self.evicted.append(self._name(path))
         aside = self._aside.get(path)
@@ -220,8 +217,7 @@ class HubShardReader(TensorReader):
         except OSError as e:  # advisory: the shard is freed whole after its last tensor anyway
             log.debug("freeing converted parts of %s failed: %s", self._name(path), e)
         with self._cond:
-            self.scratch.freed[path] = self.scratch.freed.get(path, 0) + freed
-            self.scratch.regrant(self._order)
+            self.scratch.free(path, freed)
 
     def _drop_aside(self, path: Path | None = None) -> None:
         """Delete the shard(s) set aside (`_free_written`), every one without a path: converted, or the run over."""
@@ -312,7 +308,7 @@ class HubShardReader(TensorReader):
             self._downloading -= 1
             self.scratch.downloaded(path, blob)
             self._ready[path] = None
-            self.scratch.regrant(self._order)  # a shard already in the cache gives its grant back
+            self.scratch.regrant()  # a shard already in the cache gives its grant back
 
     def _download(self, path: Path, mine: fetcher.Fetcher, *, limited: bool = False) -> Path | None:
         """Download one shard (held to its grant where `limited`) and check its header against the plan; its blob
