@@ -110,10 +110,10 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
         pending.popleft()
         return True
 
-    def pass_on(most: int = most) -> None:
-        """Pass on what is done, as far as the writer takes it; past `most` items, wait for the oldest."""
+    def pass_on(deepest: int = most) -> None:
+        """Pass on what is done, as far as the writer takes it; past `deepest` items, wait for the oldest."""
         while pending:
-            if len(pending) > most:
+            if len(pending) > deepest:
                 hand_over(block=True)
             elif not hand_over(block=False):
                 break
@@ -123,7 +123,8 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
             step, (tensor, ready), found = loaded_item  # type: ignore[misc]
             del loaded_item
             job = None
-            if step.quantize and not step.decision.dtype and tensor.device.type == "cpu":  # not one on the GPU
+            on_gpu = isinstance(tensor, torch.Tensor) and tensor.is_cuda  # (a kept tensor comes as a FileSlice)
+            if step.quantize and not step.decision.dtype and not on_gpu:
                 while pool.full() and pool.busy():  # every worker has its tensors: wait until one answers
                     pool.wait_any()
                     pass_on()
@@ -132,7 +133,6 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
             if job is None:  # anything a worker does not take is done now (on the GPU once its copy is in)
                 item.result = _here(step, tensor, ready, found, quantizer, stats, check)
             pending.append(item)
-            on_gpu = isinstance(tensor, torch.Tensor) and tensor.is_cuda  # not a kept tensor's FileSlice
             del tensor, item
             pass_on(IN_FLIGHT if on_gpu else most)
         while pending:
