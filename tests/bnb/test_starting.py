@@ -32,15 +32,17 @@ def llama(tmp_path_factory) -> Path:
 
 
 def _convert_while_starting(src: Path, staging: Path, device: torch.device,
-                            workers: bool = False) -> tuple[Starting, int]:  # fmt: skip
+                            workers: bool = False) -> tuple[Starting, int, int]:  # fmt: skip
     """Run the pipeline on a Starting whose quantizer for `device` becomes ready only once the first quantized
-    tensor is written (the writer waits for it there); return it and the number of tensors quantized. `workers`:
-    the CPU's share goes to the CPU worker processes."""
+    tensor is written (the writer waits for it there); return it, the number of tensors quantized, and how many
+    the CPU worker processes had quantized by then (with `workers`: the CPU's share goes to them)."""
     plan = prequant.convert(src, staging.parent / "never-written", dry_run=True, progress=False)
+    started = None
     if workers:  # started after convert(), which closes the workers as it returns, and ready from the first tensor
         started = tensor_pool.pool()
         assert started is not None and started.wait_ready(), "the workers did not start"
     gate = threading.Event()
+    before_ready = [0]
 
     def start() -> Quantizer:
         gate.wait()
@@ -50,6 +52,7 @@ def _convert_while_starting(src: Path, staging: Path, device: torch.device,
 
     def on_step(step) -> None:
         if step.quantize and not gate.is_set():
+            before_ready[0] = started.tensors if started is not None else 0
             gate.set()
             quantizers.wait()  # nothing more is written, so little more is read, until it is ready
 
@@ -57,7 +60,7 @@ def _convert_while_starting(src: Path, staging: Path, device: torch.device,
     source = resolve(str(src), stream=True)
     with reader(source, [s.source for s in plan.steps]) as data:
         pipeline.run(plan, data, quantizers, staging, on_step=on_step)
-    return quantizers, sum(s.quantize for s in plan.steps)
+    return quantizers, sum(s.quantize for s in plan.steps), before_ready[0]
 
 
 def _same_files(a: Path, b: Path) -> None:
@@ -68,7 +71,7 @@ def _same_files(a: Path, b: Path) -> None:
 
 
 def test_tensors_read_before_and_after_the_hand_over_give_a_plain_conversions_bytes(llama, tmp_path):
-    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"))
+    quantizers, quantized, _ = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"))
     assert 1 <= quantizers.early < quantized  # both quantizers took tensors
     prequant.convert(llama, tmp_path / "plain", device="cpu", progress=False)
     _same_files(tmp_path / "staging", tmp_path / "plain")
@@ -86,10 +89,12 @@ def two_workers():
 
 
 def test_the_worker_processes_take_the_cpus_share_while_cuda_starts_with_the_same_bytes(llama, two_workers, tmp_path):
-    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"), workers=True)
+    quantizers, quantized, before_ready = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"),
+                                                                  workers=True)  # fmt: skip
     assert 1 <= quantizers.early < quantized
+    assert before_ready >= 1  # the workers quantized tensors read while the quantizer was still starting
     pool = tensor_pool.pool()
-    assert pool.tensors >= 1 and pool.held == 0 and not pool.busy()  # workers quantized what was read meanwhile
+    assert pool.held == 0 and not pool.busy()
     prequant.convert(llama, tmp_path / "plain", device="cpu", progress=False)
     _same_files(tmp_path / "staging", tmp_path / "plain")
 
@@ -142,7 +147,7 @@ def _transformers_bytes(ours: Path, ref: Path) -> None:
 @gpu_only
 def test_bitsandbytes_takes_over_from_the_cpu_kernel_with_transformers_bytes(llama, tmp_path):
     ref = transformers_reference(llama, tmp_path / "ref", device="cuda")
-    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0))
+    quantizers, quantized, _ = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0))
     assert 1 <= quantizers.early < quantized
     assert quantizers.device == torch.device("cuda", 0)
     _transformers_bytes(tmp_path / "staging", ref)
@@ -153,9 +158,9 @@ def test_the_worker_processes_hand_over_to_bitsandbytes_with_transformers_bytes(
     """The tensors read once CUDA is ready go to the GPU in this process, behind the workers' tensors still in
     flight: each waits for its own copy to the GPU (its ready event), and the order is the plan's."""
     ref = transformers_reference(llama, tmp_path / "ref", device="cuda")
-    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0),
-                                                    workers=True)  # fmt: skip
-    assert 1 <= quantizers.early < quantized and tensor_pool.pool().tensors >= 1
+    quantizers, quantized, before_ready = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0),
+                                                                  workers=True)  # fmt: skip
+    assert 1 <= quantizers.early < quantized and before_ready >= 1
     _transformers_bytes(tmp_path / "staging", ref)
 
 
