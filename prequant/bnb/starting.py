@@ -22,6 +22,7 @@ the CPU worker processes (`bnb.tensor_pool`); unset or `auto`, the rule above.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from .format import Settings
 from .quantize import Quantizer, no_bitsandbytes, pick_device, uses_cuda
 
 ENV = "PREQUANT_CPU_WHILE_CUDA_STARTS"
+log = logging.getLogger(__name__)
 
 
 class Starting:
@@ -98,7 +100,10 @@ def meanwhile_mode(cold: bool) -> str | None:
     """How a CUDA conversion quantizes while CUDA starts: None (it waits for CUDA), "threads" (this process' CPU
     kernel) or "workers" (the CPU worker processes). PREQUANT_CPU_WHILE_CUDA_STARTS says: 0 waits, 1 threads,
     workers; unset or auto, threads unless the process started with its libraries `cold` (module docstring)."""
-    choice = os.environ.get(ENV, "auto").strip()
+    choice = os.environ.get(ENV, "auto").strip().lower()
+    if choice not in ("", "auto", "0", "1", "workers"):
+        # A typo must not pass for a choice: said once per conversion, as the other PREQUANT_ variables do.
+        log.warning("%s=%r is none of 0, 1, workers or auto; using auto", ENV, choice)
     if choice == "0":
         return None
     if choice == "1":

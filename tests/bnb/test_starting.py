@@ -9,6 +9,7 @@ transformers' own.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -111,6 +112,13 @@ def test_the_environment_picks_how_cuda_s_start_is_spent(monkeypatch, env, cold,
     else:
         monkeypatch.setenv(starting.ENV, env)
     assert starting.meanwhile_mode(cold) == mode
+
+
+def test_a_value_it_does_not_know_is_said_and_taken_as_auto(monkeypatch, caplog):
+    monkeypatch.setenv(starting.ENV, "yes")
+    with caplog.at_level(logging.WARNING, logger="prequant.bnb.starting"):
+        assert starting.meanwhile_mode(cold=True) is None and starting.meanwhile_mode(cold=False) == "threads"
+    assert f"{starting.ENV}='yes' is none of 0, 1, workers or auto" in caplog.text
 
 
 def test_a_failed_start_fails_the_conversion_with_its_error(llama, tmp_path):
