@@ -15,8 +15,14 @@ start then reads its libraries page fault by page fault, and beside the pipeline
 everything cold, 2026-12-02) where it took 4-12 s with the pipeline waiting for it (the session before's leases, and
 the same command with the pipeline waiting). PREQUANT_CPU_WHILE_CUDA_STARTS=0 waits for CUDA before the
 first tensor too (the GPU tests of the CUDA path use it, so that every tensor there goes through bitsandbytes'
-kernel); =1 quantizes on the CPU meanwhile even when the libraries are cold, in this process; =workers the same on
-the CPU worker processes (`bnb.tensor_pool`); unset or `auto`, the rule above.
+kernel); =1 quantizes on the CPU meanwhile even when the libraries are cold; unset or `auto`, the rule above.
+
+Quantizing meanwhile after a cold start buys nothing where the disk is the bound: the cold start reads its libraries
+from the same disk as the source, and the pipeline waiting for CUDA, =1, and the CPU worker processes (tried, then
+removed: 6.8-7.0 GiB RssAnon across the process tree) came within a second of each other, 22.9-24.4 s, on a
+Grok-shaped 33 GB checkpoint (two runs each, interleaved, one floor of 19.0 s; `scripts/bench/window.py --size-gb 33
+--shape grok --devices cuda --windows 0 --env PREQUANT_CPU_WHILE_CUDA_STARTS=auto,1,workers --repeats 2`, an H100
+machine, 2026-12-05, docs/performance.md). So a cold start still waits.
 """
 
 from __future__ import annotations
@@ -42,11 +48,9 @@ class Starting:
 
     device_type = "cuda"
 
-    def __init__(self, settings: Settings, start: Callable[[], Quantizer], workers: bool = False) -> None:
-        """`start()` builds the CUDA quantizer (it runs on the thread); meanwhile `now()` is the CPU's, whose tensors
-        go to the CPU worker processes if `workers` (`bnb.tensor_pool`), else to the kernel's threads here."""
+    def __init__(self, settings: Settings, start: Callable[[], Quantizer]) -> None:
+        """`start()` builds the CUDA quantizer (it runs on the thread); meanwhile `now()` is the CPU's."""
         self.settings = settings
-        self.workers = workers
         self.cpu = Quantizer(settings, torch.device("cpu"))
         self._cuda: Quantizer | None = None
         self._error: BaseException | None = None
@@ -90,41 +94,28 @@ class Starting:
         return self.wait().device
 
 
-def uses_workers(quantizer: Quantizer | Starting) -> bool:
-    """Whether the CPU's tensors go to worker processes: a CPU conversion's, or those read while CUDA starts when
-    `Starting` says so."""
-    return quantizer.device_type == "cpu" or (isinstance(quantizer, Starting) and quantizer.workers)
-
-
-def meanwhile_mode(cold: bool) -> str | None:
-    """How a CUDA conversion quantizes while CUDA starts: None (it waits for CUDA), "threads" (this process' CPU
-    kernel) or "workers" (the CPU worker processes). PREQUANT_CPU_WHILE_CUDA_STARTS says: 0 waits, 1 threads,
-    workers; unset or auto, threads unless the process started with its libraries `cold` (module docstring)."""
+def meanwhile(cold: bool) -> bool:
+    """Whether a CUDA conversion quantizes on the CPU while CUDA starts. PREQUANT_CPU_WHILE_CUDA_STARTS says: 0 no,
+    1 yes; unset or auto, yes unless the process started with its libraries `cold` (module docstring)."""
     choice = os.environ.get(ENV, "auto").strip().lower()
-    if choice not in ("", "auto", "0", "1", "workers"):
+    if choice not in ("", "auto", "0", "1"):
         # A typo must not pass for a choice: said once per conversion, as the other PREQUANT_ variables do.
-        log.warning("%s=%r is none of 0, 1, workers or auto; using auto", ENV, choice)
-    if choice == "0":
-        return None
-    if choice == "1":
-        return "threads"
-    if choice == "workers":
-        return "workers"
-    return None if cold else "threads"
+        log.warning("%s=%r is none of 0, 1 or auto; using auto", ENV, choice)
+    if choice in ("0", "1"):
+        return choice == "1"
+    return not cold
 
 
 def quantizer(settings: Settings, device: str, weight_bytes: int | None = None, *,
               cold: bool = False) -> Quantizer | Starting:  # fmt: skip
     """What converts on `device` (`bnb.quantize.pick_device`): on CUDA, a `Starting` that quantizes on the CPU
-    meanwhile as `meanwhile_mode(cold)` says, or, where that is to wait or CUDA is running already in this process,
+    meanwhile where `meanwhile(cold)` says so, or, where it says to wait or CUDA is running already in this process,
     the CUDA `Quantizer`, started here; else the CPU's `Quantizer`. Refuses a CUDA conversion without bitsandbytes
     at once, before anything is written."""
     if not uses_cuda(device, weight_bytes):
         return Quantizer(settings, torch.device("cpu"))
     if importlib.util.find_spec("bitsandbytes") is None:
         raise no_bitsandbytes("no module named 'bitsandbytes'")
-    mode = meanwhile_mode(cold)
-    if mode is None or torch.cuda.is_initialized():
+    if not meanwhile(cold) or torch.cuda.is_initialized():
         return Quantizer(settings, pick_device(device, weight_bytes))
-    return Starting(settings, lambda: Quantizer(settings, pick_device(device, weight_bytes)),
-                    workers=mode == "workers")
+    return Starting(settings, lambda: Quantizer(settings, pick_device(device, weight_bytes)))

@@ -5,8 +5,7 @@ goes on to the next one. On the CPU, where there are enough cores (`bnb.tensor_p
 flight at once, one per worker process, and are handed on in plan order as they come back; what a worker cannot
 take (a small or cast tensor, a `.bin` shard's, or any tensor while the workers are still starting) is quantized here,
 on the kernel's threads. Either way the bytes and the statistics are the same. A conversion on a GPU whose CUDA is
-still starting (`bnb.starting`) quantizes the tensors read meanwhile on the CPU, with the same bytes: here, or on the
-worker processes when `Starting.workers` says so, the tensors read onto the GPU once it is ready staying here.
+still starting (`bnb.starting`) quantizes the tensors read meanwhile here on the CPU, with the same bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 from ..bnb import tensor_pool
 from ..bnb.format import entry_key
 from ..bnb.quantize import Quantizer
-from ..bnb.starting import Starting, uses_workers
+from ..bnb.starting import Starting
 from ..bnb.stats import TensorStats
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..util import trace
@@ -43,7 +42,7 @@ def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer | Startin
     """Take (step, (tensor, ready event), found) items from `loaded` until END; put (step, entries, copied event,
     found) items into `quantized`, in the same order, then END. `work_bytes`: what is to be quantized (whether
     worker processes would pay)."""
-    pool = tensor_pool.pool(work_bytes) if uses_workers(quantizer) else None
+    pool = tensor_pool.pool(work_bytes) if quantizer.device_type == "cpu" else None
     if pool is not None and pool.owner.acquire(blocking=False):  # else another thread's conversion has it
         try:
             _with_workers(loaded, quantized, quantizer, pool, stats, check)
@@ -60,26 +59,24 @@ def quantize_all(loaded: Stage, quantized: Stage, quantizer: Quantizer | Startin
 @dataclass
 class _Pending:
     """One item on its way to the writer, in plan order: `result` is the writer's item once known (at once for one
-    done here; a worker's once its job is answered). `tensor`: a worker's input, kept to redo it here if it fails."""
+    done here; a worker's once its job is answered)."""
 
     step: Step
-    tensor: torch.Tensor | None
+    tensor: torch.Tensor
     job: tensor_pool.Job | None
     found: object
     result: tuple | None = None
 
 
-def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starting, pool: tensor_pool.Pool,
-                  stats: Stats | None, check) -> None:  # fmt: skip
+def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer, pool: tensor_pool.Pool, stats: Stats | None,
+                  check) -> None:  # fmt: skip
     # Why the writer is offered items rather than waited for: while this thread waits for the writer (a shard's
     # writes held up by the disk, a kept tensor copied), no worker gets its next tensor, and once the writer is
     # free it waits in turn for tensors just sent. On the GPU machine's 16 GB Llama this thread waited 8.4 s for
     # the writer and the writer 5.4 s for it (`scripts/bench/convert.py --size-gb 16 --shape llama --device cuda
     # --also-device cpu --warm-libraries`, 2026-12-02). So finished items wait here, up to `most`, while the
     # workers go on; the wait for the writer comes only past that. The writer then waited 2.6 s (the same command:
-    # 19.6 s, 1.40x the floor, then 16.1 s, 1.38x, on another lease). Tensors quantized on the GPU (CUDA ready
-    # while workers still hold the CPU's tensors: `bnb.starting`) wait no deeper than the GPU path's own queue,
-    # IN_FLIGHT, each holding its outputs in pinned memory: past that the workers are waited for.
+    # 19.6 s, 1.40x the floor, then 16.1 s, 1.38x, on another lease).
     pending: deque[_Pending] = deque()
     most = pool.size * tensor_pool.JOBS_PER_WORKER + IN_FLIGHT
 
@@ -110,31 +107,30 @@ def _with_workers(loaded: Stage, quantized: Stage, quantizer: Quantizer | Starti
         pending.popleft()
         return True
 
-    def pass_on(deepest: int = most) -> None:
-        """Pass on what is done, as far as the writer takes it; past `deepest` items, wait for the oldest."""
+    def pass_on() -> None:
+        """Pass on what is done, as far as the writer takes it; past `most` items, wait for the oldest."""
         while pending:
-            if len(pending) > deepest:
+            if len(pending) > most:
                 hand_over(block=True)
             elif not hand_over(block=False):
                 break
 
     try:
         while (loaded_item := loaded.get()) is not END:
-            step, (tensor, ready), found = loaded_item  # type: ignore[misc]
+            step, (tensor, _ready), found = loaded_item  # type: ignore[misc]
             del loaded_item
             job = None
-            on_gpu = isinstance(tensor, torch.Tensor) and tensor.is_cuda  # (a kept tensor comes as a FileSlice)
-            if step.quantize and not step.decision.dtype and not on_gpu:
+            if step.quantize and not step.decision.dtype:
                 while pool.full() and pool.busy():  # every worker has its tensors: wait until one answers
                     pool.wait_any()
                     pass_on()
                 job = pool.take(tensor, step.source.name, quantizer.settings, stats is not None, step.decision.transpose)
-            item = _Pending(step, tensor if job is not None else None, job, found)
-            if job is None:  # anything a worker does not take is done now (on the GPU once its copy is in)
-                item.result = _here(step, tensor, ready, found, quantizer, stats, check)
+            item = _Pending(step, tensor, job, found)
+            if job is None:  # anything a worker does not take is done now
+                item.result = _here(step, tensor, None, found, quantizer, stats, check)
             pending.append(item)
             del tensor, item
-            pass_on(IN_FLIGHT if on_gpu else most)
+            pass_on()
         while pending:
             hand_over(block=True)
     except BaseException:

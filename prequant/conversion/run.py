@@ -21,7 +21,7 @@ from ..bnb import starting, tensor_pool
 from ..bnb.layout import Layout, require_known
 from ..bnb.predict import prediction
 from ..bnb.quantize import Quantizer, check_device
-from ..bnb.starting import Starting, uses_workers
+from ..bnb.starting import Starting
 from ..checkpoint import manifest
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import TensorRef
@@ -80,8 +80,8 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
     # read-ahead for a local source, `readahead.note_cold_start` for a Hub one): CUDA's start then reads them page
     # fault by page fault, behind the pipeline's reads and writes, and took 29 s beside them against 4-12 s with the
     # pipeline waiting (a 33 GB Grok-shaped checkpoint, `scripts/bench/convert.py --size-gb 33 --shape grok
-    # --device cuda`, the GPU machine). PREQUANT_CPU_WHILE_CUDA_STARTS=1 or =workers quantizes meanwhile all the same
-    # (on this process' threads, or on the CPU worker processes), for the GPU machine to measure (docs/performance.md).
+    # --device cuda`, the GPU machine); quantizing meanwhile all the same (PREQUANT_CPU_WHILE_CUDA_STARTS=1) came out
+    # even with waiting, both bound by the disk (`bnb.starting`).
     # A Hub source's first shard downloads from here on, while the quantizer starts and the layout is decided (the
     # plan reads the tensors in this order); a resume starts at its first read, once the journal has said what is
     # done.
@@ -96,7 +96,7 @@ def _convert(source: str | Path, output_dir: str | Path, opts: ConvertOptions) -
         weight_bytes = _src_bytes(tensors)
         quantizer = None if opts.dry_run else starting.quantizer(
             opts.settings, opts.device, weight_bytes, cold=readahead.found_libraries_cold())
-        if quantizer is not None and uses_workers(quantizer):
+        if quantizer is not None and quantizer.device_type == "cpu":
             tensor_pool.pool(weight_bytes)  # the CPU workers import torch while the plan is made
         trace.mark("quantizer-ready")
         layouts = Layouts(foreseen, config, src.path, tensors, list(opts.skip), opts.trust_remote_code)

@@ -9,9 +9,9 @@ before the run are never deleted; those an interrupted run of the same conversio
 delete (`claim`).
 
 With `delete`, this run's shards take at most twice the largest shard's bytes of disk at any moment, counted in bytes
-by `hub_scratch.Scratch`: a download holds what it may write so far (the whole shard, or with
-PREQUANT_HUB_FREE_AS_CONVERTED=1 its limit, `hub.fetcher`), a downloaded shard its size less what was freed of it.
-With PREQUANT_HUB_FREE_AS_CONVERTED=1 (not yet the default: `FREE_ENV`) a shard is freed as it is converted: at its
+by `hub_scratch.Scratch`: a download holds what it may write so far (its limit, `hub.fetcher`; the whole shard with
+PREQUANT_HUB_FREE_AS_CONVERTED=0), a downloaded shard its size less what was freed of it.
+A shard is freed as it is converted (`FREE_ENV`): at its
 first tensor written it leaves the cache (its snapshot link deleted, its blob renamed, open here and by name for the
 CPU workers: `client.set_aside`), and each tensor written gives its whole blocks back to the disk (`util.holes`);
 the last one deletes it. So the next shard downloads while the one before is converted, rather than after (the
@@ -42,9 +42,13 @@ from .spec import Source
 
 log = logging.getLogger(__name__)
 
-# "1": shards freed as they are converted and downloads held to their grants (module docstring). Not yet the default:
-# built and tested on the CPU machine (2026-12-04), not yet measured at scale on the GPU machine. Unset or "0": each
-# shard freed whole after its last tensor, and a download started only once all of it fits.
+# Unset or "1": shards freed as they are converted and downloads held to their grants (module docstring). "0": each
+# shard freed whole after its last tensor, and a download started only once all of it fits, as before 2026-12-05.
+# A Grok-shaped 33 GB repo from the local Hub on an H100 machine, --delete-source-shards, endpoint cold: freeing 24.4,
+# 25.3, 25.3, 24.7 s (1.09-1.12x the floor) against 25.6-27.9 s (median 26.4 s, 1.18-1.24x) freeing whole, scratch
+# 9.61-9.66 GB, within the two-shard bound of 9.66 GB either way, same bytes (`scripts/bench/hub_scale.py --shape grok
+# --size-gb 33 --device cuda --repeats 3 --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=1`, two calls,
+# 2026-12-05, docs/performance.md, run Y).
 FREE_ENV = "PREQUANT_HUB_FREE_AS_CONVERTED"
 # Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
 # the local Hub on the GPU machine downloaded its shards 3-7 (23.1 GB, after the first shard was converted) at 1.21
@@ -81,7 +85,7 @@ class HubShardReader(TensorReader):
         # This run's shards on disk, within their budget with delete (module docstring); changed under _cond.
         self.scratch = Scratch({path: src.hub.files[self._name(path)] for path in self._planned}, self._cond)
         self._to_free: dict[Path, list[tuple[int, int]]] = {}  # written tensors' byte ranges not yet freed
-        self._stream = os.environ.get(FREE_ENV, "0").strip() == "1"  # shards freed as converted (FREE_ENV)
+        self._stream = os.environ.get(FREE_ENV, "1").strip() != "0"  # shards freed as converted (FREE_ENV)
         self._holes = self._stream  # until the filesystem says it cannot
         self._aside: dict[Path, client.SetAside] = {}  # a shard being freed: out of the cache, its lock held
         self._whole: set[Path] = set()  # this run's shards that could not be set aside: freed whole at the end

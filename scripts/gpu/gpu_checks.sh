@@ -14,14 +14,13 @@
 #                (bench/startup.py), with --device auto: what a user who names no device gets
 #   gpu-tests    every test marked gpu (bitsandbytes' kernel as the reference, FSDP on NCCL, ...)
 #   hub-free     not by default: bench/hub_scale.py, the 33 GB Grok-shaped repo from the local Hub, three runs as
-#                they are, then one with PREQUANT_HUB_FREE_AS_CONVERTED=1 (shards freed as they are converted:
-#                docs/performance.md), one with PREQUANT_CPU_WHILE_CUDA_STARTS=workers (the first shards quantized on
-#                the CPU worker processes while CUDA starts cold) and one with both, all against one floor (about
-#                400 s with its generation)
+#                they are (shards freed as they are converted: docs/performance.md), then one with
+#                PREQUANT_HUB_FREE_AS_CONVERTED=0 (each shard freed whole after its last tensor, as before 2026-12-05),
+#                all against one floor (about 200 s with its generation)
 #   cold-start   not by default: bench/window.py, the 33 GB Grok shapes, everything cold, on cuda: the pipeline waiting
-#                for CUDA (today's rule for a cold start), quantizing meanwhile on this process' threads
-#                (PREQUANT_CPU_WHILE_CUDA_STARTS=1) and on the CPU worker processes (=workers), two runs each,
-#                interleaved, one floor (about 330 s with its generation); a call of its own, like hub-free
+#                for CUDA (the rule for a cold start) and quantizing meanwhile on the CPU
+#                (PREQUANT_CPU_WHILE_CUDA_STARTS=1), two runs each, interleaved, one floor (about 170 s with its
+#                generation); a call of its own, like hub-free
 # Disk (64 GB): one checkpoint at a time (16 GB, then 33 GB); outputs are deleted once hashed; the Hub path
 # holds the 33 GB source (served by hard links), at most 2 downloaded shards and the 11 GB output.
 set -uo pipefail
@@ -83,11 +82,9 @@ step startup 130 python3 scripts/bench/startup.py --repeats 3 --device auto --sk
 python3 scripts/bench/summary.py "$OUT"
 clear_checkpoints_except grok-33gb
 step hub-free 480 sh -c "cd scripts/bench && python3 hub_scale.py --shape grok --size-gb 33 --device cuda --repeats 3 \
-  --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=1 --variant PREQUANT_CPU_WHILE_CUDA_STARTS=workers \
-  --variant 'PREQUANT_HUB_FREE_AS_CONVERTED=1 PREQUANT_CPU_WHILE_CUDA_STARTS=workers' --dir '$WORK' \
-  --json '$OUT/hub-free.json'"
+  --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=0 --dir '$WORK' --json '$OUT/hub-free.json'"
 step cold-start 420 sh -c "cd scripts/bench && python3 window.py --size-gb 33 --shape grok --devices cuda --windows 0 \
-  --env PREQUANT_CPU_WHILE_CUDA_STARTS=auto,1,workers --repeats 2 --dir '$WORK' --json '$OUT/cold-start.json'"
+  --env PREQUANT_CPU_WHILE_CUDA_STARTS=auto,1 --repeats 2 --dir '$WORK' --json '$OUT/cold-start.json'"
 clear_checkpoints_except none
 step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
 rm -rf "$WORK"/*gb

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import prequant
-from prequant.bnb import starting, tensor_pool, tensor_spawn
+from prequant.bnb import starting
 from prequant.bnb.quantize import Quantizer
 from prequant.bnb.starting import Starting
 from prequant.conversion import pipeline
@@ -32,28 +32,20 @@ def llama(tmp_path_factory) -> Path:
     return build_checkpoint("llama", tmp_path_factory.mktemp("starting-src"))
 
 
-def _convert_while_starting(src: Path, staging: Path, device: torch.device,
-                            workers: bool = False) -> tuple[Starting, int, int]:  # fmt: skip
+def _convert_while_starting(src: Path, staging: Path, device: torch.device) -> tuple[Starting, int]:
     """Run the pipeline on a Starting whose quantizer for `device` becomes ready only once the first quantized
-    tensor is written (the writer waits for it there); return it, the number of tensors quantized, and how many
-    the CPU worker processes had quantized by then (with `workers`: the CPU's share goes to them)."""
+    tensor is written (the writer waits for it there); return it and the number of tensors quantized."""
     plan = prequant.convert(src, staging.parent / "never-written", dry_run=True, progress=False)
-    started = None
-    if workers:  # started after convert(), which closes the workers as it returns, and ready from the first tensor
-        started = tensor_pool.pool()
-        assert started is not None and started.wait_ready(), "the workers did not start"
     gate = threading.Event()
-    before_ready = [0]
 
     def start() -> Quantizer:
         gate.wait()
         return Quantizer(plan.settings, device)
 
-    quantizers = Starting(plan.settings, start, workers=workers)
+    quantizers = Starting(plan.settings, start)
 
     def on_step(step) -> None:
         if step.quantize and not gate.is_set():
-            before_ready[0] = started.tensors if started is not None else 0
             gate.set()
             quantizers.wait()  # nothing more is written, so little more is read, until it is ready
 
@@ -61,7 +53,7 @@ def _convert_while_starting(src: Path, staging: Path, device: torch.device,
     source = resolve(str(src), stream=True)
     with reader(source, [s.source for s in plan.steps]) as data:
         pipeline.run(plan, data, quantizers, staging, on_step=on_step)
-    return quantizers, sum(s.quantize for s in plan.steps), before_ready[0]
+    return quantizers, sum(s.quantize for s in plan.steps)
 
 
 def _same_files(a: Path, b: Path) -> None:
@@ -72,53 +64,31 @@ def _same_files(a: Path, b: Path) -> None:
 
 
 def test_tensors_read_before_and_after_the_hand_over_give_a_plain_conversions_bytes(llama, tmp_path):
-    quantizers, quantized, _ = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"))
+    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"))
     assert 1 <= quantizers.early < quantized  # both quantizers took tensors
     prequant.convert(llama, tmp_path / "plain", device="cpu", progress=False)
     _same_files(tmp_path / "staging", tmp_path / "plain")
 
 
-@pytest.fixture()
-def two_workers():
-    """The CPU worker pool at two processes that take tensors from 4096 elements, for conversions of any size."""
-    saved = (tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES)
-    tensor_pool.close()
-    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES = 2, 1 << 12, 0
-    yield
-    tensor_pool.close()
-    tensor_pool.COUNT, tensor_pool.MIN_ELEMENTS, tensor_spawn.MIN_BYTES = saved
-
-
-def test_the_worker_processes_take_the_cpus_share_while_cuda_starts_with_the_same_bytes(llama, two_workers, tmp_path):
-    quantizers, quantized, before_ready = _convert_while_starting(llama, tmp_path / "staging", torch.device("cpu"),
-                                                                  workers=True)  # fmt: skip
-    assert 1 <= quantizers.early < quantized
-    assert before_ready >= 1  # the workers quantized tensors read while the quantizer was still starting
-    pool = tensor_pool.pool()
-    assert pool.held == 0 and not pool.busy()
-    prequant.convert(llama, tmp_path / "plain", device="cpu", progress=False)
-    _same_files(tmp_path / "staging", tmp_path / "plain")
-
-
-@pytest.mark.parametrize(("env", "cold", "mode"), [
-    (None, False, "threads"), (None, True, None), ("auto", True, None), ("0", False, None), ("1", True, "threads"),
-    ("workers", True, "workers"), ("workers", False, "workers"),
+@pytest.mark.parametrize(("env", "cold", "meanwhile"), [
+    (None, False, True), (None, True, False), ("auto", False, True), ("auto", True, False), ("0", False, False),
+    ("1", True, True), (" AUTO ", True, False),
 ])  # fmt: skip
-def test_the_environment_picks_how_cuda_s_start_is_spent(monkeypatch, env, cold, mode):
-    """PREQUANT_CPU_WHILE_CUDA_STARTS: 0 waits for CUDA; 1 and workers quantize meanwhile even after a cold start,
-    on this process' threads or the worker processes; unset or auto, threads unless the libraries were cold."""
+def test_the_environment_says_whether_cuda_s_start_is_waited_for(monkeypatch, env, cold, meanwhile):
+    """PREQUANT_CPU_WHILE_CUDA_STARTS: 0 waits for CUDA; 1 quantizes on the CPU meanwhile even after a cold start;
+    unset or auto, meanwhile unless the libraries were cold."""
     if env is None:
         monkeypatch.delenv(starting.ENV, raising=False)
     else:
         monkeypatch.setenv(starting.ENV, env)
-    assert starting.meanwhile_mode(cold) == mode
+    assert starting.meanwhile(cold) is meanwhile
 
 
 def test_a_value_it_does_not_know_is_said_and_taken_as_auto(monkeypatch, caplog):
-    monkeypatch.setenv(starting.ENV, "yes")
+    monkeypatch.setenv(starting.ENV, "workers")  # a value an earlier build knew
     with caplog.at_level(logging.WARNING, logger="prequant.bnb.starting"):
-        assert starting.meanwhile_mode(cold=True) is None and starting.meanwhile_mode(cold=False) == "threads"
-    assert f"{starting.ENV}='yes' is none of 0, 1, workers or auto" in caplog.text
+        assert starting.meanwhile(cold=True) is False and starting.meanwhile(cold=False) is True
+    assert f"{starting.ENV}='workers' is none of 0, 1 or auto" in caplog.text
 
 
 def test_a_failed_start_fails_the_conversion_with_its_error(llama, tmp_path):
@@ -155,20 +125,9 @@ def _transformers_bytes(ours: Path, ref: Path) -> None:
 @gpu_only
 def test_bitsandbytes_takes_over_from_the_cpu_kernel_with_transformers_bytes(llama, tmp_path):
     ref = transformers_reference(llama, tmp_path / "ref", device="cuda")
-    quantizers, quantized, _ = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0))
+    quantizers, quantized = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0))
     assert 1 <= quantizers.early < quantized
     assert quantizers.device == torch.device("cuda", 0)
-    _transformers_bytes(tmp_path / "staging", ref)
-
-
-@gpu_only
-def test_the_worker_processes_hand_over_to_bitsandbytes_with_transformers_bytes(llama, two_workers, tmp_path):
-    """The tensors read once CUDA is ready go to the GPU in this process, behind the workers' tensors still in
-    flight: each waits for its own copy to the GPU (its ready event), and the order is the plan's."""
-    ref = transformers_reference(llama, tmp_path / "ref", device="cuda")
-    quantizers, quantized, before_ready = _convert_while_starting(llama, tmp_path / "staging", torch.device("cuda", 0),
-                                                                  workers=True)  # fmt: skip
-    assert 1 <= quantizers.early < quantized and before_ready >= 1
     _transformers_bytes(tmp_path / "staging", ref)
 
 

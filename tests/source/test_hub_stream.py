@@ -148,9 +148,16 @@ def _convert_sampling(sample, tiny: Path, tmp_path: Path) -> None:
     assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
 
 
+@pytest.mark.parametrize("free", [None, "0"], ids=["freed-as-converted", "freed-whole"])
 def test_delete_source_shards_keeps_at_most_two_on_disk(
-    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: str | None
 ) -> None:
+    """Either way of freeing (the default, as each tensor is written; PREQUANT_HUB_FREE_AS_CONVERTED=0, each shard
+    whole after its last tensor) holds the bound."""
+    if free is None:
+        monkeypatch.delenv(hub_stream.FREE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(hub_stream.FREE_ENV, free)
     shards = {hashlib.sha256(p.read_bytes()).hexdigest(): p.stat().st_size for p in tiny.glob("*.safetensors")}
     assert len(shards) == 4
     sample, peaks = _disk_sampler(REPO, shards)
