@@ -44,11 +44,12 @@ log = logging.getLogger(__name__)
 
 # Unset or "1": shards freed as they are converted and downloads held to their grants (module docstring). "0": each
 # shard freed whole after its last tensor, and a download started only once all of it fits, as before 2026-12-05.
-# A Grok-shaped 33 GB repo from the local Hub on an H100 machine, --delete-source-shards, endpoint cold: freeing 24.4,
-# 25.3, 25.3, 24.7 s (1.09-1.12x the floor) against 25.6-27.9 s (median 26.4 s, 1.18-1.24x) freeing whole, scratch
-# 9.61-9.66 GB, within the two-shard bound of 9.66 GB either way, same bytes (`scripts/bench/hub_scale.py --shape grok
-# --size-gb 33 --device cuda --repeats 3 --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=1`, two calls,
-# 2026-12-05, docs/performance.md, run Y).
+# A Grok-shaped 33 GB repo from the local Hub on an H100 machine, --delete-source-shards, endpoint cold: freeing
+# 24.35-25.33 s (1.09-1.13x the floor, four runs; the third download began at 4.2-4.7 s, as the first shard arrived)
+# against 25.59-27.94 s (1.15-1.24x, five runs; the third at 8.4-9.4 s, once the first shard was converted) freeing
+# whole; this run's shards at most 9.66 GB, the two-shard bound, either way; same bytes (`scripts/bench/hub_scale.py
+# --shape grok --size-gb 33 --device cuda --repeats 3 --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=1`,
+# two calls, 2026-12-05, docs/performance.md, run Y).
 FREE_ENV = "PREQUANT_HUB_FREE_AS_CONVERTED"
 # Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
 # the local Hub on the GPU machine downloaded its shards 3-7 (23.1 GB, after the first shard was converted) at 1.21

@@ -108,7 +108,7 @@ class ScratchPeak(Periodic):
 
     def _deleted_open(self):
         """The same for files under the folder that are deleted but still open in some process (a shard that
-        PREQUANT_HUB_FREE_AS_CONVERTED=1 took out of the cache while it is converted), each inode once."""
+        freeing as it converts took out of the cache), each inode once."""
         seen: set[int] = set()
         prefix = str(self.folder)
         for fd in glob.glob("/proc/[0-9]*/fd/*"):
