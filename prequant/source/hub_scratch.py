@@ -108,7 +108,11 @@ class Scratch:
         self.granted.pop(path, None)
         self.limited.pop(path, None)
         if blob is not None:
-            self.owned[path] = blob
+            self.own(path, blob)
+
+    def own(self, path: Path, blob: Path) -> None:
+        """Shard `path` (its blob in the cache) is this run's: downloaded by it, or by the interrupted run it resumes."""
+        self.owned[path] = blob
 
     def regrant(self) -> None:
         """Give the limited downloads in flight, in plan order, what the budget has room for; wake the waiters."""

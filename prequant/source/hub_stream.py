@@ -151,7 +151,7 @@ class HubShardReader(TensorReader):
         with self._cond:
             for path in self._planned:
                 if self._name(path) in wanted and path not in self.scratch.owned and path.is_file():
-                    self.scratch.owned[path] = path.resolve()
+                    self.scratch.own(path, path.resolve())
 
     def on_download(self, record: Callable[[str], None]) -> None:
         """Call `record(name)` for each shard this run downloads into the cache (those downloaded so far at once)."""
