@@ -712,8 +712,9 @@ def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanw
 ) -> None:
     """With delete, the third shard downloads while the first is converted, held to the bytes the budget has room
     for: at its first tensor written the first leaves the cache (open here, so nothing with holes is there to look
-    complete), each tensor written frees its whole blocks, and the third's download is allowed exactly that more."""
-    monkeypatch.setenv(hub_stream.FREE_ENV, "1")
+    complete), each tensor written frees its whole blocks, and the third's download is allowed exactly that more.
+    This is the default: PREQUANT_HUB_FREE_AS_CONVERTED unset."""
+    monkeypatch.delenv(hub_stream.FREE_ENV, raising=False)
     monkeypatch.setattr(hub_scratch, "GRANT_STEP", 4096)  # the tiny shards are 50-60 KB
     plan, files, data = _streamed(tmp_path)
     first = [step.source for step in plan.steps if step.source.file == files[0]]
