@@ -16,8 +16,9 @@ on the same disk), then measures, each from a cold page cache:
               source shards, the disk's timeline, prequant's own timeline
   fault       --faults: the same, the server cutting shard K's body mid-way once and then answering 503 three times
               to the ranged requests that resume it
-  variant     --variant KEY=VALUE (repeatable; several variables: 'K1=V1 K2=V2'): the conversion again with that
-              environment, e.g. PREQUANT_HUB_CLIENT=huggingface_hub or PREQUANT_HUB_DOWNLOADS=1
+  variant     --variant KEY=VALUE (repeatable; several variables: 'K1=V1 K2=V2'; the same one twice runs twice, the
+              second as 'KEY=VALUE #2'): the conversion again with that environment, e.g.
+              PREQUANT_HUB_CLIENT=huggingface_hub or PREQUANT_HUB_DOWNLOADS=1
   kill        --kill: the same, SIGKILLed while shard K is half downloaded, then the same command with --resume:
               the partial files the kill left, the resumed run's time and scratch disk
 
@@ -369,7 +370,13 @@ def main() -> None:
             v["same_bytes"] = v["weight_sha256"] == reference
             v["ratio_to_floor"] = round(v["seconds"] / report["floor"]["seconds"], 3)
             v["within_scratch_bound"] = v["scratch_shards_peak_bytes"] <= report["scratch_bound_bytes"]
-            report.setdefault("variants", {})[variant] = v
+            variants = report.setdefault("variants", {})
+            # A variant given again is run again, under its own name (it would replace the first run's figures).
+            name, k = variant, 1
+            while name in variants:
+                k += 1
+                name = f"{variant} #{k}"
+            variants[name] = v
             fresh()
             save()
 
