@@ -243,6 +243,7 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
         [sys.executable, str(ROOT / "scripts" / "bench" / "hub_scale.py"), "--shape", "grok", "--layers", "3",
          "--dims", '{"hidden": 512, "inter": 2048, "vocab": 4096, "heads": 8}', "--shard-gb", "0.02",
          "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--local",
+         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1",
          "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1", "--endpoint-warm",
          "--repeats", "2",
          "--dir", str(tmp_path / "work"), "--json", str(report_file)],
@@ -262,9 +263,11 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     variant = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1"]
     assert variant["env"] == {"PREQUANT_HUB_CLIENT": "huggingface_hub", "PREQUANT_HUB_DOWNLOADS": "1"}  # both set
     assert variant["same_bytes"] and variant["within_scratch_bound"]
+    again = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1 #2"]  # given twice: run twice
+    assert again["same_bytes"] and again["env"] == variant["env"] and len(r["variants"]) == 2
     assert r["download"]["seconds"] > 0 and r["transfer"]["seconds"] > 0  # each client alone
-    # the served files read back after each drop: 2 conversions, floor, fault, kill, variant, each client alone
-    assert r["endpoint"] == "warm" and len(r["endpoint_warm_seconds"]) == 8, r["endpoint_warm_seconds"]
+    # the served files read back after each drop: 2 conversions, floor, fault, kill, the variant twice, each client alone
+    assert r["endpoint"] == "warm" and len(r["endpoint_warm_seconds"]) == 9, r["endpoint_warm_seconds"]
     # the first conversion again: the same bytes, and the median of the two times (their mean)
     assert c["repeats_same_bytes"] == [True] and len(c["repeat_seconds"]) == 2
     assert c["median_seconds"] == sum(c["repeat_seconds"]) / 2
