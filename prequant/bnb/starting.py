@@ -18,9 +18,9 @@ first tensor too (the GPU tests of the CUDA path use it, so that every tensor th
 kernel); =1 quantizes on the CPU meanwhile even when the libraries are cold; unset or `auto`, the rule above.
 
 Quantizing meanwhile after a cold start buys nothing where the disk is the bound: the cold start reads its libraries
-from the same disk as the source, and the pipeline waiting for CUDA, =1, and the CPU worker processes (tried, then
-removed: 6.8-7.0 GiB RssAnon across the process tree) came within a second of each other, 22.9-24.4 s, on a
-Grok-shaped 33 GB checkpoint (two runs each, interleaved, one floor of 19.0 s; `scripts/bench/window.py --size-gb 33
+from the same disk as the source. The pipeline waiting for CUDA took 23.54 / 22.89 s, =1 23.40 / 23.07 s, and the
+CPU worker processes (tried, then removed: slower, and 6.8-7.0 GiB RssAnon across the process tree) 24.08 / 24.43 s,
+on a Grok-shaped 33 GB checkpoint (two runs each, interleaved, one floor of 19.0 s; `scripts/bench/window.py --size-gb 33
 --shape grok --devices cuda --windows 0 --env PREQUANT_CPU_WHILE_CUDA_STARTS=auto,1,workers --repeats 2`, an H100
 machine, 2026-12-05, docs/performance.md). So a cold start still waits.
 """

@@ -16,11 +16,11 @@
 #   hub-free     not by default: bench/hub_scale.py, the 33 GB Grok-shaped repo from the local Hub, three runs as
 #                they are (shards freed as they are converted: docs/performance.md), then one with
 #                PREQUANT_HUB_FREE_AS_CONVERTED=0 (each shard freed whole after its last tensor, as before 2026-12-05),
-#                all against one floor (about 200 s with its generation)
+#                all against one floor (Y's call, with three variants: 192 s with its generation, 2026-12-05)
 #   cold-start   not by default: bench/window.py, the 33 GB Grok shapes, everything cold, on cuda: the pipeline waiting
 #                for CUDA (the rule for a cold start) and quantizing meanwhile on the CPU
-#                (PREQUANT_CPU_WHILE_CUDA_STARTS=1), two runs each, interleaved, one floor (about 170 s with its
-#                generation); a call of its own, like hub-free
+#                (PREQUANT_CPU_WHILE_CUDA_STARTS=1), two runs each, interleaved, one floor (X, with =workers too:
+#                232 s with its generation, 2026-12-05); a call of its own, like hub-free
 # Disk (64 GB): one checkpoint at a time (16 GB, then 33 GB); outputs are deleted once hashed; the Hub path
 # holds the 33 GB source (served by hard links), at most 2 downloaded shards and the 11 GB output.
 set -uo pipefail
