@@ -97,10 +97,11 @@ class Starting:
 def meanwhile(cold: bool) -> bool:
     """Whether a CUDA conversion quantizes on the CPU while CUDA starts. PREQUANT_CPU_WHILE_CUDA_STARTS says: 0 no,
     1 yes; unset or auto, yes unless the process started with its libraries `cold` (module docstring)."""
-    choice = os.environ.get(ENV, "auto").strip().lower()
+    given = os.environ.get(ENV, "auto")
+    choice = given.strip().lower()
     if choice not in ("", "auto", "0", "1"):
         # A typo must not pass for a choice: said once per conversion, as the other PREQUANT_ variables do.
-        log.warning("%s=%r is none of 0, 1 or auto; using auto", ENV, choice)
+        log.warning("%s=%r is none of 0, 1 or auto; using auto", ENV, given)
     if choice in ("0", "1"):
         return choice == "1"
     return not cold

@@ -89,6 +89,10 @@ def test_a_value_it_does_not_know_is_said_and_taken_as_auto(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="prequant.bnb.starting"):
         assert starting.meanwhile(cold=True) is False and starting.meanwhile(cold=False) is True
     assert f"{starting.ENV}='workers' is none of 0, 1 or auto" in caplog.text
+    monkeypatch.setenv(starting.ENV, " Yes ")  # said as it was given, not as it was compared
+    with caplog.at_level(logging.WARNING, logger="prequant.bnb.starting"):
+        assert starting.meanwhile(cold=True) is False
+    assert f"{starting.ENV}=' Yes ' is none of 0, 1 or auto" in caplog.text
 
 
 def test_a_failed_start_fails_the_conversion_with_its_error(llama, tmp_path):
