@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 # 24.35-25.33 s (1.09-1.13x the floor, four runs; the third download began at 4.2-4.7 s, as the first shard arrived)
 # against 25.59-27.94 s (1.15-1.24x, five runs; the third at 8.4-9.4 s, once the first shard was converted) freeing
 # whole; this run's shards at most 9.66 GB, the two-shard bound, either way; same bytes (`scripts/bench/hub_scale.py
-# --shape grok --size-gb 33 --device cuda --repeats 3 --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=1`,
-# two calls, 2026-12-05, docs/performance.md, run Y).
+# --shape grok --size-gb 33 --device cuda --skip-download` with --repeats and --variant, two calls, 2026-12-05:
+# run Y in docs/performance.md gives each call's command).
 FREE_ENV = "PREQUANT_HUB_FREE_AS_CONVERTED"
 # Shards downloading at once: two. Through prequant's own transfer (`hub.transfer`) a 33 GB Grok-shaped repo from
 # the local Hub on the GPU machine downloaded its shards 3-7 (23.1 GB, after the first shard was converted) at 1.21
