@@ -1,0 +1,86 @@
+"""Every environment variable prequant reads, in one place (documented in docs/environment.md).
+
+Each is read when asked, not at import, so that a test or a long-lived process that changes the environment is
+heard. A value that cannot be parsed falls back to the default with a warning on stderr, never stops a conversion:
+a typo in a shell profile must not cost an hour of work. Standard library only: the CLI imports this before torch.
+
+The Hugging Face variables (HF_ENDPOINT, HF_TOKEN, HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE,
+HF_HUB_ENABLE_HF_TRANSFER, ...) are huggingface_hub's own, read by it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEBUG = "PREQUANT_DEBUG"
+PROGRESS = "PREQUANT_PROGRESS"
+PROGRESS_INTERVAL = "PREQUANT_PROGRESS_INTERVAL"
+HUB_RETRY_S = "PREQUANT_HUB_RETRY_S"
+CUDA_MEMORY_LIMIT = "PREQUANT_CUDA_MEMORY_LIMIT"
+TRACE = "PREQUANT_TRACE"
+FAILPOINT = "PREQUANT_FAILPOINT"
+
+# Passing Hub failures (connection resets, timeouts, 408/429/5xx) are retried for this long, in doubling waits: a
+# Hub incident or a load balancer's restart lasts tens of seconds, and a rerun of a 600 GB conversion costs more.
+HUB_RETRY_DEFAULT_S = 120.0
+PROGRESS_FORMS = ("auto", "bar", "lines", "json", "none")
+PROGRESS_INTERVAL_DEFAULT_S = 10.0
+
+
+def debug() -> bool:
+    """PREQUANT_DEBUG set (to anything but empty or 0): errors show their traceback after the one-line message."""
+    return os.environ.get(DEBUG, "").strip() not in ("", "0")
+
+
+def progress() -> str:
+    """PREQUANT_PROGRESS: `auto` (a bar on a terminal, a status line every interval otherwise), `bar`, `lines`,
+    `json` (one record per line, for CI logs) or `none`."""
+    value = os.environ.get(PROGRESS, "auto").strip().lower() or "auto"
+    if value in ("off", "0"):
+        return "none"
+    if value not in PROGRESS_FORMS:
+        _unknown(PROGRESS, value, "auto")
+        return "auto"
+    return value
+
+
+def progress_interval() -> float:
+    """PREQUANT_PROGRESS_INTERVAL: seconds between status lines or records off a terminal."""
+    return _number(PROGRESS_INTERVAL, PROGRESS_INTERVAL_DEFAULT_S)
+
+
+def hub_retry_s() -> float:
+    """PREQUANT_HUB_RETRY_S: how long passing Hub failures are retried (0 tries once)."""
+    return max(0.0, _number(HUB_RETRY_S, HUB_RETRY_DEFAULT_S))
+
+
+def cuda_memory_limit() -> str | None:
+    """PREQUANT_CUDA_MEMORY_LIMIT: a cap on what torch may allocate on the GPU ("8GiB", "8000MB", bytes), to prove
+    a conversion fits a smaller GPU; parsed by `bnb.quantize`, which refuses a value it cannot read."""
+    return os.environ.get(CUDA_MEMORY_LIMIT, "").strip() or None
+
+
+def trace_path() -> str | None:
+    """PREQUANT_TRACE=FILE: write the run's timeline (named events, busy time per stage) there at exit."""
+    return os.environ.get(TRACE) or None
+
+
+def failpoint() -> str:
+    """PREQUANT_FAILPOINT=name:n[:ACTION]: the kill-and-resume tests' crash point (never set in normal use)."""
+    return os.environ.get(FAILPOINT, "")
+
+
+def _number(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        _unknown(name, text, default)
+        return default
+
+
+def _unknown(name: str, value: str, default: object) -> None:
+    print(f"prequant: warning: {name}={value!r} is not understood; using {default}", file=sys.stderr)
