@@ -14,17 +14,18 @@ python3 -c "import bitsandbytes" 2>/dev/null || python3 -m pip install -q --no-i
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader; nproc; date -u
 cd scripts/bench
-# 16 GB Llama, libraries warm: the layout predicted from names (head start) against waiting for transformers'
-python3 window.py --size-gb 16 --shape llama --devices cuda --windows 0 --warm-libraries \
-  --env PREQUANT_PREDICT_LAYOUT=1,0 --repeats 2 --dir "$WORK" --json "$OUT/llama16-predict.json"
-# the same on the CPU: worker processes against the kernel's threads in this process
-python3 window.py --size-gb 16 --shape llama --devices cpu --windows 2 --warm-libraries \
-  --env PREQUANT_CPU_WORKERS=auto,0 --repeats 2 --dir "$WORK" --json "$OUT/llama16-workers.json"
-rm -rf "$WORK"/llama-*
 # 33 GB Grok shapes from the local Hub endpoint: prequant's own transfer in a child process against
 # huggingface_hub's hf_hub_download on threads; shards freed as converted against freed whole
 python3 hub_scale.py --shape grok --size-gb 33 --device cuda --repeats 2 --skip-download \
   --variant PREQUANT_HUB_CLIENT=huggingface_hub --variant PREQUANT_HUB_FREE_AS_CONVERTED=0 \
   --variant PREQUANT_HUB_CLIENT=huggingface_hub \
   --dir "$WORK" --json "$OUT/hub33.json"
+rm -rf "$WORK"/grok-* "$WORK"/hub-* "$WORK"/out-*
+# 16 GB Llama, libraries warm: the layout predicted from names (head start) against waiting for transformers'
+python3 window.py --size-gb 16 --shape llama --devices cuda --windows 0 --warm-libraries \
+  --env PREQUANT_PREDICT_LAYOUT=1,0 --repeats 2 --dir "$WORK" --json "$OUT/llama16-predict.json"
+# the same on the CPU: worker processes against the kernel's threads in this process
+python3 window.py --size-gb 16 --shape llama --devices cpu --windows 2 --warm-libraries \
+  --env PREQUANT_CPU_WORKERS=auto,0 --repeats 1 --dir "$WORK" --json "$OUT/llama16-workers.json"
+rm -rf "$WORK"/llama-*
 date -u
