@@ -21,9 +21,12 @@ python3 hub_scale.py --shape grok --size-gb 33 --device cuda --repeats 2 --skip-
   --variant PREQUANT_HUB_CLIENT=huggingface_hub \
   --dir "$WORK" --json "$OUT/hub33.json"
 rm -rf "$WORK"/grok-* "$WORK"/hub-* "$WORK"/out-*
-# 16 GB Llama, libraries warm: the layout predicted from names (head start) against waiting for transformers'
+# 16 GB Llama, libraries warm: the layout settled from names (0) against a head start on the prediction while
+# transformers confirms it in a child process (1), then waiting for transformers' layout in a run of its own
 python3 window.py --size-gb 16 --shape llama --devices cuda --windows 0 --warm-libraries \
-  --env PREQUANT_PREDICT_LAYOUT=1,0 --repeats 2 --dir "$WORK" --json "$OUT/llama16-predict.json"
+  --env PREQUANT_CONFIRM_LAYOUT=0,1 --repeats 2 --dir "$WORK" --json "$OUT/llama16-headstart.json"
+python3 window.py --size-gb 16 --shape llama --devices cuda --windows 0 --warm-libraries \
+  --env PREQUANT_PREDICT_LAYOUT=0 --repeats 2 --dir "$WORK" --json "$OUT/llama16-wait.json"
 # the same on the CPU: worker processes against the kernel's threads in this process
 python3 window.py --size-gb 16 --shape llama --devices cpu --windows 2 --warm-libraries \
   --env PREQUANT_CPU_WORKERS=auto,0 --repeats 1 --dir "$WORK" --json "$OUT/llama16-workers.json"
