@@ -11,8 +11,7 @@ weights train (fp32 masters, bf16 compute), gradients are reduced in fp32.
 --data is a JSONL file of conversations ({"messages": [...]}, rendered with the tokenizer's chat template) or texts
 ({"text": ...}), or any other file as plain text (default: the example conversations, scripts/data/chats.jsonl). It
 is tokenized with the checkpoint's tokenizer and cut into --seq-len blocks; each rank takes every world-size-th
-block.
-The adapter is saved in peft's format: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt),
+block. The adapter is saved in peft's format: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt),
 output)` loads it on one GPU, unsharded.
 """
 
@@ -25,6 +24,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from prequant.fsdp import init_distributed, load_for_fsdp, missing_launcher_env
 CHATS = Path(__file__).resolve().parent / "data" / "chats.jsonl"
 
 
-def read_text(path: Path, tokenizer) -> str:
+def read_text(path: Path, tokenizer: Any) -> str:
     """The training text: a JSONL file's conversations (chat template) or texts (EOS appended), or the file as is."""
     if path.suffix != ".jsonl":
         return path.read_text()
