@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from prequant.fsdp.loader import LAUNCHER_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _run(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
