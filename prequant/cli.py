@@ -199,63 +199,6 @@ def upload(
         print(f"uploaded {len(result['files'])} files ({result['bytes'] / 1e9:.3f} GB) to {result['commit_url']}")
 
 
-@app.command(
-    "check-fsdp",
-    cls=_Command,
-    short_help='Train a few FSDP+QLoRA steps on N ranks.',
-    epilog="Runs `python -m torch.distributed.run --nproc_per_node N -m prequant.fsdp.job` once per loader "
-    "(its output on stderr). Exit status: 0 when every check passes, 1 when one fails, 2 for usage errors.\n\n"
-    + _examples("prequant check-fsdp ./llama3-8b-nf4 --nproc 2",
-                "prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant \\",
-                "    --steps 20 --report check.json",
-                "prequant check-fsdp ./llama3-8b-nf4 --nproc 2 --loader prequant \\",
-                "    --loader trainer"),
-)
-def check_fsdp(
-    output_dir: OutputArg,
-    nproc: Annotated[int, typer.Option(
-        "--nproc", metavar="N", help="Ranks to run (one GPU each; gloo on CPU without CUDA).")] = 2,
-    loader: Annotated[
-        list[str] | None,
-        typer.Option("--loader", metavar="NAME", help="transformers (HF's FSDP-QLoRA path), prequant "
-                     "(load_for_fsdp) or trainer (load_for_fsdp trained by TRL's SFTTrainer); repeatable; default: "
-                     "transformers and prequant. The first-step losses of all loaders run are compared."),
-    ] = None,
-    steps: Annotated[int, typer.Option(metavar="N", help="Training steps on the fixed batch.")] = 10,
-    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the batch and of the LoRA init.")] = 0,
-    batch_size: Annotated[int, typer.Option(metavar="N", help="Sequences in the batch.")] = 2,
-    seq_len: Annotated[int, typer.Option(metavar="N", help="Tokens per sequence.")] = 256,
-    lora_r: Annotated[int, typer.Option(metavar="N", help="LoRA rank.")] = 16,
-    buffer_dtype: Annotated[
-        str, typer.Option(metavar="DTYPE", help="Floating buffers (RoPE) in bfloat16 as HF's Trainer casts them, "
-                          "float32, or keep.")
-    ] = "bfloat16",
-    packed_storage: Annotated[
-        str, typer.Option(metavar="KIND", help="prequant loader: uint8 (safe) or checkpoint (bf16 as stored; "
-                          "bitsandbytes #1945).")
-    ] = "uint8",
-    timeout: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds allowed per loader run.")] = 1800,
-    trust_remote_code: Annotated[bool, typer.Option(
-        "--trust-remote-code", help="Allow running the checkpoint's own model code, on every rank.")] = False,
-    report: Annotated[str | None, typer.Option("--report", metavar="FILE", help="Also write the JSON report here.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
-) -> None:
-    """Train a few FSDP+QLoRA steps from OUTPUT_DIR on N ranks: memory per rank, losses, packed bytes intact."""
-    with signals.deferred():  # torch's imports (see convert)
-        from .fsdp.check import CheckFailed, CheckOptions
-        from .fsdp.check import check_fsdp as run_check
-
-    options = CheckOptions.pick({**locals(), "loaders": loader})
-    result = run_check(output_dir, options)
-    text = json.dumps(result.to_dict(), indent=2)
-    if report:
-        with open(report, "w") as f:
-            f.write(text)
-    print(text if as_json else result.to_text())
-    if not result.ok:
-        raise CheckFailed(result)
-
-
 def _print_version(value: bool) -> None:
     if value:
         from ._version import __version__

@@ -7,7 +7,8 @@ its own shards of the checkpoint.
 
 One GPU too, under a launcher: `torchrun --nproc_per_node 1 scripts/sft_trl.py ...`.
 
---data is a local JSONL file, one example per line, either plain text or a conversation:
+--data is a local JSONL file (default: the example conversations, scripts/data/chats.jsonl), one example per line,
+either plain text or a conversation:
 
     {"text": "The quick brown fox ..."}
     {"messages": [{"role": "user", "content": "What is 2 + 4?"}, {"role": "assistant", "content": "6"}]}
@@ -29,6 +30,7 @@ bf16, gradient accumulation, gradient checkpointing (on by default, as in TRL), 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -36,11 +38,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from prequant.errors import PrequantError
+from prequant.fsdp import missing_launcher_env
+
+CHATS = Path(__file__).resolve().parent / "data" / "chats.jsonl"
+
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a directory written by prequant convert")
-    ap.add_argument("--data", required=True, help="JSONL file: {'text': ...} or {'messages': [...]} per line")
+    ap.add_argument("--data", default=str(CHATS), help="JSONL file: {'text': ...} or {'messages': [...]} per line "
+                    "(default: %(default)s)")
     ap.add_argument("--output", default="sft-lora", help="where the adapter (and the checkpoints) are written")
     ap.add_argument("--steps", type=int, default=100, help="optimizer steps")
     ap.add_argument("--max-seq-length", type=int, default=1024, help="tokens per example, longer ones are cut")
@@ -62,6 +70,10 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    if missing_launcher_env():  # plain `python`: no ranks to train on
+        print(f"Error: {sys.argv[0]} runs on every rank of a launcher; run: torchrun --nproc_per_node 2 "
+              f"{shlex.join(sys.argv)} (or accelerate launch; torchrun --nproc_per_node 1 for one GPU)", file=sys.stderr)
+        sys.exit(2)
     from datasets import load_dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -92,4 +104,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PrequantError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -3,7 +3,7 @@ needs it, and each tested.
 
 **torch: frozen uint8 parameters under FSDP2.** `load_for_fsdp` holds packed 4-bit weights as frozen uint8
 parameters (see `prequant.fsdp` for why). torch gained support for non-floating-point FSDP2 parameters in
-pytorch/pytorch#178075 (issues #177844, #185239); releases before it (2.11, for one) have two faults with them:
+pytorch/pytorch#178075 (issues #177844, #185239); releases before it have two faults with them:
 
 1. `fully_shard` wraps the local shard as `nn.Parameter(dtensor)` and only afterwards copies the original
    `requires_grad`; the constructor's default `requires_grad=True` raises "only Tensors of floating point
@@ -16,8 +16,8 @@ from the code itself, not a version number, so backports count). Float parameter
 
 **accelerate: FSDP on the CPU.** `ensure_accelerate_cpu_fsdp()`: accelerate (1.15 and earlier) makes a run FSDP
 only on accelerators; on gloo ranks it stays MULTI_CPU, and Trainer then wraps an FSDP2 model in DDP, which fails
-on its DTensor parameters. prequant's tests and `check-fsdp` without GPUs run Trainer on gloo, so there the state
-gets what it would get on a GPU, and only when accelerate left it MULTI_CPU with an FSDP plugin configured.
+on its DTensor parameters. Training on gloo ranks (the CPU) gets the state it would get on a GPU, and only when
+accelerate left it MULTI_CPU with an FSDP plugin configured.
 """
 
 from __future__ import annotations

@@ -1,45 +1,51 @@
-"""Load a 4-bit checkpoint for FSDP+QLoRA with each rank reading only its own shard of every tensor.
+"""Load a 4-bit checkpoint for FSDP+QLoRA, each rank reading only its own shard of every tensor.
 
-`transformers.from_pretrained` puts the whole quantized model on every rank's GPU before FSDP shards it: for
-Grok-1 (about 165 GB in NF4) that is an out-of-memory on every GPU of a node. `load_for_fsdp` instead:
+`transformers.from_pretrained` puts the whole quantized model on every rank's GPU before FSDP shards it; for a model
+of hundreds of GB that does not fit any one GPU. `load_for_fsdp` instead:
 
-1. builds the model on the meta device from the checkpoint's config (no memory), with bitsandbytes
-   `Linear4bit` layers exactly where the checkpoint holds quantized weights;
-2. applies LoRA with peft (still on meta);
+1. builds the model on the meta device from the checkpoint's config (no memory), with bitsandbytes `Linear4bit`
+   layers exactly where the checkpoint holds quantized weights (`Checkpoint`: the files opened for slicing);
+2. applies LoRA with peft (still on meta), initialized by name so any number of ranks gets the same weights;
 3. wraps it with FSDP2 `fully_shard` (each decoder layer, the input embedding, then the root);
-4. allocates only the local shards (`to_empty`) and fills them from the memory-mapped safetensors: a rank
-   touches only the rows it owns, copied straight to its device; the small quant states (absmax, nested
+4. allocates only the local shards (`to_empty`) and fills them from the memory-mapped safetensors: a rank touches
+   only the rows it owns (`local_rows`), copied straight to its device; the small quant states (absmax, nested
    absmax, code tables) are read whole on every rank.
 
 Why FSDP2 with packed weights held as uint8: FSDP2 shards per parameter on dim 0, so a rank's shard of a packed
-`[n, 1]` weight is one contiguous byte range of the file — nothing to flatten, nothing to broadcast. But FSDP2
-gathers a group of same-dtype parameters with `torch._foreach_copy_`, which on CUDA round-trips bf16 through
-fp32 and rewrites NaN bit patterns (bitsandbytes issue #1945): packed NF4 bytes stored as bf16 hit such
-patterns about once per thousand elements. Holding the packed bytes as a uint8 parameter (frozen, so FSDP2
-accepts a non-float dtype) gives the group mixed dtypes, and FSDP2 then gathers everything as raw bytes. The
-bytes are the checkpoint's: bitsandbytes reads the same codes from uint8 and from bf16 storage. torch releases
-before non-float FSDP2 parameters were supported (2.11, for one) get a two-line fix from `prequant.fsdp.compat`.
+`[n, 1]` weight is one contiguous byte range of the file: nothing to flatten, nothing to broadcast. But FSDP2
+gathers a group of same-dtype parameters with `torch._foreach_copy_`, which on CUDA round-trips bf16 through fp32
+and rewrites NaN bit patterns (bitsandbytes issue #1945): packed NF4 bytes stored as bf16 hit such patterns about
+once per thousand elements. Holding the packed bytes as a uint8 parameter (frozen, so FSDP2 accepts a non-float
+dtype) gives the group mixed dtypes, and FSDP2 then gathers everything as raw bytes. The bytes are the checkpoint's:
+bitsandbytes reads the same codes from uint8 and from bf16 storage. A torch without non-float FSDP2 parameters gets
+a two-line fix from `prequant.fsdp.compat`.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ..bnb.format import decode_quant_state, state_key
+from ..bnb.format import COMPANIONS, decode_quant_state, entry_key, entry_name, split_state_key, state_key
+from ..checkpoint.hf_files import CONFIG
+from ..checkpoint.reader import TensorReader, scan_files
 from ..errors import PrequantError, UsageError
-from .checkpoint import Checkpoint
-from .distributed import default_device, ensure_process_group
-from .lora import apply_lora, keep_frozen_weights_out_of_state_dict, lora_init_value
-from .sharding import decoder_layers, local_rows
+from ..source.resolve import resolve
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 PackedStorage = Literal["uint8", "checkpoint"]
+# What torchrun (and `accelerate launch`, which runs it) exports to every rank.
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def load_for_fsdp(
@@ -63,10 +69,10 @@ def load_for_fsdp(
     """Build a LoRA-wrapped, FSDP2-sharded model from a 4-bit checkpoint, reading only this rank's shards.
 
     Call it on every rank under torchrun or `accelerate launch`. Without a process group it sets one up the way
-    the Hugging Face Trainer does (`prequant.fsdp.distributed.ensure_process_group`), so `TrainingArguments` may
+    the Hugging Face Trainer does (`ensure_process_group`), so `TrainingArguments` may
     be created before or after it. Returns the peft model with `fully_shard` applied to each decoder layer, the
     input embedding and the root; only the LoRA parameters require grad, and `state_dict()` holds them alone
-    (frozen weights as empty tensors: `lora.keep_frozen_weights_out_of_state_dict`), so saving gathers the
+    (frozen weights as empty tensors: `keep_frozen_weights_out_of_state_dict`), so saving gathers the
     adapter, not the checkpoint. For `transformers.Trainer` and TRL's `SFTTrainer`, build the arguments with
     `prequant.fsdp.trainer_args`. Arguments:
 
@@ -104,7 +110,7 @@ def load_for_fsdp(
     if packed_storage == "uint8":
         from .compat import ensure_nonfloat_params
 
-        ensure_nonfloat_params()  # torch < pytorch#178075 cannot shard frozen uint8 parameters unaided
+        ensure_nonfloat_params()  # a torch without pytorch#178075 cannot shard frozen uint8 parameters unaided
     ckpt = Checkpoint(checkpoint_dir)
     try:
         packed_dtype = torch.uint8 if packed_storage == "uint8" else None
@@ -149,9 +155,6 @@ def load_for_fsdp(
         return model
     finally:
         ckpt.close()
-
-
-# ----------------------------------------------------------------------------------------- internals
 
 
 def _build_meta_model(
@@ -240,3 +243,250 @@ def _fill_shards(model: torch.nn.Module, ckpt: Checkpoint, keys: dict[str, str],
 def _read_rows(src: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of a mapped tensor, still a view: the copy that follows reads only their pages."""
     return src[start:stop]
+
+
+# ---------------------------------------------------------------------------------- the checkpoint
+
+
+class Checkpoint:
+    """A bitsandbytes 4-bit checkpoint opened for slicing: headers validated, files memory-mapped on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        src = resolve(str(path))
+        if src.format != "safetensors":
+            raise PrequantError(f"{src.path}: load_for_fsdp reads safetensors checkpoints; convert it with prequant first")
+        self.path = src.path
+        self.tensors = {t.name: t for t in scan_files(src.weight_files)}
+        self.files = src.weight_files
+        self.data = TensorReader()
+        try:
+            self.config = json.loads((self.path / CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            raise PrequantError(f"{self.path}/config.json: cannot read it ({e}); is this a checkpoint directory?") from e
+        qc = self.config.get("quantization_config") or {}
+        if qc.get("quant_method") != "bitsandbytes" or not qc.get("load_in_4bit"):
+            raise PrequantError(
+                f"{self.path}: config.json has no bitsandbytes 4-bit quantization_config; convert the checkpoint "
+                "with `prequant convert` first"
+            )
+        self.quantization_config: dict[str, Any] = qc
+        # Quantized layers are those with a packed quant state in the file: the checkpoint, not a guess from
+        # the architecture, says which modules become Linear4bit.
+        self.quantized: dict[str, str] = {}
+        for name in self.tensors:
+            found = split_state_key(name)
+            if found is not None and found[0].endswith(".weight"):
+                self.quantized[found[0].removesuffix(".weight")] = found[1]
+        # Each quantized layer's quant-state entries (absmax, code tables, ...), found in one pass: looking
+        # them up per layer would scan every name once per layer.
+        self._state_keys: dict[str, list[str]] = {p: [] for p in self.quantized}
+        for name in self.tensors:
+            prefix, sep, _ = name.partition(".weight.")
+            if sep and prefix in self._state_keys:
+                self._state_keys[prefix].append(name)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as a zero-copy CPU view of the mapped file (file-backed pages, never anonymous memory)."""
+        return self.data.view(self.tensors[name])
+
+    def packed(self, prefix: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """The packed codes of a quantized layer, as `[bytes // itemsize, 1]` of `dtype` (None: as stored)."""
+        t = self.view(prefix + ".weight")
+        if dtype is None or dtype == t.dtype:
+            return t
+        return t.reshape(-1).view(torch.uint8).view(dtype).reshape(-1, 1)
+
+    def quant_state(self, prefix: str, device: torch.device) -> Any:
+        """The layer's complete bitsandbytes QuantState on `device` (small: every rank holds all of it)."""
+        from bitsandbytes.functional import QuantState
+
+        weight = prefix + ".weight"
+        # clone(): the state must not keep a view of the mapping alive (nor alias file pages on CPU).
+        parts = {entry_name(weight, k): self.view(k).clone() for k in self._state_keys[prefix]}
+        return QuantState.from_dict(parts, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def close(self) -> None:
+        self.data.close()
+
+
+# ---------------------------------------------------------------------------------- the process group
+
+
+def missing_launcher_env() -> list[str]:
+    """The variables a launcher (torchrun, `accelerate launch`) exports to every rank that this process lacks: none
+    under a launcher, all of them in a script started with plain `python`."""
+    return [k for k in LAUNCHER_ENV if k not in os.environ]
+
+
+def init_distributed() -> torch.device:
+    """Under a launcher: this rank's device (`default_device`), made current, and the process group on it (NCCL on
+    GPUs, gloo on the CPU). Returns the device."""
+    import torch.distributed as dist
+
+    _require_launcher("init_distributed")
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return device
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """Set up the process group when none exists yet, the way the Hugging Face Trainer will.
+
+    accelerate's `PartialState` is what `TrainingArguments` (hence Trainer and TRL) initializes torch.distributed
+    with; doing it through the same call here means a script may create its model before or after its
+    `TrainingArguments`: both see one process group on one backend (NCCL on GPUs; gloo on the CPU, as with
+    `use_cpu=True`), and `TrainingArguments` created later reuses it. Without a launcher there is no group to
+    join: that is a usage error, also for a single GPU (`torchrun --nproc_per_node 1`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    _require_launcher("load_for_fsdp")
+    from accelerate import PartialState
+
+    PartialState(cpu=device.type == "cpu")
+    if not dist.is_initialized():
+        raise UsageError(f"accelerate set up no process group for device {device}; call init_process_group first")
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.distributed.get_node_local_rank(fallback_rank=0))
+    return torch.device("cpu")
+
+
+def _require_launcher(what: str) -> None:
+    missing = missing_launcher_env()
+    if not torch.distributed.is_available() or missing:
+        raise UsageError(
+            f"{what} needs torch.distributed: run the script under torchrun or accelerate launch (also for one GPU: "
+            f"torchrun --nproc_per_node 1), or call init_process_group first (not set: {', '.join(missing)})"
+        )
+
+
+# ---------------------------------------------------------------------------------- sharding
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP wraps one by one: modules whose class is in the model's `_no_split_modules`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise PrequantError(f"{type(base).__name__} declares no _no_split_modules: cannot tell its decoder layers")
+    return layers
+
+
+def shard_rows(rows: int, coordinate: int, size: int) -> tuple[int, int]:
+    """Rows [start, stop) of a dim-0 sharded tensor held by mesh coordinate `coordinate` of `size`: FSDP2's
+    `torch.chunk` rule (chunks of ceil(rows / size); the last ranks may hold fewer rows or none)."""
+    chunk = -(-rows // size) if rows else 0
+    start = min(rows, coordinate * chunk)
+    return start, min(rows, start + chunk)
+
+
+def local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The global dim-0 rows this rank holds of `param` (a DTensor sharded on dim 0, or a plain tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0] if param.dim() else 1
+    start, stop = 0, param.shape[0]
+    for dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            rows = stop - start
+            s, e = shard_rows(rows, param.device_mesh.get_local_rank(dim), param.device_mesh.size(dim))
+            start, stop = start + s, start + e
+        elif not isinstance(placement, Replicate):
+            raise PrequantError(f"unsupported placement {placement} (load_for_fsdp fills dim-0 shards)")
+    if param.to_local().shape[0] != stop - start:
+        raise PrequantError(
+            f"FSDP holds {param.to_local().shape[0]} rows of a {tuple(param.shape)} tensor here, expected "
+            f"{stop - start}: this torch shards differently from torch.chunk; report it to prequant"
+        )
+    return start, stop
+
+
+def packed_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(checkpoint prefix, module) of every bitsandbytes Linear4bit in a model, however it is wrapped."""
+    from bitsandbytes.nn import Linear4bit
+
+    for name, module in model.named_modules():
+        if isinstance(module, Linear4bit):
+            prefix = getattr(module, "_prequant_prefix", None) or _checkpoint_prefix(name)
+            yield prefix, module
+
+
+def _checkpoint_prefix(name: str) -> str:
+    """A module name in a peft/FSDP1-wrapped model -> the name of its tensors in the checkpoint."""
+    parts = [p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "base_layer")]
+    name = ".".join(parts)
+    return name.removeprefix("base_model.model.")
+
+
+# ---------------------------------------------------------------------------------- LoRA
+
+
+def lora_init_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The initial fp32 value of the LoRA parameter `name` (as named in the peft model): B is zero, A is
+    peft's default kaiming-uniform (bound 1/sqrt(fan_in)) from a generator seeded by `seed` and the name."""
+    if ".lora_B." in name:
+        return torch.zeros(shape, dtype=torch.float32)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    bound = 1.0 / math.sqrt(shape[1]) if len(shape) > 1 and shape[1] else 0.0
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=g)
+
+
+def init_lora_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Set every LoRA A/B of an unsharded peft model to `lora_init_value`: how a non-sharded reference (or
+    transformers' FSDP path, before wrapping) gets exactly the LoRA weights `load_for_fsdp` gives."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(lora_init_value(name, tuple(p.shape), seed))
+
+
+def lora_config(r: int, alpha: int, dropout: float, target_modules: str | list[str]) -> Any:
+    """The peft LoraConfig both loaders use."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none",
+                      task_type="CAUSAL_LM")
+
+
+def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: str | list[str]) -> Any:
+    """`model` wrapped by peft with `lora_config(...)`'s adapters (still on the meta device when the model is)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(r, alpha, dropout, target_modules))
+
+
+def keep_frozen_weights_out_of_state_dict(model: torch.nn.Module) -> None:
+    """Make `model.state_dict()` hold its trainable weights and buffers, and each frozen weight as an empty tensor.
+
+    The frozen weights are the checkpoint's own, which training never changes; but whatever saves a state dict
+    under FSDP gathers every tensor in it first: `Trainer.save_model` (accelerate's FULL_STATE_DICT) would put
+    the whole 4-bit model on rank 0 to write a LoRA adapter of a few MB. The keys stay, with an
+    empty value, because torch's `get_model_state_dict(ignore_frozen_params=True)` (accelerate's adapter-only
+    checkpoints) pops frozen weights by name; bitsandbytes' entries of a frozen 4-bit weight (absmax, code
+    tables, quant-state JSON) are left out."""
+
+    def hook(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        frozen = {prefix + n: p.dtype for n, p in module.named_parameters() if not p.requires_grad}
+        companions = {entry_key(w, c) for w in frozen for c in COMPANIONS}
+        for key in list(state_dict):
+            if key in frozen:
+                state_dict[key] = torch.empty(0, dtype=frozen[key])
+            elif key in companions or (split_state_key(key) or ("",))[0] in frozen:
+                del state_dict[key]
+
+    model.register_state_dict_post_hook(hook)

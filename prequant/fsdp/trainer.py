@@ -17,9 +17,9 @@ of the script's arguments with the FSDP settings that make Trainer and accelerat
   raise "Could not find the transformer layer class".
 - FULL_STATE_DICT: `trainer.save_model()` writes the peft adapter, and checkpoints hold the adapter and the
   optimizer state. Both gather the LoRA weights alone, because the model's `state_dict()` leaves the frozen
-  checkpoint out (`lora.keep_frozen_weights_out_of_state_dict`); under SHARDED_STATE_DICT Trainer's `save_model`
+  checkpoint out (`loader.keep_frozen_weights_out_of_state_dict`); under SHARDED_STATE_DICT Trainer's `save_model`
   writes no adapter at all.
-- On the CPU (gloo ranks: tests, `check-fsdp` without GPUs): `use_cpu=True`, and accelerate's FSDP path enabled
+- On the CPU (gloo ranks): `use_cpu=True`, and accelerate's FSDP path enabled
   there (`compat.ensure_accelerate_cpu_fsdp`).
 
 Refused, with the reason: FSDP1, SHARDED_STATE_DICT, FSDP's own activation checkpointing (accelerate wraps layers
@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from ..errors import UsageError
 from .compat import ensure_accelerate_cpu_fsdp
-from .distributed import default_device
+from .loader import default_device
 
 Args = TypeVar("Args")
 
@@ -93,6 +93,7 @@ def check_checkpoints(args: Any, ranks: int) -> None:
 
 def _fsdp_config(args: Any) -> dict[str, Any]:
     """The script's fsdp_config as a dict of transformers' key names, after refusing what cannot work."""
+    # Settings missing from fsdp_config come from what `accelerate launch` exports (FSDP_*), as accelerate reads them.
     raw = args.fsdp_config or {}
     if isinstance(raw, str):  # transformers also takes a path to a JSON file
         with open(raw, encoding="utf-8") as f:

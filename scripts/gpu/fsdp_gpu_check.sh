@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 8 on a 2-GPU machine, in one run of under 10 minutes (it stops itself at 9): make an 8B-shaped random
-# Llama (16 GB bf16), convert it with prequant on the GPU, then `prequant check-fsdp --nproc 2` with
+# Llama (16 GB bf16), convert it with prequant on the GPU, then `scripts/bench/check_fsdp.py --nproc 2` with
 # transformers' FSDP-QLoRA path and with load_for_fsdp, side by side; then the GPU tests of tests/fsdp/test_fsdp.py;
 # then, if time is left, load_for_fsdp with bf16 packed storage (bitsandbytes #1945 diagnosis).
 #
@@ -48,7 +48,7 @@ step convert 200 python3 -m prequant convert "$SRC" "$CKPT" --device "$DEVICE" -
 du -sh "$CKPT"
 
 # Both loaders, 2 ranks, 10 steps on the fixed batch; the table goes to the log, the JSON to $OUT.
-step check-fsdp 330 python3 -m prequant check-fsdp "$CKPT" --nproc 2 --steps "$STEPS" --timeout 160 \
+step check-fsdp 330 python3 scripts/bench/check_fsdp.py "$CKPT" --nproc 2 --steps "$STEPS" --timeout 160 \
   --report "$OUT/check-fsdp.json"
 
 if python3 -c "import pytest" 2>/dev/null; then
@@ -62,7 +62,7 @@ fi
 # Diagnosis, only with time to spare: FSDP2 with the packed bytes kept as bf16. If bitsandbytes #1945 holds on this
 # stack, the in-forward byte check fails here (that failure is the finding, not a failure of prequant).
 if [ "$(left)" -gt 100 ]; then
-  step bf16-storage 100 python3 -m prequant check-fsdp "$CKPT" --nproc 2 --loader prequant --packed-storage checkpoint \
+  step bf16-storage 100 python3 scripts/bench/check_fsdp.py "$CKPT" --nproc 2 --loader prequant --packed-storage checkpoint \
     --steps 2 --timeout 90 --report "$OUT/check-fsdp-bf16-storage.json"
 fi
 

@@ -1,4 +1,4 @@
-"""summary.md of the GPU machine's check-fsdp drivers, from the reports each leaves in OUT (printed too):
+"""summary.md of the GPU machine's check_fsdp.py drivers, from the reports each leaves in OUT (printed too):
 
     python3 scripts/gpu/fsdp_summary.py fsdp OUT      # fsdp_gpu_check.sh: check-fsdp.json, check-fsdp-bf16-storage.json
     python3 scripts/gpu/fsdp_summary.py trainer OUT   # trainer_gpu_check.sh: check-fsdp-gpu.json, check-fsdp-cpu8.json
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 G = 2**30
-SFT_LOSS_RTOL = 1e-6  # prequant.fsdp.check.SFT_LOSS_RTOL: TRL's loss kernel against the model's own loss
+SFT_LOSS_RTOL = 1e-6  # scripts/bench/check_fsdp.py's SFT_LOSS_RTOL: TRL's loss kernel against the model's own loss
 GROK_LAYERS = 64
 
 

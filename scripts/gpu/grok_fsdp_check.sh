@@ -3,7 +3,7 @@
 # checkpoint with Grok-1's real shapes (hidden 6144, 48 heads, 8 KV heads, 8 experts of 32768, vocab 131072) in
 # keyfan/grok-1-hf naming with the remote-code model of tests/grok/, as many layers as disk allows (4 wanted),
 # converted by prequant on the GPU; then 8 gloo ranks on the machine's CPU (CUDA hidden) load it with load_for_fsdp
-# and train: `prequant check-fsdp --nproc 8 --trust-remote-code`, loaders prequant and trainer, 16 tokens a step.
+# and train: `scripts/bench/check_fsdp.py --nproc 8 --trust-remote-code`, loaders prequant and trainer, 16 tokens a step.
 #
 #   OUT=/some/dir bash scripts/gpu/grok_fsdp_check.sh  # on the GPU machine, from the repository root, .whl carried
 #
@@ -111,7 +111,7 @@ du -sh "$CKPT"; free -g | head -2
 
 THREADS=$(( $(nproc) / CPU_RANKS > 0 ? $(nproc) / CPU_RANKS : 1 ))   # torchrun would give each rank one
 check() {  # check LOADER STEPS REPORT LIMIT
-  step "check-$1-$2" "$4" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS python3 -m prequant check-fsdp "$CKPT" \
+  step "check-$1-$2" "$4" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS python3 scripts/bench/check_fsdp.py "$CKPT" \
     --nproc "$CPU_RANKS" --trust-remote-code --loader "$1" --steps "$2" --seq-len 16 --batch-size 1 \
     --timeout $(($4 - 10)) --report "$3"
 }

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 16 on the GPU machine, in one run of under 10 minutes (it stops itself at 9): make an 8B-shaped random Llama
 # (16 GB bf16) and convert it with prequant on the GPU; then
-#   1. world size 1 on the GPU: `prequant check-fsdp --nproc 1 --steps 20` with transformers' own FSDP-QLoRA path,
+#   1. world size 1 on the GPU: `scripts/bench/check_fsdp.py --nproc 1 --steps 20` with transformers' own FSDP-QLoRA path,
 #      load_for_fsdp and load_for_fsdp trained by TRL's SFTTrainer (`--loader trainer`), side by side: peak GPU
 #      memory for load and training, RssAnon/RssFile, the 20 losses;
-#   2. 8 gloo ranks on the machine's CPU (CUDA hidden): `check-fsdp --loader trainer --nproc 8`, 2 steps of 16 tokens,
+#   2. 8 gloo ranks on the machine's CPU (CUDA hidden): `check_fsdp.py --loader trainer --nproc 8`, 2 steps of 16 tokens,
 #      per-rank RssFile/RssAnon and the bytes of the checkpoint each rank's shards hold.
 #
 #   bash scripts/gpu/train_wheels.sh                     # where PyPI is reachable: ./.whl with TRL, datasets, pyarrow...
@@ -26,7 +26,7 @@ SIZE_GB=${PREQUANT_SIZE_GB:-16}
 SHAPE=${PREQUANT_SHAPE:-llama}                 # for a smoke test without GPUs: uniform, 0.3 GB, DEVICE=cpu, 2 ranks
 DEVICE=${PREQUANT_DEVICE:-cuda}
 GPU_STEPS=${PREQUANT_GPU_STEPS:-20}
-GPU_ARGS=${PREQUANT_GPU_ARGS:-}                # more check-fsdp options for the one-GPU run (e.g. --seq-len 32)
+GPU_ARGS=${PREQUANT_GPU_ARGS:-}                # more check_fsdp.py options for the one-GPU run (e.g. --seq-len 32)
 CPU_RANKS=${PREQUANT_CPU_RANKS:-8}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -60,15 +60,15 @@ fi
 du -sh "$CKPT"
 
 # 1. One GPU: transformers' path, load_for_fsdp with the plain loop, load_for_fsdp with SFTTrainer. What is left after
-# it goes to the CPU run, which needs a few minutes: this one gets at most 260 s, each loader 80 s (check-fsdp records
+# it goes to the CPU run, which needs a few minutes: this one gets at most 260 s, each loader 80 s (check_fsdp.py records
 # a loader that runs out of time and goes on with the next; the report is written once all have run).
-step check-fsdp-gpu 260 python3 -m prequant check-fsdp "$CKPT" --nproc 1 --steps "$GPU_STEPS" --timeout 80 \
+step check-fsdp-gpu 260 python3 scripts/bench/check_fsdp.py "$CKPT" --nproc 1 --steps "$GPU_STEPS" --timeout 80 \
   --loader transformers --loader prequant --loader trainer --report "$OUT/check-fsdp-gpu.json" $GPU_ARGS
 
 # 2. The machine's CPU, CUDA hidden: 8 gloo ranks, the trainer loader, 2 short steps (CPU 4-bit matmuls are slow).
 CPU_LIMIT=$(( $(left) - 45 ))
 THREADS=$(( $(nproc) / CPU_RANKS > 0 ? $(nproc) / CPU_RANKS : 1 ))   # torchrun would give each rank one
-step check-fsdp-cpu8 "$CPU_LIMIT" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS python3 -m prequant check-fsdp "$CKPT" --nproc "$CPU_RANKS" \
+step check-fsdp-cpu8 "$CPU_LIMIT" env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=$THREADS python3 scripts/bench/check_fsdp.py "$CKPT" --nproc "$CPU_RANKS" \
   --loader trainer --steps 2 --seq-len 16 --batch-size 1 --timeout $((CPU_LIMIT - 15)) --report "$OUT/check-fsdp-cpu8.json"
 
 summary trainer

@@ -6,7 +6,7 @@ import pytest
 from conftest import run_cli
 
 
-COMMANDS = ["convert", "verify", "change-storage", "upload", "check-fsdp", "version"]
+COMMANDS = ["convert", "verify", "change-storage", "upload", "version"]
 
 
 @pytest.mark.parametrize("command", ["", *COMMANDS])

@@ -4,11 +4,13 @@ lowest version pyproject.toml declares (`bash scripts/setup.sh floor`). Through 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_grok, read_checkpoint, run_cli
+from conftest import ROOT, build_grok, read_checkpoint, run_cli
 from safetensors import safe_open
 
 from prequant.verify.run import verify
@@ -81,7 +83,8 @@ def test_fsdp_qlora_steps_on_two_ranks(checkpoints, tmp_path):
     """load_for_fsdp (peft, torch.distributed with gloo) on the converted checkpoint: packed bytes intact."""
     src, out = checkpoints("llama"), tmp_path / "out"
     assert run_cli("convert", str(src), str(out), "--device", "cpu").returncode == 0
-    proc = run_cli("check-fsdp", str(out), "--nproc", "2", "--loader", "prequant", "--steps", "2", "--seq-len", "16",
-                   "--batch-size", "1", "--lora-r", "4", "--json")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "check_fsdp.py"), str(out), "--nproc", "2",
+                           "--loader", "prequant", "--steps", "2", "--seq-len", "16", "--batch-size", "1", "--lora-r",
+                           "4", "--json"], capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["ok"] is True
