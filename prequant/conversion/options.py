@@ -22,7 +22,7 @@ from ..errors import UsageError
 from .plan import parse_size
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_DEVICE = re.compile(r"^(auto|(cpu|cuda)(:\d+)?)$")
 # The options whose values are one of a few, as the quantization settings (`bnb.format`) accept them.
 _CHOICES: dict[str, tuple] = {"quant_type": QUANT_TYPES, "blocksize": BLOCKSIZES, "compute_dtype": COMPUTE_NAMES,
                               "quant_storage": STORAGE_NAMES}
