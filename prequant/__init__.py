@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 from .errors import PrequantError, UsageError
 
-__all__ = ["ConvertOptions", "Plan", "PrequantError", "Summary", "UsageError", "__version__", "convert",
-           "load_for_fsdp", "quantize_tensor"]
+__all__ = ["ConvertOptions", "Plan", "PrequantError", "Summary", "UsageError", "__version__", "change_storage",
+           "convert", "load_for_fsdp", "quantize_tensor"]
 
 # Imported on first use: `import prequant` (and so the CLI, which starts reading the disk before it
 # pays for torch) must stay cheap.
@@ -24,6 +24,7 @@ _LAZY = {
     "Plan": "conversion.plan",
     "quantize_tensor": "bnb.quantize",
     "load_for_fsdp": "fsdp.loader",
+    "change_storage": "conversion.storage",
 }
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from .conversion.options import ConvertOptions
     from .conversion.plan import Plan
     from .conversion.run import convert
+    from .conversion.storage import change_storage
     from .conversion.summary import Summary
     from .fsdp.loader import load_for_fsdp
 
