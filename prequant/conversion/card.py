@@ -96,8 +96,9 @@ def _cache_repo(path: object) -> str | None:
 
 
 def base_model_note(manifest: dict, option: str) -> str | None:
-    """What to do when the card of the output `manifest` describes names no base model: pass `option` (how the
-    caller names it, e.g. `--base-model org/name`). None when it names one (or the manifest predates the record)."""
+    """The hint for an output whose card names no base model (as its `manifest` records): pass `option` (as the
+    caller writes it, e.g. `--base-model org/name`). None when the card names one, or the manifest predates the
+    record."""
     source = manifest.get("source") or {}
     if "base_model" not in source or source["base_model"]:
         return None

@@ -3,7 +3,7 @@
 
 A library caller passes what Python code holds: torch dtypes or their names (`quant_storage=torch.uint8` or
 "uint8"), one `skip` pattern or several, a `torch.device`. A refusal names the option as its caller wrote it:
-`--quant-type 'nf5'` for the CLI, `quant_type='nf5'` for Python."""
+`--quant-type nf5` for the CLI, `quant_type='nf5'` for Python."""
 
 from __future__ import annotations
 

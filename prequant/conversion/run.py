@@ -135,7 +135,8 @@ def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantiz
     hint = card.base_model_note(written, opts.said("base_model", "org/name"))
     if hint and opts.progress:
         print(f"prequant: note: {hint}", file=sys.stderr)
-    return _summary(out, src, plan, quantizer, started, side, written, hub_url, claim.complete, [hint] if hint else [])
+    notes = [hint] if hint else []
+    return _summary(out, src, plan, quantizer, started, side, written, hub_url, claim.complete, notes)
 
 
 def _convert_into(out: Path, src: Source, data: TensorReader, plan: Plan, config: dict,

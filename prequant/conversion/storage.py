@@ -35,7 +35,7 @@ from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
 from ..util.fsio import write_json
 from ..util.progress import Progress
-from ..verify.report import VerificationFailed
+from ..verify.report import VerificationFailed, count
 from ..verify.run import verify
 from . import card, output
 from .options import one_of, spelled
@@ -62,10 +62,9 @@ class StorageChange:
         return asdict(self)
 
     def to_text(self) -> str:
-        shards = f"{self.shards} shard" + ("" if self.shards == 1 else "s")
         lines = [f"wrote {self.output_dir}: {self.packed_weights} packed weights stored as {self.new_storage} "
-                 f"(were {self.old_storage}), {shards}, {self.bytes_copied / 1e9:.3f} GB copied in "
-                 f"{self.seconds:.1f} s", f"card: {self.card}"]
+                 f"(were {self.old_storage}), {count(self.shards, 'shard')}, {self.bytes_copied / 1e9:.3f} GB copied "
+                 f"in {self.seconds:.1f} s", f"card: {self.card}"]
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
 
