@@ -6,13 +6,14 @@ The package, one subpackage per job, lower layers never importing upper ones:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import PrequantError, UsageError
 
-__all__ = ["ConvertOptions", "Plan", "PrequantError", "Summary", "UsageError", "__version__", "convert",
-           "load_for_fsdp", "quantize_tensor"]
+__all__ = ["ConvertOptions", "Plan", "PrequantError", "Summary", "UsageError", "__version__", "change_storage",
+           "convert", "load_for_fsdp", "quantize_tensor"]
 
 # Imported on first use: `import prequant` (and so the CLI, which starts reading the disk before it
 # pays for torch) must stay cheap.
@@ -23,6 +24,7 @@ _LAZY = {
     "Plan": "conversion.plan",
     "quantize_tensor": "bnb.quantize",
     "load_for_fsdp": "fsdp.loader",
+    "change_storage": "conversion.storage",
 }
 
 if TYPE_CHECKING:
@@ -30,8 +32,25 @@ if TYPE_CHECKING:
     from .conversion.options import ConvertOptions
     from .conversion.plan import Plan
     from .conversion.run import convert
+    from .conversion.storage import change_storage
     from .conversion.summary import Summary
     from .fsdp.loader import load_for_fsdp
+
+
+# bitsandbytes, imported on a CPU with AVX512-BF16, tries to fetch an optional CPU inference kernel from the Hub and
+# logs "Failed to load CPU gemm_4bit_forward from kernels-community: ..." when it cannot (offline, or `kernels`
+# missing), then runs its built-in kernel: the same results. That line comes once per process, so once per rank of
+# every load; in a process that imports prequant (the CLI, check-fsdp's ranks, a script using load_for_fsdp) that
+# one message of that logger is dropped, and everything else bitsandbytes logs passes (docs/loading.md).
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+_BNB_CPU_KERNEL_NOTE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _not_the_cpu_kernel_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_BNB_CPU_KERNEL_NOTE)
+
+
+logging.getLogger(_BNB_CPU_LOGGER).addFilter(_not_the_cpu_kernel_note)
 
 
 def __getattr__(name: str) -> Any:

@@ -127,7 +127,7 @@ def verify(
     ] = None,
     max_rel_error: Annotated[
         float | None,
-        typer.Option("--max-rel-error", metavar="X", help="With --source, fail tensors above this relative error, a "
+        typer.Option("--max-rel-error", metavar="X", help="With --source: fail tensors above this relative error, a "
                      "number above 0 (default: 4x the Gaussian figure for the settings, e.g. 0.368 for NF4 block 64)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
@@ -135,8 +135,9 @@ def verify(
     """Check OUTPUT_DIR: files against prequant.json (size, sha256), index against shards, quant states, config."""
     with signals.deferred():  # torch's imports (see convert)
         from .verify.report import VerificationFailed
-        from .verify.run import verify as run_verify
+        from .verify.run import check_arguments, verify as run_verify
 
+    check_arguments(source, max_rel_error, cli=True)
     report = run_verify(output_dir, source, max_rel_error=max_rel_error)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
     if not report.ok:
@@ -148,13 +149,14 @@ def verify(
     cls=_Command,
     short_help='Copy a checkpoint with another quant storage.',
     epilog="The packed 4-bit bytes are the same whatever the storage: bfloat16 (or your training dtype) for "
-    "FSDP+QLoRA, uint8 for vLLM and SGLang. OUTPUT_DIR is verified first; DEST gets what convert --quant-storage "
-    "DTYPE would have written.\n\n"
+    "FSDP+QLoRA, uint8 for vLLM and SGLang. OUTPUT_DIR is verified first and left as it is; DEST (a new or empty "
+    "folder) gets what convert --quant-storage DTYPE would have written.\n\n"
     + _examples("prequant change-storage ./llama3-8b-nf4 ./llama3-8b-nf4-vllm \\", "    --quant-storage uint8")
 )
 def change_storage(
     output_dir: OutputArg,
-    dest: Annotated[str, typer.Argument(metavar="DEST", help="Where to write the copy (empty, or --overwrite).")],
+    dest: Annotated[str, typer.Argument(metavar="DEST", help="Where to write the copy: a new or empty folder (a "
+                                        "non-empty one with --overwrite).")],
     quant_storage: Annotated[
         str, typer.Option("--quant-storage", metavar="DTYPE", help="The new storage: uint8, bfloat16, float16 or "
                           "float32.")
@@ -164,9 +166,9 @@ def change_storage(
 ) -> None:
     """Copy OUTPUT_DIR to DEST with its packed weights stored as another dtype (headers, config, card rewritten)."""
     with signals.deferred():  # torch's imports (see convert)
-        from .conversion.storage import change_storage as run_change
+        from .conversion.storage import change_storage as run_change, storage_name
 
-    result = run_change(output_dir, dest, quant_storage, overwrite=overwrite)
+    result = run_change(output_dir, dest, storage_name(quant_storage, cli=True), overwrite=overwrite)
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 
 

@@ -46,7 +46,9 @@ NESTED_STATE_KEYS = ("nested_blocksize", "nested_dtype", "nested_offset")
 
 @dataclass(frozen=True)
 class Settings:
-    """Quantization settings; the same names as BitsAndBytesConfig, checked on creation."""
+    """Quantization settings; the same names as BitsAndBytesConfig, checked on creation (a refusal names the
+    keyword, as `quantize_tensor`'s caller wrote it; `conversion.options` checks convert's first, as its caller
+    wrote them)."""
 
     quant_type: str = "nf4"
     double_quant: bool = True
@@ -56,13 +58,13 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.quant_type not in QUANT_TYPES:
-            raise UsageError(f"--quant-type {self.quant_type!r} is not supported; use nf4 or fp4")
+            raise UsageError(f"quant_type={self.quant_type!r} is not supported; use nf4 or fp4")
         if self.blocksize not in BLOCKSIZES:
-            raise UsageError(f"--blocksize {self.blocksize} is not supported; use one of {BLOCKSIZES}")
+            raise UsageError(f"blocksize={self.blocksize!r} is not supported; use one of {BLOCKSIZES}")
         if self.compute_dtype not in COMPUTE_NAMES:
-            raise UsageError(f"--compute-dtype {self.compute_dtype!r} is not supported; use {', '.join(COMPUTE_NAMES)}")
+            raise UsageError(f"compute_dtype={self.compute_dtype!r} is not supported; use {', '.join(COMPUTE_NAMES)}")
         if self.quant_storage not in STORAGE_NAMES:
-            raise UsageError(f"--quant-storage {self.quant_storage!r} is not supported; use {', '.join(STORAGE_NAMES)}")
+            raise UsageError(f"quant_storage={self.quant_storage!r} is not supported; use {', '.join(STORAGE_NAMES)}")
 
     @property
     def state_entry(self) -> str:

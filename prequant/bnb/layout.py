@@ -133,7 +133,7 @@ def _from_transformers(
             which = _which_skip(module, skip, required, keep_fp32)
             if which == "--skip":
                 by_skip[module] = next(p for p in skip if not should_convert(module, [p]))
-            decisions[t.name] = Decision(False, f"skipped ({which})", dtype=kept_as)
+            decisions[t.name] = Decision(False, f"skipped: {which}", dtype=kept_as)
         else:
             conv1d = linear[module]
             decisions[t.name] = Decision(True, "Conv1D, transposed" if conv1d else "nn.Linear", transpose=conv1d,
@@ -267,7 +267,7 @@ def _from_rules(config: dict, tensors: list[TensorRef], skip: list[str], remote:
             decisions[t.name] = Decision(False, "not a 2-D weight", dtype=cast)
         elif not should_convert(module, skip):
             by_skip[module] = next(p for p in skip if not should_convert(module, [p]))
-            decisions[t.name] = Decision(False, "skipped (--skip)", dtype=cast)
+            decisions[t.name] = Decision(False, "skipped: --skip", dtype=cast)
         elif family is not None:
             linear = bool(family.quantize.match(module))
             decisions[t.name] = Decision(linear, f"{family.name} rule" if linear else f"kept by {family.name} rule",

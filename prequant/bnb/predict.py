@@ -142,7 +142,7 @@ def predict(config: dict, tensors: list[TensorRef], skip: list[str], trust_remot
             which = _which_skip(module, skip, required, [])
             if which == "--skip":
                 by_skip[module] = next(p for p in skip if not should_convert(module, [p]))
-            decisions[t.name] = Decision(False, f"skipped ({which})", dtype=kept_as)
+            decisions[t.name] = Decision(False, f"skipped: {which}", dtype=kept_as)
         else:
             decisions[t.name] = Decision(True, "Conv1D, transposed" if rules.conv1d else "nn.Linear",
                                          transpose=rules.conv1d, dtype=cast_code(t.dtype, dtype))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from .._version import __version__
 from ..bnb.stats import expected_rel_error
-from ..checkpoint.hf_files import CARD
+from ..checkpoint.hf_files import CARD, read_config
+from ..errors import PrequantError
 from .plan import Plan
 
 # Metadata of the source card carried into the new one: licence terms (and the gate that makes users
@@ -23,38 +24,86 @@ _CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag
 _CARRIED_PREFIXES = ("license", "extra_gated")
 
 
+# A Hub repo id as config.json's `_name_or_path` holds one (`org/name`), not a local path (`./x`, `/x/y`, `~/x`).
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
 def write_card(
     staging: Path,
     *,
     source_dir: Path,
-    base_model: str,
-    base_model_is_repo: bool,
+    source: dict,
+    base_model: str | None,
     plan: Plan,
     stats_summary: dict | None,
     repo_id: str | None = None,
-) -> None:
-    """Write README.md into `staging`.
+) -> str | None:
+    """Write README.md into `staging`; return the base model it names (None: it names none).
 
-    The loading examples name `repo_id` when the destination is known (--push-to-hub), else a name
-    derived from the base model: never the local output path, so that converting the same source with
-    the same options gives the same bytes wherever the output goes."""
+    `source`: the manifest's record of the source (`record.source_identity`); `base_model`: the one the user named
+    (--base-model), else the Hub repo prequant can tell (`base_model_id`), else none: the metadata then has no
+    base_model (a folder's name is no Hub link) and the text names the source folder. The loading examples name
+    `repo_id` when the destination is known (--push-to-hub), else a name derived from the base model or folder:
+    never the local output path, so that converting the same source with the same options gives the same bytes
+    wherever the output goes."""
     from huggingface_hub import ModelCard, ModelCardData  # here: 0.3 s of imports, not on a conversion's start-up
 
+    base = base_model or base_model_id(source, source_dir)
     original = _original_card(source_dir / CARD)
     s = plan.settings
     tags = ["bitsandbytes", "4-bit", s.quant_type, "prequant"]
     extra = dict(original["metadata"]) if original else {}
     tags += [t for t in extra.pop("tags", None) or [] if isinstance(t, str) and t not in tags]
+    linked = {"base_model": base, "base_model_relation": "quantized"} if base else {}
     data = ModelCardData(
-        base_model=base_model,
         library_name="transformers",
         tags=tags,
-        base_model_relation="quantized",
+        **linked,
         **{k: v for k, v in extra.items() if k not in ("base_model", "library_name", "base_model_relation")},
     )
-    name = repo_id or f"{base_model.split('/')[-1]}-bnb-4bit-{s.quant_type}"
-    body = _body(name, repo_id is not None, base_model, base_model_is_repo, plan, stats_summary, original)
+    shown = base or Path(source["path"]).resolve().name
+    name = repo_id or f"{shown.split('/')[-1]}-bnb-4bit-{s.quant_type}"
+    body = _body(name, repo_id is not None, shown, base is not None, plan, stats_summary, original)
     (staging / CARD).write_text(str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")))
+    return base
+
+
+def base_model_id(source: dict, source_dir: Path) -> str | None:
+    """The source's Hub repo id when prequant can tell it: a Hub source's; that of a snapshot folder of the Hugging
+    Face cache given as a local path (`.../models--org--name/snapshots/<commit>`); config.json's `_name_or_path`
+    when it is a repo id (`org/name`) or such a snapshot path. None otherwise."""
+    if source.get("repo_id"):
+        return source["repo_id"]
+    try:
+        named = read_config(source_dir).get("_name_or_path")
+    except PrequantError:  # the conversion read it already; trouble now just means no name from it
+        named = None
+    for path in (source["path"], named):
+        if found := _cache_repo(path):
+            return found
+    return named if isinstance(named, str) and _REPO_ID.match(named) else None
+
+
+def _cache_repo(path: object) -> str | None:
+    """org/name from a Hugging Face cache snapshot path (`.../models--org--name/snapshots/<commit>`), else None."""
+    if not isinstance(path, str):
+        return None
+    parts = Path(path).absolute().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        org, sep, name = parts[-3].removeprefix("models--").partition("--")
+        return f"{org}/{name}" if sep and org and name else None
+    return None
+
+
+def base_model_note(manifest: dict, option: str) -> str | None:
+    """The hint for an output whose card names no base model (as its `manifest` records): pass `option` (as the
+    caller writes it, e.g. `--base-model org/name`). None when the card names one, or the manifest predates the
+    record."""
+    source = manifest.get("source") or {}
+    if "base_model" not in source or source["base_model"]:
+        return None
+    return (f"the model card names no base_model: prequant cannot tell which Hub repo {Path(source['path']).name} "
+            f"comes from; to link the card to it, convert with {option}")
 
 
 def _original_card(path: Path) -> dict | None:
@@ -103,7 +152,7 @@ def _body(
         "",
         "Left unquantized (original dtype):",
         "",
-        *[f"- {n:,} parameters: {why}" for why, n in plan.unquantized().items()],
+        *[f"- {n:,} parameters ({why})" for why, n in plan.unquantized().items()],
         "",
         *([f"**{fused[0].upper()}{fused[1:]}.**", ""] if fused else []),
         *loading_section(name, known, s.quant_storage, s.compute_dtype, fused is not None),

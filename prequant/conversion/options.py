@@ -1,19 +1,39 @@
-"""The options of a conversion, in one object built by keyword once: by the CLI from its options (same names) or
-by a library caller through `convert(..., **options)`."""
+"""The options of a conversion, in one object built by keyword once: by the CLI from its options (same names,
+`ConvertOptions.pick`) or by a library caller through `convert(..., **options)`.
+
+A library caller passes what Python code holds: torch dtypes or their names (`quant_storage=torch.uint8` or
+"uint8"), one `skip` pattern or several, a `torch.device`. A refusal names the option as its caller wrote it:
+`--quant-type nf5` for the CLI, `quant_type='nf5'` for Python."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..bnb.format import Settings
+import torch
+
+from ..bnb.format import BLOCKSIZES, COMPUTE_NAMES, QUANT_TYPES, STORAGE_NAMES, Settings
 from ..bnb.loading import skip_problem
+from ..checkpoint.dtypes import torch_name
 from ..errors import UsageError
 from .plan import parse_size
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_DEVICE = re.compile(r"^(auto|(cpu|cuda)(:\d+)?)$")
+# The options whose values are one of a few, as the quantization settings (`bnb.format`) accept them.
+_CHOICES: dict[str, tuple] = {"quant_type": QUANT_TYPES, "blocksize": BLOCKSIZES, "compute_dtype": COMPUTE_NAMES,
+                              "quant_storage": STORAGE_NAMES}
+
+
+def spelled(name: str, value: object, *, cli: bool) -> str:
+    """Option `name` given `value`, as its caller writes it: `--max-shard-size 5GB` (the CLI, quoted for the
+    shell where needed) or `max_shard_size='5GB'` (a keyword argument)."""
+    if cli:
+        return f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
+    return f"{name}={value!r}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,11 +45,11 @@ class ConvertOptions:
     quant_type: str = "nf4"
     double_quant: bool = True
     blocksize: int = 64
-    compute_dtype: str = "bfloat16"
-    quant_storage: str = "bfloat16"
-    skip: tuple[str, ...] = ()  # more modules to keep unquantized (transformers' llm_int8_skip_modules matching)
+    compute_dtype: str | torch.dtype = "bfloat16"  # a torch dtype is kept as its name ("bfloat16")
+    quant_storage: str | torch.dtype = "bfloat16"
+    skip: tuple[str, ...] | str = ()  # more modules to keep unquantized (transformers' llm_int8_skip_modules matching)
     max_shard_size: str | int = "5GB"
-    device: str = "auto"
+    device: str | torch.device = "auto"
     dry_run: bool = False
     overwrite: bool = False
     resume: bool = False
@@ -40,16 +60,32 @@ class ConvertOptions:
     delete_source_shards: bool = False
     allow_nan: bool = False  # copy a kept tensor holding NaN as it is (recorded in prequant.json) instead of refusing
     base_model: str | None = None  # the card's base_model (a Hub repo id) for a local source; a Hub source's own
+    cli: bool = field(default=False, repr=False, compare=False)  # built by `pick`: messages name the CLI's flags
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "skip", tuple(self.skip or ()))
+        given = {name: getattr(self, name) for name in ("compute_dtype", "quant_storage")}
+        for name, value in given.items():
+            if isinstance(value, torch.dtype):
+                object.__setattr__(self, name, torch_name(value))
+        object.__setattr__(self, "skip", (self.skip,) if isinstance(self.skip, str) else tuple(self.skip or ()))
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                value = given.get(name, getattr(self, name))
+                raise UsageError(f"{self.said(name, value)} is not supported; use {one_of(allowed)}")
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise UsageError(f"{self.said('device', self.device)} is not a device; use auto, cpu or cuda[:N]")
         if self.base_model is not None and not _REPO_ID.match(self.base_model):
-            raise UsageError(f"--base-model {self.base_model!r} is not a Hub repo id; write it as org/name")
-        self.settings  # noqa: B018 - checks the quantization settings
-        self.shard_limit  # noqa: B018 - checks the size
+            raise UsageError(f"{self.said('base_model', self.base_model)} is not a Hub repo id; write it as org/name")
+        parse_size(self.max_shard_size, self.said("max_shard_size", self.max_shard_size))
         for pattern in self.skip:  # transformers compiles each as a regex when it loads the output
             if problem := skip_problem(pattern):
-                raise UsageError(f"--skip {pattern!r} {problem}")
+                raise UsageError(f"{self.said('skip', pattern)} {problem}")
+
+    def said(self, name: str, value: object) -> str:
+        """Option `name` given `value`, as this object's caller writes it (see `spelled`)."""
+        return spelled(name, value, cli=self.cli)
 
     @property
     def settings(self) -> Settings:
@@ -64,5 +100,12 @@ class ConvertOptions:
 
     @classmethod
     def pick(cls, values: Mapping[str, Any]) -> ConvertOptions:
-        """The options named in `values` (e.g. a CLI command's arguments), ignoring other names."""
-        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+        """The options of the CLI's `convert`, from its arguments (`values`: by the same names, others ignored);
+        a refusal names them as its flags."""
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values and f.name != "cli"}, cli=True)
+
+
+def one_of(allowed: tuple) -> str:
+    """'nf4 or fp4', 'bfloat16, float16 or float32': the values an option takes, said."""
+    names = [str(a) for a in allowed]
+    return f"{', '.join(names[:-1])} or {names[-1]}"

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..bnb.format import QUANTIZABLE, Settings, loses_codes, settings_entries
 from ..bnb.layout import Decision, Layout
+from ..bnb.loading import should_convert
 from ..checkpoint.dtypes import itemsize
 from ..checkpoint.hf_files import shard_name
 from ..checkpoint.tensors import TensorRef
@@ -168,13 +170,16 @@ class Plan:
         q = sum(st.quantize for st in self.steps)
         lines.append(
             f"total: {q} tensors quantized, {len(self.steps) - q} kept, "
-            f"{_human(self.input_bytes)} -> {_human(self.output_bytes)} in {len(self.shards)} shard(s)"
+            f"{_human(self.input_bytes)} -> {_human(self.output_bytes)} in {len(self.shards)} "
+            + ("shard" if len(self.shards) == 1 else "shards")
         )
         return "\n".join(lines)
 
 
-def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int) -> Plan:
-    """Decide every output tensor and its shard. Pure: same inputs, same plan."""
+def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
+              skip: Sequence[str] = ()) -> Plan:
+    """Decide every output tensor and its shard. Pure: same inputs, same plan. `skip`: the user's skip patterns,
+    each warned about when it matches no module of the checkpoint (a typo keeps nothing)."""
     if not tensors:
         raise PrequantError("the source holds no tensors; check that the weight files are not empty")
     groups: list[tuple[TensorRef, Decision, tuple[OutTensor, ...]]] = []
@@ -189,7 +194,17 @@ def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_
     count = max(shard_of) + 1
     names = tuple(shard_name(i, count) for i in range(count))
     steps = tuple(Step(t, d, outs, names[shard_of[i]]) for i, (t, d, outs) in enumerate(groups))
-    return Plan(settings, steps, names, layout.skip_modules, layout.method, list(layout.notes), list(layout.warnings))
+    warnings = [*layout.warnings, *unmatched_skips(skip, tensors)]
+    return Plan(settings, steps, names, layout.skip_modules, layout.method, list(layout.notes), warnings)
+
+
+def unmatched_skips(skip: Sequence[str], tensors: list[TensorRef]) -> list[str]:
+    """A warning for each skip pattern that matches no module of the checkpoint (as transformers matches
+    llm_int8_skip_modules: from a module name's start to a boundary, or as its end)."""
+    modules = {t.name.rpartition(".")[0] for t in tensors}
+    return [f"the skip pattern {pattern!r} matches no module of the checkpoint, so it keeps nothing unquantized; "
+            "check its spelling against the tensor names (a dry run lists them)"
+            for pattern in dict.fromkeys(skip) if all(should_convert(m, [pattern]) for m in modules)]
 
 
 def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings) -> None:
@@ -257,21 +272,24 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, as transformers reads max_shard_size."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
-    if not m:
-        raise UsageError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
-    unit = (m.group(2) or "").lower()
-    if "i" in unit:
-        factor = 1024 ** ("kmgt".index(unit[0]) + 1)
+def parse_size(text: str | int, said: str | None = None) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, as transformers reads max_shard_size. A UsageError names
+    the value as `said` (how the caller wrote the option, e.g. `--max-shard-size lots`), else as its repr."""
+    said = said or repr(text)
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
     else:
-        factor = _UNITS[unit if unit.endswith("b") or unit == "" else unit + "b"]
-    size = int(float(m.group(1)) * factor)
+        m = _SIZE.match(text) if isinstance(text, str) else None
+        if not m:
+            raise UsageError(f"{said} is not a size; write e.g. 5GB, 500MB or 2GiB")
+        unit = (m.group(2) or "").lower()
+        if "i" in unit:
+            factor = 1024 ** ("kmgt".index(unit[0]) + 1)
+        else:
+            factor = _UNITS[unit if unit.endswith("b") or unit == "" else unit + "b"]
+        size = int(float(m.group(1)) * factor)
     if size <= 0:
-        raise UsageError(f"--max-shard-size {text!r} must be positive")
+        raise UsageError(f"{said} must be positive")
     return size
 
 

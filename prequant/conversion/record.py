@@ -95,21 +95,14 @@ class Recorder:
     def finish(self, staging: Path, side_files: list[Path], *, device: str, repo_id: str | None = None,
                base: str | None = None) -> dict:
         """Write README.md (the model card) and prequant.json into `staging`; return the manifest. `base`: the
-        base model's Hub repo id, when the user named it (--base-model)."""
+        base model's Hub repo id, when the user named it (--base-model); the manifest's source records the one the
+        card names (`card.write_card`), null for none."""
         source = source_identity(self.source)
         if self.stats is not None:
             self._backfill_stats(staging)
         summary = summarize(self.stats.tensors) if self.stats is not None else None
-        base_id = base or hub_repo_id(source)
-        write_card(
-            staging,
-            source_dir=self.source.path,
-            base_model=base_id or Path(source["path"]).resolve().name,
-            base_model_is_repo=base_id is not None,
-            plan=self.plan,
-            stats_summary=summary,
-            repo_id=repo_id,
-        )
+        source["base_model"] = write_card(staging, source_dir=self.source.path, source=source, base_model=base,
+                                          plan=self.plan, stats_summary=summary, repo_id=repo_id)
         names = [*self.plan.shards, *(p.as_posix() for p in side_files), CONFIG, CARD]
         names += [n for n in INDEX_NAMES if (staging / n).is_file()]
         return self._write(staging, names, source, device)
@@ -177,15 +170,3 @@ def source_identity(src: Source) -> dict:
         if name and (src.path / name).is_file():
             ident.setdefault("sha256", {})[name] = sha256_file(src.path / name)
     return ident
-
-
-def hub_repo_id(source: dict) -> str | None:
-    """The source's Hub repo id when known: a Hub source's, or that of a snapshot folder of the Hugging Face
-    cache given as a local path (`.../models--org--name/snapshots/<commit>`)."""
-    if source.get("repo_id"):
-        return source["repo_id"]
-    parts = Path(source["path"]).absolute().parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        org, sep, name = parts[-3].removeprefix("models--").partition("--")
-        return f"{org}/{name}" if sep and org and name else None
-    return None

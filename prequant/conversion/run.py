@@ -31,7 +31,7 @@ from ..source.resolve import contents, reader, resolve
 from ..source.spec import Source
 from ..util import signals, trace
 from ..util.progress import Progress
-from . import output, pipeline, readahead
+from . import card, output, pipeline, readahead
 from .journal import Journal, fingerprint, job_id
 from .layouts import LayoutMismatch, Layouts
 from .options import ConvertOptions
@@ -131,7 +131,12 @@ def _run(out: Path, src: Source, tensors: list[TensorRef], config: dict, quantiz
         layouts.confirm()  # refused on a prediction: transformers' own refusal, or its other layout, comes first
         raise
     hub_url = _push(out, opts) if opts.push_to_hub else None
-    return _summary(out, src, plan, quantizer, started, side, written or manifest.load(out), hub_url, claim.complete)
+    written = written or manifest.load(out)
+    hint = card.base_model_note(written, opts.said("base_model", "org/name"))
+    if hint and opts.progress:
+        print(f"prequant: note: {hint}", file=sys.stderr)
+    notes = [hint] if hint else []
+    return _summary(out, src, plan, quantizer, started, side, written, hub_url, claim.complete, notes)
 
 
 def _convert_into(out: Path, src: Source, data: TensorReader, plan: Plan, config: dict,
@@ -168,7 +173,7 @@ def _src_bytes(tensors: list[TensorRef]) -> int:
 def _plan(tensors: list[TensorRef], layout: Layout, opts: ConvertOptions) -> Plan:
     """Plan every output from the layout (which tensors become 4-bit)."""
     require_known(layout)
-    plan = make_plan(tensors, layout, opts.settings, opts.shard_limit)
+    plan = make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip)
     if opts.progress and not opts.dry_run:  # a dry run's plan says them
         for warning in plan.warnings:
             print(f"prequant: warning: {warning}", file=sys.stderr)
@@ -227,7 +232,7 @@ def _each(hooks: list[Callable[[TensorRef], Any]]) -> Callable[[Step], None]:
 
 
 def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer | Starting, started: float, side: list[Path],
-             written: dict, hub_url: str | None, already_complete: bool) -> Summary:
+             written: dict, hub_url: str | None, already_complete: bool, notes: list[str]) -> Summary:
     return Summary(
         output_dir=str(out),
         source=src.describe(),
@@ -240,7 +245,7 @@ def _summary(out: Path, src: Source, plan: Plan, quantizer: Quantizer | Starting
         seconds=time.monotonic() - started,
         peak_gpu_bytes=_peak_gpu_bytes(quantizer.device),
         unquantized_parameters=plan.unquantized(),
-        notes=plan.all_notes(),
+        notes=[*plan.all_notes(), *notes],
         copied_files=[p.as_posix() for p in side],
         stats=written["stats"]["summary"],
         hub_commit_url=hub_url,

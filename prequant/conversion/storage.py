@@ -10,7 +10,8 @@ with copy_file_range, in the kernel, never through this process' memory. The res
 
 The input is verified first (as `upload` does: sizes, sha256, structure). The output is assembled in
 DEST/.prequant-staging and published with config.json last, as a conversion is: nothing half-written looks
-complete.
+complete. DEST is checked and locked as a conversion's OUTPUT_DIR is (`output`), and called DEST when refused:
+here OUTPUT_DIR is the input.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..bnb.format import STORAGE_CODES, STORAGE_NAMES, decode_quant_state, packed_bytes, packed_length, split_state_key
-from ..checkpoint.dtypes import itemsize
+from ..checkpoint.dtypes import itemsize, torch_name
 from ..checkpoint.hf_files import CARD, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
 from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
 from ..checkpoint.safetensors import read_header
@@ -32,9 +35,10 @@ from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
 from ..util.fsio import write_json
 from ..util.progress import Progress
-from ..verify.report import VerificationFailed
+from ..verify.report import VerificationFailed, count
 from ..verify.run import verify
 from . import card, output
+from .options import one_of, spelled
 from .plan import OutTensor
 from .writer import ShardWriter
 
@@ -59,24 +63,34 @@ class StorageChange:
 
     def to_text(self) -> str:
         lines = [f"wrote {self.output_dir}: {self.packed_weights} packed weights stored as {self.new_storage} "
-                 f"(were {self.old_storage}), {self.shards} shard(s), {self.bytes_copied / 1e9:.3f} GB copied in "
-                 f"{self.seconds:.1f} s", f"card: {self.card}"]
+                 f"(were {self.old_storage}), {count(self.shards, 'shard')}, {self.bytes_copied / 1e9:.3f} GB copied "
+                 f"in {self.seconds:.1f} s", f"card: {self.card}"]
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
 
 JOBS_BY_STORAGE = "job_by_storage"  # prequant.json: storage -> the job fingerprint of the conversion to it
 
 
+def storage_name(value: str | torch.dtype, *, cli: bool = False) -> str:
+    """A packed-weight storage given as its name ("uint8") or a torch dtype (torch.uint8), as its name; a
+    UsageError names the option as its caller wrote it (`cli`: `--quant-storage`, else `quant_storage=`)."""
+    name = torch_name(value) if isinstance(value, torch.dtype) else value
+    if name not in STORAGE_NAMES:
+        raise UsageError(f"{spelled('quant_storage', value, cli=cli)} is not supported; use {one_of(STORAGE_NAMES)}")
+    return name
+
+
 def change_storage(
-    output_dir: str | Path, dest: str | Path, quant_storage: str, *, overwrite: bool = False, progress: bool = True
+    output_dir: str | Path, dest: str | Path, quant_storage: str | torch.dtype, *, overwrite: bool = False,
+    progress: bool = True,
 ) -> StorageChange:
     """Write into `dest` the checkpoint of `output_dir` (a prequant output) with its packed weights stored as
-    `quant_storage` (bfloat16, float16, float32 or uint8). Raises PrequantError when the input does not verify
-    or a packed weight's codes do not fit the new storage exactly (named, with the fix)."""
+    `quant_storage` ("bfloat16", "float16", "float32" or "uint8", or that torch dtype). Raises PrequantError when
+    the input does not verify or a packed weight's codes do not fit the new storage exactly (named, with the
+    fix)."""
     started = time.monotonic()
     src, out = Path(output_dir), Path(dest)
-    if quant_storage not in STORAGE_NAMES:
-        raise UsageError(f"--quant-storage {quant_storage!r} is not supported; use {', '.join(STORAGE_NAMES)}")
+    quant_storage = storage_name(quant_storage)
     report = verify(src, progress=progress)
     if not report.ok:
         raise VerificationFailed(report, f"refusing to change the storage of {src}, it does not verify")
@@ -85,11 +99,22 @@ def change_storage(
     old = config["quantization_config"].get("bnb_4bit_quant_storage", "uint8")
     if old == quant_storage:
         raise UsageError(f"{src} is already stored as {quant_storage}; nothing to change")
+    try:
+        return _change(src, out, manifest, config, old, quant_storage, overwrite, progress, started)
+    except PrequantError as e:  # `output` calls the folder it writes OUTPUT_DIR, which here is the input
+        if "OUTPUT_DIR" not in e.detail:
+            raise
+        detail = e.detail.replace("an OUTPUT_DIR", "a DEST").replace("OUTPUT_DIR", "DEST")
+        raise (UsageError if isinstance(e, UsageError) else PrequantError)(detail, where=e.where) from e
+
+
+def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_storage: str, overwrite: bool,
+            progress: bool, started: float) -> StorageChange:
     out = output.target(out, src, overwrite=overwrite, resume=False)  # refused as convert refuses it
     shards = _shard_names(src)
     code = STORAGE_CODES[quant_storage]
     plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
-    # One writer per OUTPUT_DIR, as for convert (the lock is not a job: no --resume here).
+    # One writer per DEST, as for convert (the lock is not a job: no --resume here).
     with output.claim(out, "", overwrite=overwrite, resume=False):
         staging = output.staging_dir(out)
         digests: dict[str, str] = {}

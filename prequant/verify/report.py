@@ -59,7 +59,7 @@ class Report:
         }
 
     def to_text(self) -> str:
-        status = "OK" if self.ok else f"FAILED ({len(self.problems)} problem(s))"
+        status = "OK" if self.ok else f"FAILED ({count(len(self.problems), 'problem')})"
         lines = [f"verify {self.output_dir}: {status}"]
         if self.files:
             f = self.files
@@ -70,11 +70,11 @@ class Report:
         if self.tensors:
             t = self.tensors
             lines.append(
-                f"  tensors: {t['count']} keys in {t['shards']} shard(s), {t['quantized']} quantized "
+                f"  tensors: {count(t['count'], 'key')} in {count(t['shards'], 'shard')}, {t['quantized']} quantized "
                 f"({', '.join(t['quant_types']) or '-'}), index {'consistent' if t['index_ok'] else 'INCONSISTENT'}"
             )
         if self.config:
-            lines.append(f"  config.json: quantization_config {'agrees with the tensors' if self.config['ok'] else 'DISAGREES'}")
+            lines.append(f"  config.json: {self._config_text()}")
         if self.conversion_stats and self.conversion_stats.get("tensors"):
             c = self.conversion_stats
             lines.append(
@@ -82,17 +82,30 @@ class Report:
                 f"{c['max_rel_error']} ({c['max_rel_error_tensor']})"
             )
         if self.source:
-            s = self.source
-            summary = s["summary"]
-            worst = f", max {summary['max_rel_error']} ({summary['max_rel_error_tensor']})" if summary.get("tensors") else ""
-            lines.append(
-                f"  source {s['spec']}: {s['quantized']} quantized tensors compared (relative error median "
-                f"{summary.get('median_rel_error', '-')}{worst}; limit {s['limit']}), {s['kept']} kept tensors compared "
-                "byte for byte"
-            )
+            lines.append(f"  {self._source_text()}")
         lines += [f"  FAIL {p}" for p in self.problems]
         lines += [f"  warning {p}" for p in self.warnings]
         return "\n".join(lines)
+
+    def _config_text(self) -> str:
+        if "quantization_config" in self.config:
+            return f"quantization_config {'agrees with' if self.config['ok'] else 'DISAGREES with'} the tensors"
+        return "no quantization_config, and no 4-bit tensor" if self.config["ok"] else "FAILED (see below)"
+
+    def _source_text(self) -> str:
+        s = self.source
+        kept = f"{count(s['kept'], 'kept tensor')} compared byte for byte"
+        summary = s["summary"]
+        if not summary.get("tensors"):
+            return f"source {s['spec']}: no quantized tensor compared, {kept}"
+        return (f"source {s['spec']}: {count(s['quantized'], 'quantized tensor')} compared (relative error median "
+                f"{summary['median_rel_error']}, max {summary['max_rel_error']} ({summary['max_rel_error_tensor']}); "
+                f"limit {s['limit']}), {kept}")
+
+
+def count(n: int, noun: str) -> str:
+    """'1 problem', '2 problems', '1 kept tensor', '0 keys': a count and its noun, plural when it is not one."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 class VerificationFailed(PrequantError):
@@ -100,6 +113,6 @@ class VerificationFailed(PrequantError):
 
     def __init__(self, report: Report, action: str = "verification failed") -> None:
         more = len(report.problems) - 1
-        tail = f" (and {more} more problem(s); see the full report)" if more else ""
+        tail = f" (and {count(more, 'more problem')}; see the full report)" if more else ""
         super().__init__(f"{action}: {report.problems[0]}{tail}")
         self.report = report

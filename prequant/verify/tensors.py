@@ -154,25 +154,27 @@ def check_config(out: Path, groups: dict[str, Group], report: Report) -> None:
     expect = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     for k, v in expect.items():
         if qc.get(k) != v:
-            report.fail(where, f"quantization_config.{k} is {qc.get(k)!r}, expected {v!r}")
+            report.fail(where, f"quantization_config.{k} is {_value(qc, k)}, expected {v!r}")
     if not groups:
         report.fail(where, "quantization_config says 4-bit, but no tensor has a 4-bit quant state")
     types = {g.quant_type for g in groups.values()}
     if len(types) > 1:
         report.fail(where, f"tensors mix quant types {sorted(types)}; one checkpoint has one bnb_4bit_quant_type")
     elif types and qc.get("bnb_4bit_quant_type") != next(iter(types)):
-        report.fail(where, f"bnb_4bit_quant_type is {qc.get('bnb_4bit_quant_type')!r} but the tensors are {next(iter(types))}")
+        report.fail(where, f"bnb_4bit_quant_type is {_value(qc, 'bnb_4bit_quant_type')} but the tensors are "
+                    f"{next(iter(types))}")
     nested = {g.nested for g in groups.values()}
     if len(nested) == 1 and qc.get("bnb_4bit_use_double_quant") != next(iter(nested)):
-        report.fail(where, f"bnb_4bit_use_double_quant is {qc.get('bnb_4bit_use_double_quant')!r} but the tensors "
+        report.fail(where, f"bnb_4bit_use_double_quant is {_value(qc, 'bnb_4bit_use_double_quant')} but the tensors "
                     f"are {'double-quantized' if next(iter(nested)) else 'not double-quantized'}")
     storages = {g.storage for g in groups.values() if g.storage}
     want = STORAGE_CODES.get(str(qc.get("bnb_4bit_quant_storage", "uint8")))
     if want is None:
         report.fail(where, f"bnb_4bit_quant_storage {qc.get('bnb_4bit_quant_storage')!r} is not one of {', '.join(STORAGE_CODES)}")
     elif storages and storages != {want}:
-        report.fail(where, f"bnb_4bit_quant_storage is {qc.get('bnb_4bit_quant_storage')!r} ({want}) but the packed "
-                    f"weights are {', '.join(sorted(storages))}")
+        said = repr(qc.get("bnb_4bit_quant_storage", "uint8"))
+        report.fail(where, f"bnb_4bit_quant_storage is {said} ({want}) but the packed weights are "
+                    f"{', '.join(sorted(storages))}")
     if qc.get("bnb_4bit_compute_dtype", "float32") not in COMPUTE_NAMES:
         report.fail(where, f"bnb_4bit_compute_dtype {qc.get('bnb_4bit_compute_dtype')!r} is not one of {', '.join(COMPUTE_NAMES)}")
     skip = qc.get("llm_int8_skip_modules")
@@ -183,3 +185,8 @@ def check_config(out: Path, groups: dict[str, Group], report: Report) -> None:
                 report.fail(weight, f"is 4-bit, but llm_int8_skip_modules matches {module}: transformers would load "
                             "the packed bytes as a plain weight")
     report.config = {"ok": len(report.problems) == before, "quantization_config": qc}
+
+
+def _value(qc: dict, key: str) -> str:
+    """A quantization_config entry as a report says it: its value, or that it is missing."""
+    return repr(qc[key]) if key in qc else "missing"

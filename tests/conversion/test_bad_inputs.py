@@ -354,6 +354,12 @@ def output_is_a_file(c: Ctx) -> Run:
     return c.run(c.single())
 
 
+def output_holds_one_file(c: Ctx) -> Run:
+    (c.tmp / "out").mkdir()
+    (c.tmp / "out" / "notes.txt").write_bytes(USER_FILES["notes.txt"])
+    return c.run(c.single())
+
+
 def output_is_the_source(c: Ctx) -> Run:
     src = c.single()
     # --overwrite would replace the user's original weights with the 4-bit ones: must be refused.
@@ -534,6 +540,7 @@ CASES = [
     Case(source_is_a_file, 1, "{source}", ("is a file", "pass the checkpoint's directory")),
     Case(output_is_a_file, 2, "{output}", ("is a file", "choose a directory")),
     Case(output_is_the_source, 2, "{output}", ("source", "choose another OUTPUT_DIR")),
+    Case(output_holds_one_file, 2, "{output}", ("is not empty (1 entry: notes.txt)", "pass --overwrite")),
     Case(shard_not_readable, 1, "model-00002-of-00003.safetensors", ("permission denied", "make it readable")),
     Case(config_not_readable, 1, "config.json", ("permission denied", "make it readable")),
     Case(side_file_not_readable, 1, "tokenizer_config.json", ("cannot read", "make it readable")),

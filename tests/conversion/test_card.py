@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+from conftest import run_main
 from huggingface_hub import ModelCard
 
 import prequant
+from prequant.conversion import card
 
 
 def test_card_metadata_and_original_card(carded_converted):
     card = ModelCard.load(carded_converted / "README.md")
     data = card.data.to_dict()
-    assert data["base_model"] == "tiny-llama" and data["base_model_relation"] == "quantized"
+    # A local folder is no Hub repo: the metadata links none (its name is in the text, and the loading examples).
+    assert "base_model" not in data and "base_model_relation" not in data
     assert data["library_name"] == "transformers"
     assert {"bitsandbytes", "4-bit", "nf4", "prequant", "text-generation"} <= set(data["tags"])
     # The licence and its gate travel with the weights.
@@ -28,8 +32,8 @@ def test_card_metadata_and_original_card(carded_converted):
     assert "| `llm_int8_skip_modules` | transformers' defaults |\n| tensors quantized / kept | 14 / 7 |\n" in text
     assert (
         "Left unquantized (original dtype):\n\n"
-        "- 16,384 parameters: skipped (output embedding / tied / last module)\n"
-        "- 16,704 parameters: not a linear weight\n\n"
+        "- 16,384 parameters (skipped: output embedding / tied / last module)\n"
+        "- 16,704 parameters (not a linear weight)\n\n"
         "## How to load\n"
     ) in text
     assert "relative L2 error median 0.09" in text  # the verification summary
@@ -51,7 +55,7 @@ def test_card_without_original_and_with_broken_yaml(checkpoints, tmp_path):
     prequant.convert(src, tmp_path / "b", device="cpu", progress=False, stats=False)
     card = (tmp_path / "b" / "README.md").read_text()
     assert "license: [unclosed" in card and "Still the original words." in card  # kept verbatim, not dropped
-    assert ModelCard.load(tmp_path / "b" / "README.md").data.base_model == "src"
+    assert ModelCard.load(tmp_path / "b" / "README.md").data.base_model is None
 
 
 def _card(out):
@@ -107,3 +111,49 @@ def test_remote_code_moe_has_no_fused_experts_note(tmp_path):
 
     plan = prequant.convert(build_grok(tmp_path / "grok", "keyfan", shards=1), tmp_path / "unused", dry_run=True)
     assert plan.fused_experts_note() is None and not any("fuses" in n for n in plan.to_dict()["notes"])
+
+
+def _named(template, folder, name_or_path: str):
+    """A copy of `template` whose config.json's `_name_or_path` is `name_or_path` (what from_pretrained records)."""
+    shutil.copytree(template, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": name_or_path}))
+    return folder
+
+
+@pytest.mark.parametrize("name_or_path, expected", [
+    ("my-org/tiny-llama", "my-org/tiny-llama"),  # a repo id
+    ("/root/.cache/huggingface/hub/models--my-org--tiny-llama/snapshots/0123abcd", "my-org/tiny-llama"),
+    ("./tiny-llama", None),  # local paths, however written
+    ("/data/models/tiny-llama", None),
+    ("~/tiny-llama", None),
+    ("models/llama/tiny", None),
+    ("tiny-llama", None),  # no org: a folder name, not a repo id
+])
+def test_base_model_from_the_configs_name_or_path_only_when_it_is_a_repo(checkpoints, tmp_path, name_or_path,
+                                                                          expected):
+    src = _named(checkpoints("llama"), tmp_path / "src", name_or_path)
+    assert card.base_model_id({"path": str(src)}, src) == expected
+
+
+def test_a_repo_id_in_the_config_becomes_the_cards_base_model(checkpoints, tmp_path):
+    src = _named(checkpoints("llama"), tmp_path / "src", "my-org/tiny-llama")
+    summary = prequant.convert(src, tmp_path / "out", device="cpu", progress=False, stats=False)
+    got = _card(tmp_path / "out")
+    assert got.data.base_model == "my-org/tiny-llama" and got.data.base_model_relation == "quantized"
+    assert "[`my-org/tiny-llama`](https://huggingface.co/my-org/tiny-llama)" in got.text
+    assert not any("base_model" in note for note in summary.notes)  # nothing to suggest
+    assert json.loads((tmp_path / "out" / "prequant.json").read_text())["source"]["base_model"] == "my-org/tiny-llama"
+
+
+def test_a_local_folder_names_no_base_model_and_the_run_says_how_to_name_it(checkpoints, tmp_path):
+    code, stdout, stderr = run_main("convert", str(checkpoints("llama")), str(tmp_path / "cli"), "--device", "cpu",
+                                    "--no-stats")
+    assert code == 0, stderr
+    assert "base_model" not in _card(tmp_path / "cli").data.to_dict()  # not the folder's name: no Hub link
+    hint = "the model card names no base_model"
+    assert hint in stderr and "convert with --base-model org/name" in stderr  # on stderr, as the CLI spells it
+    assert f"note: {hint}" in stdout  # and in the summary
+    summary = prequant.convert(checkpoints("llama"), tmp_path / "py", device="cpu", progress=False, stats=False)
+    assert any(hint in n and "convert with base_model='org/name'" in n for n in summary.notes)  # as Python spells it
+    assert json.loads((tmp_path / "py" / "prequant.json").read_text())["source"]["base_model"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import run_main
 from safetensors.torch import save_file
 
 import prequant
@@ -103,3 +104,24 @@ def test_a_conversion_with_tapered_shards_loads_and_verifies(checkpoints, tmp_pa
     assert verify(out, src, progress=False).ok
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.quantization_config.quant_method == "bitsandbytes"
+
+
+def test_a_skip_pattern_that_matches_nothing_is_a_warning_in_the_plan_and_on_stderr(checkpoints, tmp_path):
+    """A typo in --skip keeps nothing unquantized; the plan says so, rather than planning as if it were not given."""
+    src = checkpoints("llama")
+    plan = prequant.convert(src, tmp_path / "unused", dry_run=True, skip=["lm_haed", "model.layers.0.mlp", "q_proj"])
+    warned = [w for w in plan.warnings if "matches no module" in w]
+    assert len(warned) == 1 and "'lm_haed'" in warned[0]  # matched ones (a module path, a name's end) are not
+    assert f"warning: {warned[0]}" in plan.to_text() and warned[0] in plan.to_dict()["warnings"]
+    assert not prequant.convert(src, tmp_path / "unused", dry_run=True, skip=["lm_head"]).warnings
+    code, stdout, stderr = run_main("convert", str(src), str(tmp_path / "out"), "--device", "cpu", "--no-stats",
+                                    "--skip", "lm_haed")
+    assert code == 0 and "warning: the skip pattern 'lm_haed' matches no module of the checkpoint" in stderr
+    assert "wrote " in stdout
+
+
+def test_the_plan_text_nests_no_parentheses_and_counts_in_words(checkpoints, tmp_path):
+    text = prequant.convert(checkpoints("llama"), tmp_path / "unused", dry_run=True, skip=["model.layers.0"]).to_text()
+    assert "(skipped: output embedding / tied / last module)" in text and "(skipped: --skip)" in text
+    assert "((" not in text and "))" not in text and "(s)" not in text
+    assert text.splitlines()[-1].endswith(" in 1 shard")

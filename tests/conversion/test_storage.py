@@ -185,3 +185,32 @@ def test_a_wide_storage_that_already_dropped_a_byte_cannot_become_uint8(odd, tmp
 def test_unknown_storage_is_a_usage_error(both, tmp_path):
     with pytest.raises(UsageError, match="int4"):
         change_storage(both[1], tmp_path / "out", "int4", progress=False)
+
+
+def test_a_torch_dtype_is_taken_and_a_refusal_names_the_option_as_its_caller_wrote_it(both, tmp_path):
+    _, bf16, uint8 = both
+    change_storage(bf16, tmp_path / "out", torch.uint8, progress=False)
+    assert _but_the_job(tmp_path / "out")[0] == _but_the_job(uint8)[0]  # what "uint8" gives
+    with pytest.raises(UsageError) as refused:
+        change_storage(bf16, tmp_path / "nope", torch.float64, progress=False)
+    assert str(refused.value).startswith("quant_storage=torch.float64 is not supported; use bfloat16, float16")
+    code, stdout, stderr = run_main("change-storage", str(bf16), str(tmp_path / "nope"), "--quant-storage", "int4")
+    assert code == 2 and stdout == "" and stderr.strip() == (
+        "Error: --quant-storage int4 is not supported; use bfloat16, float16, float32 or uint8")
+    assert not (tmp_path / "nope").exists()
+
+
+def test_the_destination_is_called_dest_not_output_dir(both, tmp_path):
+    """change-storage's OUTPUT_DIR is its input; where it writes is DEST, in its help and in its refusals."""
+    _, bf16, _ = both
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    code, _, stderr = run_main("change-storage", str(bf16), str(taken), "--quant-storage", "uint8")
+    assert code == 2 and stderr.startswith(f"Error: DEST {taken} is not empty (1 entry: notes.txt)"), stderr
+    assert "OUTPUT_DIR" not in stderr and (taken / "notes.txt").read_text() == "mine"
+    code, _, stderr = run_main("change-storage", str(bf16), str(bf16 / "inside"), "--quant-storage", "uint8")
+    assert code == 2 and stderr.startswith(f"Error: DEST {bf16 / 'inside'} is inside the source directory"), stderr
+    assert "OUTPUT_DIR" not in stderr and not (bf16 / "inside").exists()
+    code, stdout, _ = run_main("change-storage", "--help")
+    assert "DEST" in stdout and "a new or empty" in " ".join(stdout.split())

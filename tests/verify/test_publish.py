@@ -42,7 +42,8 @@ def test_upload_arrives_byte_for_byte_and_card_parses(logged_in: HubServer, out:
     assert sorted(result["files"]) == sorted(local)
     (tmp_path / "card.md").write_bytes(uploaded["README.md"])
     card = ModelCard.load(tmp_path / "card.md")
-    assert card.data.base_model_relation == "quantized" and card.data.license_name == "tiny-licence"
+    assert card.data.license_name == "tiny-licence"
+    assert card.data.base_model is None  # a local folder names no Hub repo: the card links none
     assert logged_in.commits("me/tiny-nf4")[0].message == "first"
 
 

@@ -291,3 +291,46 @@ def test_an_edited_card_is_a_warning_not_a_failure(out):
     assert [(w.where, w.message.split(" (")[0]) for w in report.warnings] == [("README.md", "edited since the conversion")]
     (out / "README.md").write_text((out / "README.md").read_text() + "more")  # a size change too
     assert verification.verify(out, progress=False).ok
+
+
+def test_a_limit_without_a_source_is_a_usage_error(converted_llama):
+    """--max-rel-error limits the error against the source: without --source it would be ignored, silently."""
+    _, out = converted_llama
+    code, stdout, stderr = run_main("verify", str(out), "--max-rel-error", "0.2")
+    lines = stderr.strip().splitlines()
+    assert code == 2 and stdout == "" and len(lines) == 1, stderr
+    assert lines[0].startswith("Error: --max-rel-error 0.2 limits") and "--source SOURCE" in lines[0]
+    with pytest.raises(prequant.UsageError) as refused:  # from Python, in its keywords
+        verification.verify(out, max_rel_error=0.2, progress=False)
+    assert str(refused.value).startswith("max_rel_error=0.2 limits") and "source=" in str(refused.value)
+    assert "--" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["plain checkpoint", "empty folder"])
+def test_a_folder_that_is_not_a_prequant_output_is_said_in_one_line(checkpoints, tmp_path, kind):
+    folder = checkpoints("llama") if kind == "plain checkpoint" else tmp_path
+    code, stdout, stderr = run_main("verify", str(folder))
+    assert code == 1 and stdout == "", stdout  # no report saying its (absent) quantization_config "agrees"
+    assert stderr.strip() == (f"Error: OUTPUT_DIR {folder} is not a prequant output: it has no prequant.json, and no "
+                              "config.json with a quantization_config; pass the folder prequant convert wrote")
+
+
+def test_a_failing_source_comparison_says_no_none(converted_llama):
+    """The output itself given as the source: nothing quantized compares, and the report says so in words."""
+    _, out = converted_llama
+    code, stdout, stderr = run_main("verify", str(out), "--source", str(out))
+    assert code == 1 and "None" not in stdout and "None" not in stderr, stdout
+    assert f"source {out}: no quantized tensor compared, 77 kept tensors compared byte for byte" in stdout
+    assert "FAILED (14 problems)" in stdout and "(and 13 more problems; see the full report)" in stderr
+
+
+def test_a_missing_config_entry_is_said_missing_and_one_problem_is_one(out):
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]["bnb_4bit_quant_type"]
+    (out / "config.json").write_text(json.dumps(config))
+    rehash(out, "config.json")
+    report = verification.verify(out, progress=False)
+    assert [str(p) for p in report.problems] == ["config.json: bnb_4bit_quant_type is missing but the tensors are nf4"]
+    assert "FAILED (1 problem)\n" in report.to_text() and "None" not in report.to_text()
+    assert "quantization_config DISAGREES with the tensors" in report.to_text()
+    assert "tensors: 91 keys in 2 shards" in report.to_text()

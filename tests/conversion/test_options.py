@@ -1,0 +1,66 @@
+"""convert()'s options: what a Python caller holds (torch dtypes, one skip pattern, a torch.device) is taken, and a
+refusal names the option as its caller wrote it (a keyword argument from Python, a flag from the CLI)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import run_main
+
+import prequant
+from prequant.conversion.options import ConvertOptions
+
+
+def test_torch_dtypes_are_taken_as_quantize_tensor_takes_them(checkpoints, tmp_path):
+    src = checkpoints("llama")
+    plan = prequant.convert(src, tmp_path / "unused", dry_run=True, quant_storage=torch.uint8,
+                            compute_dtype=torch.float16)
+    assert (plan.settings.quant_storage, plan.settings.compute_dtype) == ("uint8", "float16")
+    # The same bytes as the names give.
+    prequant.convert(src, tmp_path / "dtypes", device=torch.device("cpu"), progress=False, stats=False,
+                     quant_storage=torch.uint8, compute_dtype=torch.float16)
+    prequant.convert(src, tmp_path / "names", device="cpu", progress=False, stats=False, quant_storage="uint8",
+                     compute_dtype="float16")
+    for name in ("model.safetensors", "config.json", "README.md"):
+        assert (tmp_path / "dtypes" / name).read_bytes() == (tmp_path / "names" / name).read_bytes(), name
+    options = json.loads((tmp_path / "dtypes" / "prequant.json").read_text())["options"]
+    assert options["quant_storage"] == "uint8" and options["compute_dtype"] == "float16"
+
+
+def test_one_skip_pattern_is_one_pattern_not_its_letters():
+    assert ConvertOptions(skip="lm_head").skip == ("lm_head",)
+    assert ConvertOptions(skip=["lm_head", "model.layers.0"]).skip == ("lm_head", "model.layers.0")
+
+
+# (keyword arguments, what the Python refusal says, CLI arguments, what the CLI refusal says)
+REFUSALS = [
+    ({"quant_type": "nf5"}, "quant_type='nf5' is not supported; use nf4 or fp4",
+     ["--quant-type", "nf5"], "--quant-type nf5 is not supported; use nf4 or fp4"),
+    ({"blocksize": 100}, "blocksize=100 is not supported",
+     ["--blocksize", "100"], "--blocksize 100 is not supported"),
+    ({"compute_dtype": torch.int8}, "compute_dtype=torch.int8 is not supported; use bfloat16, float16 or float32",
+     ["--compute-dtype", "int8"], "--compute-dtype int8 is not supported; use bfloat16, float16 or float32"),
+    ({"quant_storage": torch.float64}, "quant_storage=torch.float64 is not supported",
+     ["--quant-storage", "float64"], "--quant-storage float64 is not supported"),
+    ({"max_shard_size": "lots"}, "max_shard_size='lots' is not a size",
+     ["--max-shard-size", "lots"], "--max-shard-size lots is not a size"),
+    ({"skip": "("}, "skip='(' is not a valid regular expression",
+     ["--skip", "("], "--skip '(' is not a valid regular expression"),
+    ({"base_model": "not a repo"}, "base_model='not a repo' is not a Hub repo id",
+     ["--base-model", "not a repo"], "--base-model 'not a repo' is not a Hub repo id"),
+    ({"device": "gpu"}, "device='gpu' is not a device", ["--device", "gpu"], "--device gpu is not a device"),
+]
+
+
+@pytest.mark.parametrize("keywords, python_says, args, cli_says", REFUSALS, ids=[next(iter(r[0])) for r in REFUSALS])
+def test_a_refusal_names_the_option_as_its_caller_wrote_it(checkpoints, tmp_path, keywords, python_says, args,
+                                                           cli_says):
+    with pytest.raises(prequant.UsageError) as refused:
+        prequant.convert(checkpoints("llama"), tmp_path / "out", dry_run=True, **keywords)
+    assert python_says in str(refused.value) and "--" not in str(refused.value)
+    code, stdout, stderr = run_main("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run", *args)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and stdout == "" and len(lines) == 1 and lines[0].startswith("Error: "), stderr
+    assert cli_says in lines[0] and f"{next(iter(keywords))}=" not in lines[0], lines[0]
