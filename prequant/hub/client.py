@@ -188,7 +188,8 @@ def tried_for(tries: int, seconds: float) -> str:
     """What a failure's message adds once it was retried: how often, how long, and the setting for it."""
     if tries <= 1:
         return ""
-    return f" (tried {tries} times over {seconds:.0f} s; {settings.HUB_RETRY_S} sets how long to keep trying)"
+    return (f" (tried {tries} times over {seconds:.0f} s; run the command again once the Hub answers, or set "
+            f"{settings.HUB_RETRY_S} to keep trying longer)")
 
 
 def api(token: str | None) -> HfApi:
