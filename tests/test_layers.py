@@ -21,7 +21,7 @@ PACKAGE = ROOT / "prequant"
 # Bottom to top. A module may import its own part, and any part of a lower layer; parts of one layer are
 # independent of each other. (The package face, prequant/__init__.py, is the top, with the CLI.)
 LAYERS: list[set[str]] = [
-    {"prequant.errors", "prequant._version"},
+    {"prequant.errors", "prequant._version", "prequant.settings"},
     {"prequant.util"},
     {"prequant.checkpoint", "prequant.hub"},
     {"prequant.bnb"},
