@@ -25,7 +25,7 @@ from prequant import settings
 from prequant.hub import client as hub
 from prequant.source import hub_stream, remote_headers
 from prequant.source import resolve as sources
-from prequant.errors import PrequantError, UsageError
+from prequant.errors import PrequantError
 
 
 def _serves(record, name: str) -> bool:
