@@ -21,8 +21,10 @@ Xet is not implemented: the fixture sets ``HF_HUB_DISABLE_XET=1`` so large uploa
 (or set ``server.upload_mode = "regular"`` to have every file committed inline, which Xet clients accept).
 
 Faults for tests: ``server.requests`` / ``server.request_log`` record every request,
-``server.fail(repo_id, filename, ...)`` makes serving a file answer an HTTP error or cut the connection
-mid-body (``ranged=True``/``False``: only ranged requests, e.g. header reads, or only whole-file ones),
+``server.fail(repo_id, filename, ...)`` makes serving a file answer an HTTP error, close the connection
+mid-body, reset it (a TCP RST) mid-body, or hold it (``ranged=True``/``False``: only ranged requests, e.g. header
+reads, or only whole-file ones), ``server.fail_request(method, path, ...)`` makes any request (a repo lookup, a
+file's metadata, a ranged read) answer an HTTP error or have its connection reset before any answer,
 ``server.require_token = True`` (or ``add_repo(..., private=True)``) answers 401 without
 ``Authorization: Bearer <server.token>``.
 
@@ -33,14 +35,20 @@ at it, and stops it afterwards.
 
 from __future__ import annotations
 
+import array
 import base64
+import fcntl
+import fnmatch
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import struct
+import termios
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -109,7 +117,9 @@ class Fault:
     """An injected failure when serving ``filename`` of ``repo_id``.
 
     kind "status": answer ``status`` instead of the file; kind "drop": send the headers of the full
-    answer, then the body up to absolute file offset ``after_bytes``, then cut the connection; kind "hold":
+    answer, then the body up to absolute file offset ``after_bytes``, then close the connection; kind "reset": the
+    same, but once those bytes have reached the client the connection is reset (a TCP RST, as a load balancer
+    or a peer that died sends: the client's read fails, it sees no end of file); kind "hold":
     send the body up to ``after_bytes``, set ``arrived``, and send the rest only once ``release`` is set (or
     after 60 s): a download caught mid-body, for as long as the test needs.
     ``times``: how many matching requests it hits (None: all of them). ``ranged``: True hits only requests
@@ -120,7 +130,7 @@ class Fault:
 
     repo_id: str
     filename: str
-    kind: Literal["status", "drop", "hold"] = "status"
+    kind: Literal["status", "drop", "reset", "hold"] = "status"
     status: int = 500
     after_bytes: int = 0
     times: int | None = None
@@ -129,6 +139,25 @@ class Fault:
     min_start: int = 0
     arrived: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class RequestFault:
+    """An injected failure of any request whose method is ``method`` and whose path (percent-decoded, without the
+    query) matches the glob ``path``: kind "reset" resets the connection (a TCP RST) once the request is read,
+    before any answer; kind "status" answers ``status``. ``times``: how many matching requests it hits (None: all);
+    ``ranged``: as `Fault`'s."""
+
+    method: str
+    path: str
+    kind: Literal["status", "reset"] = "reset"
+    status: int = 503
+    times: int | None = 1
+    ranged: bool | None = None
+
+
+class _Reset(Exception):
+    """The handler reset its connection: nothing more is read or sent on it."""
 
 
 @dataclass
@@ -206,6 +235,7 @@ class HubServer:
         self.served: list[tuple[str, str]] = []  # (repo_id, filename) of every file body sent
         self._faults: list[Fault] = []
         self._made: list[Fault] = []  # every fault, also those used up
+        self._request_faults: list[RequestFault] = []
         self._stalls: dict[str, Stall] = {}
         self._repos: dict[str, Repo] = {}
         self._lock = threading.RLock()
@@ -329,12 +359,20 @@ class HubServer:
 
     # -- faults and logs
 
-    def fail(self, repo_id: str, filename: str, kind: Literal["status", "drop", "hold"] = "status", **options: Any) -> Fault:
+    def fail(self, repo_id: str, filename: str, kind: Literal["status", "drop", "reset", "hold"] = "status",
+             **options: Any) -> Fault:
         """Inject a failure when serving a file (see `Fault`); returns it."""
         fault = Fault(repo_id, filename, kind, **options)
         with self._lock:
             self._faults.append(fault)
             self._made.append(fault)
+        return fault
+
+    def fail_request(self, method: str, path: str, kind: Literal["status", "reset"] = "reset", **options: Any) -> RequestFault:
+        """Inject a failure of any request matching ``method`` and the path glob ``path`` (see `RequestFault`)."""
+        fault = RequestFault(method, path, kind, **options)
+        with self._lock:
+            self._request_faults.append(fault)
         return fault
 
     def stall(self, route: str) -> Stall:
@@ -348,6 +386,7 @@ class HubServer:
     def clear_faults(self) -> None:
         with self._lock:
             self._faults.clear()
+            self._request_faults.clear()
 
     @property
     def requests(self) -> list[tuple[str, str]]:
@@ -474,6 +513,19 @@ class HubServer:
         return None
 
 
+    def _take_request_fault(self, method: str, path: str, range_header: str | None) -> RequestFault | None:
+        with self._lock:
+            for fault in self._request_faults:
+                if (fault.method == method and fnmatch.fnmatchcase(path, fault.path)
+                        and fault.ranged in (None, bool(range_header))):
+                    if fault.times is not None:
+                        fault.times -= 1
+                        if fault.times <= 0:
+                            self._request_faults.remove(fault)
+                    return fault
+        return None
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     tmp = target.with_suffix(f".{threading.get_ident()}.tmp")
     try:
@@ -526,6 +578,29 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:
         self._dispatch("PUT")
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except _Reset:
+            pass
+
+    def _reset(self) -> None:
+        """Reset the connection (a TCP RST), once what was sent has reached the client (so that it reads those
+        bytes, then the reset)."""
+        self.wfile.flush()
+        unsent = array.array("i", [0])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            fcntl.ioctl(self.connection.fileno(), termios.TIOCOUTQ, unsent)  # bytes the client has not acknowledged
+            if unsent[0] == 0:
+                break
+            time.sleep(0.005)
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.rfile.close()  # the socket's last reference but the connection itself: closing it sends the RST
+        self.wfile.close()
+        self.connection.close()
+        raise _Reset
+
     # -- plumbing
 
     def _dispatch(self, method: str) -> None:
@@ -536,6 +611,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.record = RequestRecord(method, unquote(split.path), self.query, headers)
         with self.hub._lock:
             self.hub.request_log.append(self.record)
+        fault = self.hub._take_request_fault(method, self.record.path, self.headers.get("Range"))
+        if fault is not None and fault.kind == "reset":
+            self._reset()
+        if fault is not None:
+            self._send_error(HubError(fault.status, None, f"injected failure of {method} {self.record.path}"))
+            return
         for route_method, pattern, name in self.routes:
             match = pattern.fullmatch(split.path)
             if match and (route_method == method or (route_method == "GET" and method == "HEAD")):
@@ -773,6 +854,8 @@ class _Handler(BaseHTTPRequestHandler):
                 fault.release.wait(60)
                 self._copy(f, end - stop)
                 return
+        if fault is not None and fault.kind == "reset":
+            self._reset()
         if fault is not None:  # "drop": cut the connection mid-body
             self.wfile.flush()
             self.close_connection = True
@@ -1060,6 +1143,7 @@ __all__ = [
     "Commit",
     "Fault",
     "HubServer",
+    "RequestFault",
     "RequestRecord",
     "Stall",
     "hub_server",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -62,6 +62,12 @@ class TensorReader:
 
     def tensor_done(self, ref: TensorRef) -> None:
         """A tensor's outputs are written. Local files need nothing; a Hub source may evict a finished shard."""
+
+    def claim(self, names: Iterable[str]) -> None:
+        """Shards an interrupted run of this job downloaded, to delete once converted. Local files: none."""
+
+    def on_download(self, record: Callable[[str], None]) -> None:
+        """Call `record(name)` for each shard this run downloads. Local files are never downloaded."""
 
     def fd(self, path: Path) -> int:
         """This reader's descriptor of `path` (opened once, whatever the threads asking)."""

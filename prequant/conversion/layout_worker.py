@@ -142,7 +142,7 @@ def main() -> None:
     """The child: scan the local checkpoint, decide, print the layout as JSON on stdout."""
     from ..bnb.layout import analyze
     from ..checkpoint.hf_files import read_config
-    from ..source.local import local
+    from ..source.spec import local
     from ..source.resolve import scan
 
     from ..errors import PrequantError

@@ -259,7 +259,7 @@ def start_for_source(source: str) -> int:
     """From the CLI, before torch is imported: the weight files of a local checkpoint directory. (Not for a
     dry run, which reads headers only, nor a resume, whose finished part convert() reports before it starts.)
     Returns their bytes (0 for anything else), for the CLI to decide what else to start early."""
-    from ..source.local import local  # standard library only, like this module
+    from ..source.spec import local  # standard library only, like this module
 
     try:
         path = Path(source)

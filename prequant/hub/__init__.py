@@ -1,3 +1,4 @@
-"""The Hugging Face Hub through huggingface_hub: resolve a repo to a commit, download, read byte ranges, evict and
-upload (`client`); downloads in a child process (`fetcher`); the cache and the settings read from the environment
-at each call (`cache`); every failure worded as one line (`failures`)."""
+"""The Hugging Face Hub through huggingface_hub: the API calls, each retried while it fails transiently (`client`);
+prequant's own transfer of a weight file's body (`transfer`); the cache, its settings read from the environment at
+each call, and what prequant does to it (`cache`); every failure worded as one line (`failures`); uploads
+(`upload`)."""

@@ -1,8 +1,7 @@
 """Hub failures as one message line each: what failed, why, and what to do; tokens never appear in it.
 
-Knows huggingface_hub's errors and the transport errors of whichever HTTP client it has loaded. It also
-names the failures `client`'s retry policy sorts (a missing file, an incomplete download); it imports nothing
-of `client`.
+Knows huggingface_hub's errors and the transport errors of whichever HTTP client it has loaded, and sorts the
+passing ones (`is_transient`) from those a retry cannot mend.
 """
 
 from __future__ import annotations
@@ -33,6 +32,9 @@ _LOGIN_FIX = "set HF_TOKEN or run `hf auth login`"
 RemoteEntryNotFound = getattr(hf_errors, "RemoteEntryNotFoundError", None) or hf_errors.EntryNotFoundError
 
 
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
 class IncompleteDownload(Exception):
     """The file on disk does not have the size the Hub lists."""
 
@@ -42,6 +44,32 @@ def is_incomplete(error: BaseException) -> bool:
     return isinstance(error, IncompleteDownload) or (
         isinstance(error, OSError) and "Consistency check failed" in str(error)
     )
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether trying again may succeed: a connection refused, reset, cut or timed out, an answer 408, 429 or 5xx,
+    a body that ended short. Never a missing repo, revision or file, a refused token, or a local failure (a full
+    disk). The first error of the chain that says either way decides (huggingface_hub wraps the network's)."""
+    for e in _chain(error):
+        if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, OfflineModeIsEnabled)):
+            return False
+        if isinstance(e, RemoteEntryNotFound) and not isinstance(e, LocalEntryNotFoundError):
+            return False
+        status = _status(e)
+        if status is not None:
+            return status in RETRY_STATUSES
+        if is_incomplete(e) or isinstance(e, _passing_network_error_types()):
+            return True
+    return False
+
+
+def _status(error: BaseException) -> int | None:
+    """The HTTP status of an error answer (huggingface_hub's, or the standard library's), else None."""
+    if isinstance(error, urllib.error.HTTPError):
+        return error.code
+    if isinstance(error, HfHubHTTPError) and error.response is not None:
+        return error.response.status_code
+    return None
 
 
 def explain(
@@ -59,9 +87,7 @@ def explain(
     error = next((e for e in _chain(error) if isinstance(e, HfHubHTTPError)), error)
     secrets = _known_tokens(token)
     reason = short(error, token)
-    status = getattr(getattr(error, "response", None), "status_code", None)
-    if isinstance(error, urllib.error.HTTPError):  # prequant's own transfer of a weight file (`transfer`)
-        status = error.code
+    status = _status(error) or getattr(getattr(error, "response", None), "status_code", None)
     if isinstance(error, GatedRepoError):
         return (
             f"cannot {action}: {repo_id} is a gated repo; accept its conditions at {endpoint}/{repo_id}, "
@@ -121,6 +147,22 @@ def _network_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def _passing_network_error_types() -> tuple[type[BaseException], ...]:
+    """Transport failures that may pass: refused, reset or cut connections and timeouts (huggingface_hub retries the
+    same classes of its HTTP client), not a malformed URL or an unsupported scheme."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError, http.client.HTTPException]
+    for module, names in (
+        ("httpx2", ("TimeoutException", "NetworkError", "RemoteProtocolError")),
+        ("httpx", ("TimeoutException", "NetworkError", "RemoteProtocolError")),
+        ("requests", ("ConnectionError", "Timeout")),
+    ):
+        loaded = sys.modules.get(module)
+        for name in names:
+            if loaded is not None and isinstance(getattr(loaded, name, None), type):
+                types.append(getattr(loaded, name))
+    return tuple(types)
+
+
 def _is_network_error(error: BaseException) -> bool:
     return any(isinstance(e, _network_error_types()) for e in _chain(error))
 
@@ -171,4 +213,4 @@ def _known_tokens(token: str | None) -> list[str]:
     return [t for t in candidates if t and len(t) >= 8]
 
 
-__all__ = ["explain", "first_line", "short"]
+__all__ = ["RETRY_STATUSES", "IncompleteDownload", "explain", "first_line", "is_transient", "short"]

@@ -1,26 +1,26 @@
-"""A weight file's download at the link's speed: one connection, its body read straight into a 16 MiB buffer.
+"""A weight file's download at the link's speed: one connection, its body read straight into a buffer and written
+as it arrives.
 
 huggingface_hub reads a plain HTTP download (one that is not Xet-backed: a mirror, a private Hub, an LFS file
-behind a proxy) through httpx in 64 KiB pieces, each passing through Python: one download went at 0.53-0.75 GB/s
-from the local Hub on the GPU machine where curl read the same server at 1.1-1.4 GB/s (`scripts/bench/hub_scale.py`,
-2026-12-04). Here the standard library's HTTP client fills a large buffer in C (`readinto`, the GIL released
-while it waits) and each buffer goes to disk in one write, as curl does.
+behind a proxy) through its HTTP client in small pieces, each passing through Python. Here the standard library's
+HTTP client reads what the socket holds into a large buffer in C (`readinto1`: one receive, the GIL released while
+it waits) and each piece goes to disk in one write, so a connection that fails mid-body loses no byte it delivered.
 
 Only the body's transfer is prequant's. huggingface_hub still answers where the file is (`get_hf_file_metadata`:
 the commit, the etag, the size, the CDN URL after the Hub's redirect, whether Xet stores it), and the file lands
-where and how it would put it: ``blobs/<etag>`` through ``blobs/<etag>.<8 hex>.incomplete``, under the lock
+where huggingface_hub would put it: ``blobs/<etag>``, through ``blobs/<etag>.incomplete``, under the lock
 ``.locks/<repo folder>/<etag>.lock``, with ``snapshots/<sha>/<name>`` linking to it. A Xet-backed file (the Hub's
 own storage, when hf_xet is installed) is left to huggingface_hub: hf_xet fetches its chunks in parallel already.
 
-A body cut mid-way is resumed from the byte it reached (a ranged request); a retryable answer (408, 429, 5xx) or a
-connection that fails is tried again after the waits the caller gives, those starting over each time bytes come;
-so a cut followed by a burst of 503s costs the waits, not the bytes already downloaded. Set
-PREQUANT_HUB_CLIENT=huggingface_hub to have huggingface_hub download everything itself.
+A body cut mid-way is resumed from the byte on disk (a ranged request); a passing failure (a refused, reset or
+timed-out connection, 408, 429, 5xx) is tried again after the waits the caller gives, those starting over each
+time bytes come. The partial file outlives a failure or a kill: the next download of the file, in this run or the
+next, continues from its last byte.
 
-A download may be held to a `limit`: how many bytes of the file may be on disk so far, asked before each buffer.
+A download may be held to a `limit`: how many bytes of the file may be on disk so far, asked before each read.
 The streaming reader uses it to keep its scratch disk within two shards while the shard before is freed as it is
 converted (`source.hub_stream`); the connection waits meanwhile (the server's sends block), and one the server
-closes while it waits is resumed from the byte reached like any cut.
+closes while it waits is resumed from the byte reached like any cut. `limit` may raise to stop the download.
 """
 
 from __future__ import annotations
@@ -32,20 +32,17 @@ import os
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import PrequantError
 from . import cache
-from .failures import IncompleteDownload, short
+from .failures import IncompleteDownload, is_transient, short
 
 log = logging.getLogger(__name__)
 
-CLIENT_ENV = "PREQUANT_HUB_CLIENT"  # "prequant" (default) or "huggingface_hub"
-_BUFFER = 16 << 20  # one readinto, one write: large enough that the per-call cost vanishes beside the copy
-_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_BUFFER = 16 << 20  # the most one read takes: what a fast link delivers between two reads fits in one write
 _LIMIT_POLL_S = (0.002, 0.05)  # the first and the longest pause between asks of a download's limit
 
 
@@ -58,19 +55,14 @@ class TransferFailed(Exception):
         self.cause, self.tries, self.seconds = cause, tries, seconds
 
 
-def enabled() -> bool:
-    """Whether prequant transfers weight files itself (PREQUANT_HUB_CLIENT is not "huggingface_hub")."""
-    return os.environ.get(CLIENT_ENV, "prequant").strip().lower() != "huggingface_hub"
-
-
 def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits: Sequence[float],
              limit: Callable[[], int] | None = None) -> Path | None:  # fmt: skip
     """Download ``filename`` of ``repo_id`` at commit ``sha`` into the Hugging Face cache and return its snapshot
     path; None where huggingface_hub should download it instead (Xet-backed with hf_xet, no etag or size, or its
     blob is in the cache already: huggingface_hub links it without a download).
 
-    huggingface_hub's errors for the metadata request (no such file, 401, a 5xx) are raised as they are, for the
-    caller's retries and messages; a body that cannot be completed raises `TransferFailed` after the waits.
+    huggingface_hub's errors for the metadata request (no such file, 401, a 5xx, a reset) are raised as they are, for
+    the caller's retries and messages; a body that cannot be completed raises `TransferFailed` after the waits.
     ``limit``: see the module docstring (None: no limit)."""
     from filelock import FileLock  # huggingface_hub's own lock library: the same lock as its downloads
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
@@ -94,14 +86,21 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
     blob.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock)):
         if not blob.exists():  # another process may have finished it while this one waited for the lock
-            partial = blob.with_name(f"{meta.etag}.{uuid.uuid4().hex[:8]}.incomplete")
+            partial = blob.with_name(f"{meta.etag}.incomplete")  # resumed by the next download (module doc)
             try:
-                with open(partial, "wb", buffering=0) as out:  # created with the umask's permissions
+                with open(partial, "ab", buffering=0) as out:  # created with the umask's permissions
+                    if out.tell() > meta.size:  # not this file's beginning: start again
+                        out.seek(0)
+                        out.truncate()
+                    elif out.tell():
+                        log.info("%s: resuming from byte %d of %d on disk", filename, out.tell(), meta.size)
                     fetch(meta.location, headers, out, meta.size, waits, label=filename,
                           timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT, limit=limit)
-                os.replace(partial, blob)
-            finally:
-                partial.unlink(missing_ok=True)  # a failed download leaves nothing (its name is its own anyway)
+            except BaseException:
+                if partial.stat().st_size == 0:  # nothing to resume from
+                    partial.unlink()
+                raise
+            os.replace(partial, blob)
         pointer = cache.snapshot_path(repo_id, sha, filename)
         _link(blob, pointer)
     return pointer
@@ -109,18 +108,21 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
 
 def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[float], *, label: str,
           timeout: float = 10.0, limit: Callable[[], int] | None = None) -> None:  # fmt: skip
-    """Write the ``size``-byte body of ``url`` to the unbuffered file ``out`` from its start, resuming cut bodies and
-    retrying failures after ``waits`` (see the module doc); raise `TransferFailed` once they are spent.
+    """Write the ``size``-byte body of ``url`` to the unbuffered file ``out`` from its position on (the bytes before
+    it are the body's start), resuming cut bodies and retrying passing failures after ``waits`` (see the module doc);
+    raise `TransferFailed` once they are spent, any other failure as it is.
 
-    What is on disk is what was written: each request starts at ``out``'s position, which a failure mid-body (a
-    reset, a timeout) leaves where the last whole write ended. ``limit()``, if given, is how many bytes of the file may
-    be written so far: each buffer waits until it allows more (module docstring)."""
+    Each request starts at ``out``'s position: every byte received is written before a failure is handled.
+    ``limit()``, if given, is how many bytes of the file may be written so far: each read waits until it allows
+    more (module docstring)."""
     tries, started = 0, time.monotonic()
     pauses: Iterator[float] = iter(waits)
     buffer = memoryview(bytearray(_BUFFER))
     bar = _progress(label, size)
+    if bar is not None and out.tell():
+        bar.update(out.tell())
     try:
-        while True:
+        while out.tell() < size:
             tries += 1
             before = out.tell()
             try:
@@ -128,12 +130,13 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
                 if out.tell() == size:
                     return
                 failure: BaseException = IncompleteDownload(f"the body stopped at byte {out.tell()} of {size}")
-            except urllib.error.HTTPError as error:
-                error.read()  # the error's message, so that the connection can close cleanly
-                if error.code not in _RETRY_STATUSES:
-                    raise TransferFailed(error, tries, time.monotonic() - started) from error
-                failure = error
-            except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut, bad answer
+            except Exception as error:
+                if isinstance(error, urllib.error.HTTPError):
+                    error.read()  # the error's message, so that the connection can close cleanly
+                    if not is_transient(error):
+                        raise TransferFailed(error, tries, time.monotonic() - started) from error
+                elif not is_transient(error):  # a full disk, a stopped download: no retry mends them
+                    raise
                 failure = error
             if out.tell() > before:  # bytes came: a cut is resumed at once, and the waits start over
                 pauses = iter(waits)
@@ -170,9 +173,12 @@ def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview,
                 f"{label}: the server sends {int(length) + done} bytes where the Hub lists {size}; the file "
                 "changed on the server, run again"
             )
+        # The socket's own buffered reader, past the headers: one receive per call, so nothing received waits in a
+        # buffer when the connection fails. A chunked body goes through the response, which decodes it.
+        read = response.readinto if response.chunked or length is None else response.fp.readinto1
         while done < size:
             may = size if limit is None else allowed(limit, done)
-            n = response.readinto(buffer[: min(_BUFFER, size - done, may - done)])
+            n = read(buffer[: min(_BUFFER, size - done, may - done)])
             if not n:
                 return
             view = buffer[:n]
@@ -218,4 +224,4 @@ def _link(blob: Path, pointer: Path) -> None:
         os.replace(blob, pointer)
 
 
-__all__ = ["CLIENT_ENV", "TransferFailed", "download", "enabled", "fetch"]
+__all__ = ["TransferFailed", "allowed", "download", "fetch"]

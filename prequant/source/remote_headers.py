@@ -1,7 +1,7 @@
 """A Hub source's tensors from its shards' headers, read by HTTP range requests instead of downloads.
 
 Planning needs every tensor's name, dtype and shape before any work, but a 600 GB checkpoint should not
-have to be on disk to be planned. So `hub_repo.resolve` downloads the repo's small files (config, index,
+have to be on disk to be planned. So `spec.hub` downloads the repo's small files (config, index,
 tokenizer, code, card) first, then each weight shard's header is read with HTTP range requests: a
 safetensors header directly, a PyTorch `.bin` shard's pickle through `torch.load(weights_only=True,
 map_location="meta")` over a seekable remote file (the zip directory and `data.pkl`, a few hundred KB,

@@ -1,6 +1,6 @@
 """Resolve SOURCE (a local directory, a Hub repo id, or an alias) into the files to convert; list and read its
-tensors. Local directories are `local`'s, Hub repos `hub_repo`'s and `hub_stream`'s (imported only for them:
-huggingface_hub costs its import time).
+tensors. What each kind of SOURCE is, is `spec`'s; a Hub source's headers are `remote_headers`' and its shards
+`hub_stream`'s (imported only for them: huggingface_hub costs its import time).
 
 A conversion opens its source here in three steps, each complete: `resolve` (where the checkpoint is: its
 directory and files), `contents` (what it holds: every tensor, checked against the index, and config.json) and
@@ -16,8 +16,7 @@ from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
-from .local import local
-from .spec import ALIASES, Contents, Source, hub_spec
+from .spec import ALIASES, Contents, Source, hub, hub_spec, local
 
 
 def resolve(spec: str, *, stream: bool = False, delete: bool = False) -> Source:
@@ -40,9 +39,7 @@ def resolve(spec: str, *, stream: bool = False, delete: bool = False) -> Source:
         return src
     repo = hub_spec(spec)
     if repo is not None:
-        from . import hub_repo
-
-        return hub_repo.resolve(spec, *repo, stream=stream)
+        return hub(spec, *repo, stream=stream)
     raise PrequantError(
         f"source {spec!r} does not exist; pass a local checkpoint directory (holding config.json and "
         f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"

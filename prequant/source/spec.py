@@ -1,11 +1,21 @@
-"""What a SOURCE is once resolved (`Source`) and what it holds (`Contents`), and how a SOURCE string names a Hub
-repo or an alias."""
+"""What a SOURCE names, and where its files are: a local directory (`local`), or a Hub repo resolved to a commit with
+its small files downloaded and its weight shards named by the paths they will have in the Hugging Face cache
+(`hub`); the `Source` either gives, and what it holds once its headers are read (`Contents`).
+
+Standard library only at import (huggingface_hub is imported for a Hub source alone): the CLI lists a local
+source's files before torch loads.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..checkpoint.hf_files import (
+    CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, WEIGHT_LAYOUTS, WEIGHT_SUFFIXES, shard_names, weight_layout,
+)  # fmt: skip
+from ..errors import PrequantError
 
 if TYPE_CHECKING:
     from ..checkpoint.tensors import TensorRef
@@ -64,3 +74,101 @@ def hub_spec(spec: str) -> tuple[str, str | None] | None:
     if name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith("/"):
         return spec.strip(), None
     return None
+
+
+def local(spec: str, path: Path) -> Source:
+    """The checkpoint in directory `path` (`spec`: what the user typed): which of Hugging Face's layouts it has,
+    and its weight files in order."""
+    if not path.is_dir():
+        raise PrequantError(f"source {spec!r} is a file, not a directory; pass the checkpoint's directory")
+    for index_name, single, fmt in WEIGHT_LAYOUTS:
+        index = path / index_name
+        if index.is_file():
+            return Source(spec, path, _files_from_index(path, index), index, fmt)
+        if (path / single).is_file():
+            return Source(spec, path, (path / single,), None, fmt)
+    try:
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"))
+    except PermissionError as e:
+        raise PrequantError("permission denied listing the directory; make it readable", where=path) from e
+    hint = f" (found {', '.join(found[:5])})" if found else ""
+    raise PrequantError(
+        f"no model weights found: expected {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}{hint}; pass the directory "
+        "of a Hugging Face checkpoint",
+        where=path,
+    )
+
+
+def _files_from_index(root: Path, index: Path) -> tuple[Path, ...]:
+    """The shard files an index names, in first-mention order, each checked to exist inside `root`."""
+    files: dict[str, Path] = {}
+    for filename in shard_names(root, index):
+        shard = root / filename
+        try:
+            present = shard.is_file()
+        except OSError:  # e.g. a name longer than the filesystem allows: it cannot be there
+            present = False
+        if not present:
+            raise PrequantError(
+                f"shard {filename!r} is listed but missing from {root}; the download is incomplete, download the "
+                "missing file",
+                where=index.name,
+            )
+        files[filename] = shard
+    return tuple(files.values())
+
+
+def hub(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> Source:
+    """A Hub repo resolved to a commit, its small files (config, index, tokenizer, code, card) downloaded, and each
+    weight shard named by the path it will have in the cache; the shards too, unless `stream` (then
+    `remote_headers` plans from their headers and `hub_stream` downloads them as the conversion reaches them)."""
+    from ..hub import client
+
+    try:
+        repo_id, revision = client.parse_repo_spec(repo_spec)
+        listing = client.resolve(repo_id, revision, alias=alias)
+    except PrequantError as e:
+        # "org/name" may also have been a mistyped local path: unless the repo plainly exists (gated, or only the
+        # revision is unknown), say both (the Hub cannot be reached, no such repo, offline and not cached).
+        from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
+
+        exists = isinstance(e.__cause__, (GatedRepoError, RevisionNotFoundError))
+        if alias is None and not exists:
+            raise e.within(f"source {spec!r} is not a local directory, and ") from e
+        raise
+    label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"
+    files = listing.files
+    layout = weight_layout(files)
+    if layout is None:
+        found = sorted(name for name in files if name.endswith(WEIGHT_SUFFIXES))
+        hint = f" (found {', '.join(found[:5])})" if found else ""
+        raise PrequantError(
+            f"{label}: no model weights found: expected model.safetensors or model.safetensors.index.json{hint}; "
+            "pass the repo of a Hugging Face checkpoint"
+        )
+    if CONFIG not in files:
+        raise PrequantError(
+            f"{label}: config.json is missing from the repo; a Hugging Face checkpoint needs one next to its weights, "
+            "pick a revision that has it"
+        )
+    index_name, single, fmt = layout
+    # Everything but weights: what a conversion copies (tokenizer, code, licence) or reads (config, index, card).
+    small = [n for n in files if not n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".") and "/." not in n]
+    for name in sorted(small, key=lambda n: (n != CONFIG, n != index_name, n)):
+        client.download(listing, name)
+    root = client.cache_path(listing, CONFIG).parent
+    index = root / index_name if index_name else None
+    names = shard_names(f"{repo_id}@{listing.sha[:12]}", index) if index else [single]
+    for name in names:
+        if name not in files:
+            raise PrequantError(
+                f"{index_name}: shard {name!r} is listed but missing from {label}; the repo is incomplete at this "
+                "revision, pick another revision"
+            )
+    if not stream:  # the whole checkpoint on disk, as a local directory would be
+        for name in names:
+            client.download(listing, name, large=True)
+    return Source(
+        spec, root, tuple(root / n for n in names), index, fmt,
+        repo_id=repo_id, revision=revision, sha=listing.sha, hub=listing,
+    )

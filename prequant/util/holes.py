@@ -3,7 +3,7 @@
 A Hub source shard that a conversion with --delete-source-shards has read part of is freed piece by piece, each
 tensor's bytes as its outputs are written, so that the next shard's download can use the space (`source.hub_stream`)
 rather than wait for the whole shard to be converted. Linux only, on filesystems that support it (ext4, XFS, btrfs,
-tmpfs); elsewhere `punch` frees nothing and says so, and the caller frees whole files as before.
+tmpfs); elsewhere `punch` frees nothing and says so, and the caller frees whole files.
 
 Standard library only (ctypes), like the rest of util/.
 """

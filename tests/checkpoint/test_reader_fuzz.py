@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from prequant.checkpoint import hf_files, reader, safetensors, tensors
 from prequant.checkpoint.dtypes import SAFETENSORS_DTYPES, itemsize
-from prequant.source import local as source
+from prequant.source import spec as source
 from prequant.errors import PrequantError
 
 # Bounded: the whole file runs in well under a minute on two cores; no example database in the repo.

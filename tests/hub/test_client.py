@@ -13,8 +13,10 @@ import pytest
 from conftest import ROOT
 from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture, until conftest imports it
 
-from prequant.hub import client as hub
+from prequant import settings
 from prequant.errors import PrequantError, UsageError
+from prequant.hub import cache
+from prequant.hub import client as hub
 
 REPO = "org/tiny"
 CONFIG = b'{"model_type": "llama", "hidden_size": 8}'
@@ -88,6 +90,52 @@ def test_resolve_pins_an_old_commit(hub_server: HubServer, tiny: str) -> None:
     source = hub.resolve(*hub.parse_repo_spec(f"{REPO}@{tiny}"))
     assert source.sha == tiny
     assert set(source.files) == set(FILES)
+
+
+def test_resolve_rides_out_a_connection_reset_and_a_burst_of_server_errors(
+    hub_server: HubServer, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The repo lookup is retried like a download: a connection reset (no answer at all), then three 503s."""
+    monkeypatch.setenv(settings.HUB_RETRY_S, "20")  # waits of 1, 2, 4 and 8 s
+    hub_server.fail_request("GET", f"/api/models/{REPO}", "reset")
+    hub_server.fail_request("GET", f"/api/models/{REPO}", "status", status=503, times=3)
+    assert hub.resolve(REPO).sha == tiny
+    lookups = [r.status for r in hub_server.request_log if r.path == f"/api/models/{REPO}"]
+    assert lookups == [None, 503, 503, 503, 200]  # the reset one was never answered
+
+
+def test_a_lookup_that_keeps_failing_stops_in_one_line_that_says_how_long_it_tried(
+    hub_server: HubServer, tiny: str
+) -> None:
+    hub_server.fail_request("GET", f"/api/models/{REPO}", "reset", times=None)  # the fixture's budget: 3 s
+    with pytest.raises(PrequantError) as error:
+        hub.resolve(REPO)
+    message = one_line(error)
+    assert message.startswith(f"cannot reach the Hugging Face Hub at {hub_server.url} to resolve {REPO}")
+    assert "tried 3 times over 3 s" in message and settings.HUB_RETRY_S in message
+
+
+def test_a_ranged_read_rides_out_a_connection_reset(hub_server: HubServer, tiny: str) -> None:
+    name = "model-00001-of-00002.safetensors"
+    source = hub.resolve(REPO)
+    hub_server.fail_request("GET", f"/{REPO}/resolve/{tiny}/{name}", "reset", ranged=True)
+    hub_server.clear_log()
+    assert hub.read_range(source, name, 8, 1000) == SHARD_1[8:1000]
+    resolves = [r.status for r in hub_server.request_log if r.path == f"/{REPO}/resolve/{tiny}/{name}"]
+    assert resolves[0] is None and len(resolves) == 2  # reset, then asked again
+
+
+def test_a_ranged_read_cut_short_by_a_reset_is_asked_again(hub_server: HubServer, tiny: str) -> None:
+    name = "model-00001-of-00002.safetensors"
+    source = hub.resolve(REPO)
+    hub_server.fail(REPO, name, "reset", after_bytes=5000, times=1, ranged=True)
+    assert hub.read_range(source, name, 0, 200_000) == SHARD_1[:200_000]
+
+
+def test_a_small_files_download_rides_out_a_reset_of_its_body(hub_server: HubServer, tiny: str) -> None:
+    """huggingface_hub downloads config.json, the index, the tokenizer: a reset of the body's request is retried."""
+    hub_server.fail_request("GET", f"/{REPO}/resolve/{tiny}/config.json", "reset", times=2)
+    assert hub.download(hub.resolve(REPO), "config.json").read_bytes() == CONFIG
 
 
 def test_resolve_unknown_repo(hub_server: HubServer) -> None:
@@ -191,10 +239,10 @@ def test_evict_removes_the_file_from_disk(tiny: str) -> None:
     source = hub.resolve(REPO)
     path = hub.download(source, "model-00001-of-00002.safetensors")
     blob = path.resolve()
-    hub.evict(source, "model-00001-of-00002.safetensors")
+    cache.evict(REPO, source.sha, "model-00001-of-00002.safetensors")
     assert not path.exists() and not path.is_symlink() and not blob.exists()
-    hub.evict(source, "model-00001-of-00002.safetensors")  # already gone
-    hub.evict(source, "config.json")  # never downloaded
+    cache.evict(REPO, source.sha, "model-00001-of-00002.safetensors")  # already gone
+    cache.evict(REPO, source.sha, "config.json")  # never downloaded
     assert hub.download(source, "model-00001-of-00002.safetensors").read_bytes() == SHARD_1  # comes back
 
 
@@ -243,7 +291,7 @@ def test_a_cut_whose_resume_meets_a_burst_of_server_errors_is_ridden_out(
     """huggingface_hub resumes a cut body, but gives up when the resume is answered 503 (and deletes what it had):
     the download is tried again, waiting longer each time, until the burst is over."""
     name = "model-00001-of-00002.safetensors"
-    monkeypatch.setenv(hub.RETRY_ENV, "20")
+    monkeypatch.setenv(settings.HUB_RETRY_S, "20")
     hub_server.fail(REPO, name, "drop", after_bytes=100_000, times=1)
     hub_server.fail(REPO, name, "status", status=503, times=3)
     hub_server.clear_log()
@@ -267,7 +315,7 @@ def test_a_resume_from_mid_file_refused_with_503_starts_the_file_again(
     big = os.urandom(24 * 2**20)
     name = "model-00001-of-00001.safetensors"
     hub_server.add_repo("org/big", {"config.json": CONFIG, name: big})
-    monkeypatch.setenv(hub.RETRY_ENV, "20")
+    monkeypatch.setenv(settings.HUB_RETRY_S, "20")
     hub_server.fail("org/big", name, "drop", after_bytes=12 * 2**20, times=1, ranged=False)
     hub_server.fail("org/big", name, "status", status=503, times=1, ranged=True, min_start=2**20)
     hub_server.clear_log()
@@ -284,7 +332,7 @@ def test_an_outage_longer_than_the_retries_says_how_long_it_tried(hub_server: Hu
         hub.download(hub.resolve(REPO), "config.json")
     message = one_line(error)
     assert "config.json of org/tiny" in message and "503" in message
-    assert "tried 3 times over 3 s" in message and hub.RETRY_ENV in message
+    assert "tried 3 times over 3 s" in message and settings.HUB_RETRY_S in message
 
 
 def _partial(repo_id: str, etag: str) -> Path:
@@ -308,7 +356,7 @@ def test_a_resumable_partial_download_of_older_huggingface_hub_stays(hub_server:
     blobs.mkdir(parents=True, exist_ok=True)
     resumable = blobs / f"{'ef' * 32}.incomplete"
     resumable.write_bytes(b"x" * 1000)
-    assert hub.remove_stale_partials(REPO) == []
+    assert cache.remove_stale_partials(REPO) == []
     assert resumable.exists()
 
 
@@ -324,12 +372,12 @@ def test_a_partial_download_another_process_is_writing_stays(hub_server: HubServ
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert hub.remove_stale_partials(REPO) == []
+        assert cache.remove_stale_partials(REPO) == []
         assert writing.exists()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    assert hub.remove_stale_partials(REPO) == [writing.name]  # its writer is gone: stale now
+    assert cache.remove_stale_partials(REPO) == [writing.name]  # its writer is gone: stale now
     assert not writing.exists()
 
 
@@ -399,14 +447,14 @@ def test_a_file_set_aside_leaves_the_cache_and_its_leftover_goes_once_its_lock_i
     source = hub.resolve(REPO)
     pointer = hub.download(source, name)
     blob = pointer.resolve()
-    aside = hub.set_aside(source, name)
+    aside = cache.set_aside(REPO, source.sha, name)
     assert aside is not None and aside.path == blob.with_name(f"{blob.name}.prequant-freeing")
     assert not pointer.exists() and not pointer.is_symlink() and not blob.exists() and aside.path.is_file()
-    assert hub.set_aside(source, name) is None  # nothing left to set aside
-    assert hub.remove_stale_partials(REPO) == [] and aside.path.exists()  # in use: its lock is held
+    assert cache.set_aside(REPO, source.sha, name) is None  # nothing left to set aside
+    assert cache.remove_stale_partials(REPO) == [] and aside.path.exists()  # in use: its lock is held
     # huggingface_hub does not take it for the file: offline it has none, online it downloads the file again
     with pytest.raises(LocalEntryNotFoundError):
         hf_hub_download(REPO, name, revision=tiny, cache_dir=cached(REPO).parent, local_files_only=True)
     aside._lock.release()  # as a killed run's lock is released by the kernel
-    assert hub.remove_stale_partials(REPO) == [aside.path.name] and not aside.path.exists()
+    assert cache.remove_stale_partials(REPO) == [aside.path.name] and not aside.path.exists()
     assert hub.download(source, name).read_bytes() == FILES[name]

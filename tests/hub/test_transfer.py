@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture
 
+from prequant import settings
 from prequant.errors import PrequantError
 from prequant.hub import client as hub
 from prequant.hub import transfer
@@ -72,10 +73,40 @@ def test_a_cut_body_resumes_from_the_byte_it_reached(hub_server: HubServer, repo
     assert gets(hub_server) == [(200, None), (206, "bytes=100000-")]
 
 
+def test_a_body_reset_mid_way_resumes_from_the_byte_it_reached(hub_server: HubServer, repo: str) -> None:
+    """A connection reset (not a clean close): every byte that arrived before it is on disk, and the resume asks
+    from there."""
+    hub_server.fail(REPO, NAME, "reset", after_bytes=100_000, times=1)
+    assert hub.download(hub.resolve(REPO), NAME, large=True).read_bytes() == SHARD
+    assert gets(hub_server) == [(200, None), (206, "bytes=100000-")]
+
+
+def test_the_metadata_request_rides_out_a_connection_reset(hub_server: HubServer, repo: str) -> None:
+    hub_server.fail_request("HEAD", f"/{REPO}/resolve/{repo}/{NAME}", "reset")
+    assert hub.download(hub.resolve(REPO), NAME, large=True).read_bytes() == SHARD
+    heads = [r.status for r in hub_server.request_log if r.method == "HEAD"]
+    assert heads == [None, 302]
+
+
+def test_a_download_stopped_mid_body_is_resumed_by_the_next_one_from_the_byte_on_disk(
+    hub_server: HubServer, repo: str
+) -> None:
+    """The partial file outlives a download that gives up (as it outlives a kill): the next download of the file
+    asks only for the rest."""
+    hub_server.fail(REPO, NAME, "drop", after_bytes=100_000)  # every request: no byte past it
+    with pytest.raises(PrequantError):
+        hub.download(hub.resolve(REPO), NAME, large=True)
+    hub_server.clear_faults()
+    hub_server.clear_log()
+    assert hub.download(hub.resolve(REPO), NAME, large=True).read_bytes() == SHARD
+    assert gets(hub_server) == [(206, "bytes=100000-")]
+    assert not list(cached(REPO).rglob("*.incomplete"))
+
+
 def test_a_cut_whose_resume_meets_a_burst_of_503_keeps_its_bytes(
     hub_server: HubServer, repo: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(hub.RETRY_ENV, "20")  # waits of 1, 2 and 4 s
+    monkeypatch.setenv(settings.HUB_RETRY_S, "20")  # waits of 1, 2 and 4 s
     hub_server.fail(REPO, NAME, "drop", after_bytes=100_000, times=1)
     hub_server.fail(REPO, NAME, "status", status=503, times=3, ranged="resume")
     assert hub.download(hub.resolve(REPO), NAME, large=True).read_bytes() == SHARD
@@ -83,7 +114,7 @@ def test_a_cut_whose_resume_meets_a_burst_of_503_keeps_its_bytes(
     assert not list(cached(REPO).rglob("*.incomplete"))
 
 
-def test_a_body_cut_at_the_same_byte_every_time_fails_in_one_line_and_leaves_nothing(
+def test_a_body_cut_at_the_same_byte_every_time_fails_in_one_line_and_leaves_nothing_that_looks_complete(
     hub_server: HubServer, repo: str
 ) -> None:
     hub_server.fail(REPO, NAME, "drop", after_bytes=100_000)  # every request, resumes included: no byte past it
@@ -94,7 +125,9 @@ def test_a_body_cut_at_the_same_byte_every_time_fails_in_one_line_and_leaves_not
     assert "the body stopped at byte 100000" in message
     assert "tried 4 times" in message  # the cut, then 3 resumes with no byte: the fixture's budget, waits of 1 and 2 s
     assert gets(hub_server) == [(200, None)] + [(206, "bytes=100000-")] * 3
-    assert not list(cached(REPO).rglob("*.incomplete")) and not (cached(REPO) / "snapshots" / repo / NAME).exists()
+    assert not (cached(REPO) / "snapshots" / repo / NAME).exists()
+    assert not (cached(REPO) / "blobs" / hashlib.sha256(SHARD).hexdigest()).exists()
+    assert [p.stat().st_size for p in cached(REPO).rglob("*.incomplete")] == [100_000]  # kept for the next download
 
 
 def test_an_answer_that_is_not_retryable_fails_at_once_naming_the_file(hub_server: HubServer, repo: str) -> None:
@@ -107,20 +140,9 @@ def test_an_answer_that_is_not_retryable_fails_at_once_naming_the_file(hub_serve
     assert not list(cached(REPO).rglob("*.incomplete"))
 
 
-def test_huggingface_hub_downloads_it_when_asked_to(
-    hub_server: HubServer, repo: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """PREQUANT_HUB_CLIENT=huggingface_hub: its own loop, which resumes this cut from 0 (its 10 MB write chunk held
-    the 100 kB and was never written)."""
-    monkeypatch.setenv(transfer.CLIENT_ENV, "huggingface_hub")
-    hub_server.fail(REPO, NAME, "drop", after_bytes=100_000, times=1)
-    assert hub.download(hub.resolve(REPO), NAME, large=True).read_bytes() == SHARD
-    assert gets(hub_server) == [(200, None), (200, None)]
-
-
 def test_a_body_that_fails_mid_read_resumes_from_what_is_on_disk(hub_server: HubServer, tmp_path: Path) -> None:
-    """A timeout (or a reset) raises from inside the read loop after whole buffers were written: the resume starts
-    where the file ends, not where the request began (it used to ask from 0 again and write after the 16 MiB)."""
+    """A timeout (or a reset) raises from inside the read loop: every byte that arrived is on disk, and the resume
+    starts where the file ends, not where the request began."""
     big = os.urandom(40 * 2**20)
     hub_server.add_repo("org/big", {"config.json": b"{}", NAME: big})
     held = hub_server.fail("org/big", NAME, "hold", after_bytes=20 * 2**20, times=1, ranged=False)
@@ -133,8 +155,8 @@ def test_a_body_that_fails_mid_read_resumes_from_what_is_on_disk(hub_server: Hub
     finally:
         held.release.set()
     assert (tmp_path / "body").read_bytes() == big
-    # the held request timed out after one whole 16 MiB buffer: the resume asks from there
-    assert gets(hub_server) == [(200, None), (206, f"bytes={16 * 2**20}-")]
+    # the held request timed out after 20 MiB: the resume asks from there
+    assert gets(hub_server) == [(200, None), (206, f"bytes={20 * 2**20}-")]
 
 
 def test_a_limited_download_writes_no_more_than_its_limit_and_goes_on_as_it_grows(
@@ -174,31 +196,3 @@ def test_a_limited_download_writes_no_more_than_its_limit_and_goes_on_as_it_grow
     assert result and result[0].read_bytes() == SHARD
     assert over == []
     assert gets(hub_server) == [(200, None)]  # one connection, held while it waited
-
-
-def test_a_limited_download_left_to_huggingface_hub_waits_until_the_whole_file_is_allowed(
-    hub_server: HubServer, repo: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """huggingface_hub writes a file whole, with no limit of its own: a limited download it makes starts only once
-    the limit allows the whole file, so the streaming reader's budget holds there too."""
-    import threading
-
-    monkeypatch.setenv(transfer.CLIENT_ENV, "huggingface_hub")
-    limit = [1 << 20]
-    asked = threading.Event()
-
-    def allowed() -> int:
-        asked.set()
-        return limit[0]
-
-    result: list[Path] = []
-    thread = threading.Thread(target=lambda: result.append(hub.download(hub.resolve(REPO), NAME, large=True,
-                                                                         limit=allowed)))  # fmt: skip
-    thread.start()
-    try:
-        assert asked.wait(60)  # it waits on the limit, and asks again until it allows the file
-        assert gets(hub_server) == [] and not list((cached(REPO) / "blobs").glob("*"))  # nothing fetched yet
-    finally:
-        limit[0] = len(SHARD)
-        thread.join()
-    assert result and result[0].read_bytes() == SHARD and gets(hub_server) == [(200, None)]

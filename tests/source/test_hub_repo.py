@@ -1,4 +1,4 @@
-"""A Hub repo resolved as SOURCE (source/hub_repo.py), against the real local Hub server (tests/hub_server.py):
+"""A Hub repo resolved as SOURCE (source/spec.py), against the real local Hub server (tests/hub_server.py):
 revisions pinned to their commit, a repo without config or weights, a missing path that looks like a repo, no
 network, offline with and without a cache, and tokens used but never printed."""
 
@@ -62,8 +62,10 @@ def test_a_mistyped_path_without_network_says_both(tmp_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    # A refused connection is retried like any passing failure (test_client.py): tried once here, for the wording.
     proc = run_cli("convert", "data/llama-8b", str(tmp_path / "out"), "--dry-run",
-                   env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")})
+                   env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf"),
+                        "PREQUANT_HUB_RETRY_S": "0"})
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("Error: source 'data/llama-8b' is not a local directory, and cannot reach the "
                                   f"Hugging Face Hub at {endpoint}")
@@ -74,7 +76,8 @@ def test_grok_1_without_network_says_the_hub_cannot_be_reached(tmp_path: Path) -
         probe.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
     proc = run_cli("convert", "grok-1", str(tmp_path / "out"), "--dry-run",
-                   env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")})
+                   env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf"),
+                        "PREQUANT_HUB_RETRY_S": "0"})
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"Error: cannot reach the Hugging Face Hub at {endpoint} to resolve grok-1 "

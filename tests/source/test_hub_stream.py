@@ -1,6 +1,6 @@
 """A Hub repo's shards streamed as SOURCE, against the real local Hub server (tests/hub_server.py): planned from
-ranged header reads, downloaded one by one as the conversion reaches them (begun early, two at a time, within the
-two-shard bound), deleted after use on request, through cuts, 5xx and kills; Grok-1's `.bin` shards. Resolving the
+ranged header reads, downloaded one by one as the conversion reaches them (two at a time, within the two-shard
+bound), deleted after use on request, through resets, cuts, 5xx and kills; Grok-1's `.bin` shards. Resolving the
 repo (revisions, missing files, offline, tokens) is test_hub_repo.py's."""
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from hub_repos import REPO, cache_repo, outputs, publish, tiny  # noqa: F401 - t
 from hub_server import HubServer
 
 import prequant
+from prequant import settings
 from prequant.hub import client as hub
-from prequant.source import hub_early, hub_scratch, hub_stream, remote_headers
+from prequant.source import hub_stream, remote_headers
 from prequant.source import resolve as sources
-from prequant.errors import PrequantError, UsageError
+from prequant.errors import PrequantError
 
 
 def _serves(record, name: str) -> bool:
@@ -148,16 +149,9 @@ def _convert_sampling(sample, tiny: Path, tmp_path: Path) -> None:
     assert outputs(tmp_path / "out") == outputs(tmp_path / "local")
 
 
-@pytest.mark.parametrize("free", [None, "0"], ids=["freed-as-converted", "freed-whole"])
 def test_delete_source_shards_keeps_at_most_two_on_disk(
-    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: str | None
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Either way of freeing (the default, as each tensor is written; PREQUANT_HUB_FREE_AS_CONVERTED=0, each shard
-    whole after its last tensor) holds the bound."""
-    if free is None:
-        monkeypatch.delenv(hub_stream.FREE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(hub_stream.FREE_ENV, free)
     shards = {hashlib.sha256(p.read_bytes()).hexdigest(): p.stat().st_size for p in tiny.glob("*.safetensors")}
     assert len(shards) == 4
     sample, peaks = _disk_sampler(REPO, shards)
@@ -297,7 +291,7 @@ def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
             assert os.fstat(held).st_blocks > 0  # deleted, but its blocks still allocated
             with data._cond:  # the download threads' own count, as they decide
                 two = sum((tiny / f.name).stat().st_size for f in files[:2])  # the evicted one's too
-                assert (data.scratch.held(), data._downloading) == (two, 0)
+                assert (data.scratch.held(), data.scratch.granted) == (two, {})  # no download in flight
             assert sorted(data.downloaded) == sorted(f.name for f in files[:2]) and not files[2].exists()
         finally:
             os.close(held)
@@ -432,11 +426,40 @@ def _gets(server: HubServer, name: str) -> list[tuple[int | None, str | None]]:
     return [(r.status, r.headers.get("range")) for r in server.request_log if _serves(r, name) and r.to_the_end]
 
 
+def test_a_conversion_rides_out_a_reset_of_every_kind_of_request_and_a_burst_of_503s_on_the_lookup(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One connection reset on the repo lookup, then three 503s; one on a small file's download, on a shard's
+    metadata request, on a shard's ranged header read, and on a shard's body mid-way: the conversion goes on, to the
+    bytes of the local conversion, each body resumed from the byte it reached."""
+    monkeypatch.setenv(settings.HUB_RETRY_S, "20")  # the lookup's four failures: waits of 1, 2, 4 and 8 s
+    sha = hub_server.head(REPO)
+    first, second = sorted(p.name for p in tiny.glob("*.safetensors"))[:2]
+    lookup = f"/api/models/{REPO}"
+    hub_server.fail_request("GET", lookup, "reset")
+    hub_server.fail_request("GET", lookup, "status", status=503, times=3)
+    hub_server.fail_request("GET", f"/{REPO}/resolve/{sha}/config.json", "reset")
+    hub_server.fail_request("GET", f"/{REPO}/resolve/{sha}/{first}", "reset", ranged=True)  # its header read
+    hub_server.fail_request("HEAD", f"/{REPO}/resolve/{sha}/{second}", "reset")  # its metadata, before its body
+    hub_server.fail(REPO, second, "reset", after_bytes=10_000, times=1, ranged=False)
+    hub_server.clear_log()
+    prequant.convert(REPO, tmp_path / "hub", device="cpu", progress=False, delete_source_shards=True)
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
+    assert [r.status for r in hub_server.request_log if r.path == lookup] == [None, 503, 503, 503, 200]
+    resets = {(r.method, r.path.rsplit("/", 1)[-1], "range" in r.headers) for r in hub_server.request_log
+              if r.status is None}
+    assert resets == {("GET", REPO.split("/")[1], False), ("GET", "config.json", False), ("GET", first, True),
+                      ("HEAD", second, False)}  # every fault hit (the body's reset came after its 200)
+    assert _gets(hub_server, second) == [(200, None), (206, "bytes=10000-")]
+    assert not list(cache_repo(REPO).rglob("*.incomplete"))
+
+
 def test_a_shard_cut_mid_body_then_refused_with_5xx_converts_to_the_same_bytes(
     hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     second = _shard_order(tmp_path)[1]
-    monkeypatch.setenv(hub.RETRY_ENV, "20")  # long enough for the burst: waits of 1, 2 and 4 s
+    monkeypatch.setenv(settings.HUB_RETRY_S, "20")  # long enough for the burst: waits of 1, 2 and 4 s
     hub_server.fail(REPO, second, "drop", after_bytes=10_000, times=1, ranged=False)
     hub_server.fail(REPO, second, "status", status=503, times=3, ranged="resume")
     hub_server.clear_log()
@@ -477,11 +500,11 @@ def test_an_outage_longer_than_the_retries_stops_in_one_line_and_resume_finishes
     assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # every download deleted once converted
 
 
-def test_a_conversion_killed_mid_download_leaves_no_partial_file_once_resumed(
+def test_a_conversion_killed_mid_download_resumes_the_shard_from_the_bytes_on_disk(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
-    """SIGKILL while a shard's body is half sent: huggingface_hub's partial file stays behind (nothing of the
-    dead process can delete it); the resumed run removes it, and converts to the same bytes."""
+    """SIGKILL while a shard's body is half sent: the bytes that arrived are on disk, in the partial file the next
+    download of that shard continues; the resumed run asks only for the rest, and converts to the same bytes."""
     second = _shard_order(tmp_path)[1]
     held = hub_server.fail(REPO, second, "hold", after_bytes=10_000, times=1, ranged=False)
     out = tmp_path / "out"
@@ -489,22 +512,22 @@ def test_a_conversion_killed_mid_download_leaves_no_partial_file_once_resumed(
     try:
         assert held.arrived.wait(120), "the second shard's download never started"
         blobs = cache_repo(REPO) / "blobs"
-        # huggingface_hub opens its partial file before it sends the request, so it is there by now
-        assert any(p.name.endswith(".incomplete") for p in blobs.iterdir())
-        proc.kill()  # SIGKILL: the download child dies with it
+        _wait_for(lambda: proc.poll() is not None or _partial_size(second, tiny) == 10_000)
+        proc.kill()
         proc.wait(timeout=60)
     finally:
         held.release.set()
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -9
-    partials = [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]
-    assert partials  # what the kill left
+    assert _partial_size(second, tiny) == 10_000  # what the kill left
 
+    hub_server.clear_log()
     resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(out) == outputs(tmp_path / "local")
+    assert _gets(hub_server, second) == [(206, "bytes=10000-")]  # the rest of it, not the whole shard again
     assert not [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]
 
 
@@ -553,90 +576,6 @@ def test_downloads_start_when_asked_before_any_read(hub_server: HubServer, tiny:
         assert first in data.downloaded  # no tensor was read: the download did not wait for one
     finally:
         data.close()
-
-
-def test_the_first_shard_begun_early_is_taken_over_not_fetched_twice(
-    hub_server: HubServer, tiny: Path, tmp_path: Path
-) -> None:
-    """What the CLI does before importing torch (`hub_early.start`): the first shard's download begins with no
-    conversion running; the conversion then takes it over, and deletes it like its other downloads."""
-    first = _shard_order(tmp_path)[0]
-    held = hub_server.fail(REPO, first, "hold", after_bytes=10_000, times=1, ranged=False)
-    hub_server.clear_log()
-    hub_early.start(REPO, delete=True)
-    try:
-        assert held.arrived.wait(120)  # begun: its bytes are on their way, and no conversion has started
-        # The download child dies with the thread that started it (PR_SET_PDEATHSIG): that thread must still be
-        # there, and stay until the conversion that takes the download over has ended it.
-        assert [t for t in threading.enumerate() if t.name == "prequant-hub-early" and t.is_alive()]
-    finally:
-        held.release.set()
-    prequant.convert(REPO, tmp_path / "hub", device="cpu", progress=False, delete_source_shards=True)
-    _wait_for(lambda: not [t for t in threading.enumerate() if t.name == "prequant-hub-early"])
-    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
-    assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
-    whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
-    assert sorted(whole) == sorted(_shard_order(tmp_path))  # each shard's body sent once, the early one included
-    assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # it was this run's: deleted
-
-
-def test_a_refused_run_ends_the_early_download_and_leaves_nothing_of_it(
-    hub_server: HubServer, tiny: Path, tmp_path: Path
-) -> None:
-    first = _shard_order(tmp_path)[0]
-    held = hub_server.fail(REPO, first, "hold", after_bytes=10_000, times=1, ranged=False)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    hub_early.start(REPO)
-    try:
-        assert held.arrived.wait(120)
-        with pytest.raises(UsageError, match="--overwrite"):
-            prequant.convert(REPO, out, device="cpu", progress=False)
-    finally:
-        held.release.set()
-    blobs = cache_repo(REPO) / "blobs"
-    assert not [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]  # the cut download's partial
-    assert not list(cache_repo(REPO).glob(f"snapshots/*/{first}"))
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-
-
-def test_the_early_download_begins_the_weights_the_conversion_reads(
-    hub_server: HubServer, checkpoints, tmp_path: Path
-) -> None:
-    """A repo with model.safetensors and, beside it, PyTorch shards with their index: the conversion reads the
-    safetensors (the first layout of WEIGHT_LAYOUTS found), so the early download must begin that file, not a shard."""
-    from prequant.hub import fetcher
-
-    single = checkpoints("llama")
-    files = {p.name: p for p in single.iterdir() if p.is_file()}
-    files["pytorch_model.bin.index.json"] = json.dumps(
-        {"metadata": {}, "weight_map": {"lm_head.weight": "pytorch_model-00001-of-00001.bin"}}).encode()
-    files["pytorch_model-00001-of-00001.bin"] = b"\0" * 4096
-    hub_server.add_repo("org/both", files)
-    hub_early.start("org/both")
-    try:
-        fetcher.wait_early()
-        assert [early._pending.filename for early in fetcher._early] == ["model.safetensors"]
-    finally:
-        hub_early.close()
-    src = sources.resolve("org/both", stream=True)
-    assert [p.name for p in src.weight_files] == ["model.safetensors"]  # what the conversion reads, the same
-
-
-def test_the_cli_begins_a_hub_sources_first_shard_before_its_imports(
-    hub_server: HubServer, tiny: Path, tmp_path: Path
-) -> None:
-    first = _shard_order(tmp_path)[0]
-    trace = tmp_path / "trace.json"
-    hub_server.clear_log()
-    done = run_cli("convert", REPO, str(tmp_path / "out"), "--device", "cpu", "--delete-source-shards",
-                   env={"PREQUANT_TRACE": str(trace)})
-    assert done.returncode == 0, done.stderr
-    events = [name for name, _ in json.loads(trace.read_text())["events"]]
-    assert f"download-begun-early:{first}" in events
-    whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
-    assert sorted(whole) == sorted(_shard_order(tmp_path))  # taken over: no shard downloaded twice
 
 
 # ------------------------------------------------------------------------------------ grok-1 and .bin
@@ -703,7 +642,7 @@ def test_malicious_pickle_on_the_hub_is_refused_while_planning(
 def _partial_size(name: str, tiny: Path) -> int | None:
     """The size of shard `name`'s partial download in the cache, None if there is none."""
     etag = hashlib.sha256((tiny / name).read_bytes()).hexdigest()
-    found = list((cache_repo(REPO) / "blobs").glob(f"{etag}.*.incomplete"))
+    found = list((cache_repo(REPO) / "blobs").glob(f"{etag}*.incomplete"))
     return found[0].stat().st_size if found else None
 
 
@@ -712,10 +651,8 @@ def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanw
 ) -> None:
     """With delete, the third shard downloads while the first is converted, held to the bytes the budget has room
     for: at its first tensor written the first leaves the cache (open here, so nothing with holes is there to look
-    complete), each tensor written frees its whole blocks, and the third's download is allowed exactly that more.
-    This is the default: PREQUANT_HUB_FREE_AS_CONVERTED unset."""
-    monkeypatch.delenv(hub_stream.FREE_ENV, raising=False)
-    monkeypatch.setattr(hub_scratch, "GRANT_STEP", 4096)  # the tiny shards are 50-60 KB
+    complete), each tensor written frees its whole blocks, and the third's download is allowed exactly that more."""
+    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)  # the tiny shards are 50-60 KB
     plan, files, data = _streamed(tmp_path)
     first = [step.source for step in plan.steps if step.source.file == files[0]]
     sizes = [(tiny / f.name).stat().st_size for f in files]
@@ -768,8 +705,7 @@ def test_freed_shards_convert_to_the_same_bytes_within_the_budget(
     """A whole conversion freeing its shards as it goes: the local conversion's bytes; the disk the shards really
     take (blocks allocated, partial downloads and shards held open after leaving the cache included) stays within
     the budget; nothing left in the cache."""
-    monkeypatch.setenv(hub_stream.FREE_ENV, "1")
-    monkeypatch.setattr(hub_scratch, "GRANT_STEP", 4096)
+    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)
     sizes = [p.stat().st_size for p in tiny.glob("*.safetensors")]
     etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
     blobs = cache_repo(REPO) / "blobs"
@@ -815,9 +751,8 @@ def test_a_run_killed_while_freeing_a_shard_leaves_nothing_that_looks_complete_a
     etags = {hashlib.sha256(p.read_bytes()).hexdigest(): p.read_bytes() for p in tiny.glob("*.safetensors")}
     blobs = cache_repo(REPO) / "blobs"
     out = tmp_path / "out"
-    env = {hub_stream.FREE_ENV: "1"}
     proc = start_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
-                     env={**env, "PREQUANT_FAILPOINT": "step-journaled:2:SIGSTOP"})
+                     env={"PREQUANT_FAILPOINT": "step-journaled:2:SIGSTOP"})
     try:
         _wait_for(lambda: proc.poll() is not None or _stopped(proc.pid))
         assert proc.poll() is None, proc.communicate()[1]
@@ -833,7 +768,7 @@ def test_a_run_killed_while_freeing_a_shard_leaves_nothing_that_looks_complete_a
     finally:
         if proc.poll() is None:
             proc.kill()
-    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume", env=env)
+    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(out) == outputs(tmp_path / "local")
