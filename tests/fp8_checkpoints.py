@@ -49,7 +49,8 @@ def is_linear(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------- quantizing
 
 
-def block_quantize(w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def block_quantize(w: torch.Tensor, block: tuple[int, int],
+                   scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """float8 e4m3 codes and one scale per block (partial at the edges), DeepSeek's layout: w ~ codes * scale."""
     rows, cols = w.shape
     nr, nc = math.ceil(rows / block[0]), math.ceil(cols / block[1])
@@ -76,13 +77,15 @@ def ct_quantize(w: torch.Tensor, per: str, scale_dtype: torch.dtype) -> tuple[to
 # ---------------------------------------------------------------------------------------------- the references
 
 
-def deepseek_weight_dequant(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, block_size: int = 128) -> torch.Tensor:
+def deepseek_weight_dequant(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype,
+                            block_size: int = 128) -> torch.Tensor:
     """DeepSeek-V3's weight_dequant, block by block as its Triton kernel runs (module docstring)."""
     rows, cols = x.shape
     y = torch.empty(rows, cols, dtype=dtype)
     for pid_m in range(math.ceil(rows / block_size)):
         for pid_n in range(math.ceil(cols / block_size)):
-            r, c = slice(pid_m * block_size, (pid_m + 1) * block_size), slice(pid_n * block_size, (pid_n + 1) * block_size)
+            r = slice(pid_m * block_size, (pid_m + 1) * block_size)
+            c = slice(pid_n * block_size, (pid_n + 1) * block_size)
             y[r, c] = x[r, c].to(torch.float32) * s[pid_m, pid_n].to(torch.float32)  # the store rounds to y's dtype
     return y
 

@@ -214,8 +214,8 @@ def _check_scale(w: TensorRef, s: TensorRef, method: str, block: tuple[int, int]
     if tuple(s.shape) not in wanted:
         raise PrequantError(
             f"scale {quote(s.name)} has shape {list(s.shape)}, but {quote(w.name)} {list(w.shape)} takes "
-            f"{' or '.join(str(list(x)) for x in wanted)} ({layout}); the checkpoint is damaged or of a layout prequant "
-            "does not read: re-download it, or convert the original 16-bit checkpoint", where=s.file.name)
+            f"{' or '.join(str(list(x)) for x in wanted)} ({layout}); the checkpoint is damaged or of a layout "
+            "prequant does not read: re-download it, or convert the original 16-bit checkpoint", where=s.file.name)
 
 
 def _itemsize(code: str) -> int:

@@ -35,7 +35,8 @@ def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 3).to(torch.bfloat16)
 
 
-def _read(tmp_path: Path, tensors: dict[str, torch.Tensor], qc: dict, config: dict | None = None) -> dict[str, torch.Tensor]:
+def _read(tmp_path: Path, tensors: dict[str, torch.Tensor], qc: dict,
+          config: dict | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint of `tensors` read back through contents() and TensorReader: name -> tensor as the plan sees it."""
     aligned = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
     src = write_checkpoint(tmp_path / "src", [aligned], (config or BF16_LLAMA) | {"quantization_config": qc})
