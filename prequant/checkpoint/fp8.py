@@ -147,13 +147,14 @@ def card_note(tensors: Iterable[TensorRef]) -> str | None:
 
 
 def dequantize(ref: Fp8Weight, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The 16-bit tensor of `ref` from its float8 `weight` and `scale` (as stored): the product in float32, rounded
-    to a 16-bit compressed-tensors scale's dtype (as compressed-tensors computes), then to the model's dtype."""
+    """The 16-bit tensor of `ref` from its float8 `weight` and `scale` (as stored), on the weight's device: the product
+    in float32, rounded to a 16-bit compressed-tensors scale's dtype (as compressed-tensors computes), then to the
+    model's dtype. IEEE float32 products and round-to-nearest-even casts: the same bytes on any device."""
     import torch
 
     from .dtypes import SAFETENSORS_DTYPES
 
-    out = torch.empty(ref.shape, dtype=SAFETENSORS_DTYPES[ref.dtype])
+    out = torch.empty(ref.shape, dtype=SAFETENSORS_DTYPES[ref.dtype], device=weight.device)
     rows, cols = ref.shape
     inner = scale.dtype if ref.method == CT and scale.dtype != torch.float32 else None
     step = ref.block[0] if ref.block else max(1, _CHUNK // max(cols, 1))

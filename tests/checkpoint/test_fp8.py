@@ -200,3 +200,23 @@ def test_other_quantized_sources_are_still_refused(tmp_path, qc):
     (tmp_path / "config.json").write_text(json.dumps(BF16_LLAMA | {"quantization_config": qc}))
     with pytest.raises(PrequantError, match=rf"already quantized \({qc['quant_method']}\)"):
         read_config(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["block", "channel", "tensor"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantizing_on_cuda_gives_the_cpu_bytes(tmp_path, fmt, scale_dtype):
+    if fmt == "block":
+        q, s = block_quantize(_weight(300, 200), (128, 128), scale_dtype)
+        tensors, qc = {"m.weight": q, "m.weight_scale_inv": s}, BLOCK_QC
+    else:
+        q, s = ct_quantize(_weight(300, 200), fmt, scale_dtype)
+        tensors, qc = {"m.weight": q, "m.weight_scale": s}, CT_QC
+    src = write_checkpoint(tmp_path / "src", [dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))],
+                           BF16_LLAMA | {"quantization_config": qc})
+    (ref,) = contents(resolve(str(src))).tensors
+    with TensorReader() as r:
+        cpu = r.view(ref)
+        cuda = fp8.dequantize(ref, r.view(ref.stored).cuda(), r.view(ref.scale).cuda())
+    assert cuda.device.type == "cuda" and _same(cuda.cpu(), cpu)
