@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PrequantError
-from . import binreader
+from . import binreader, fp8
 from .dtypes import SAFETENSORS_DTYPES
 from .safetensors import read_header
 from .tensors import BIN_OFFSET, TensorRef, merge
@@ -88,6 +88,8 @@ class TensorReader:
 
     def view(self, ref: TensorRef) -> torch.Tensor:
         """The tensor as a CPU view over the memory-mapped file (no copy)."""
+        if isinstance(ref, fp8.Fp8Weight):  # stored as float8 with its scale (each read through this reader)
+            return fp8.dequantize(ref, self.view(ref.stored), self.view(ref.scale))
         dtype = SAFETENSORS_DTYPES[ref.dtype]
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)

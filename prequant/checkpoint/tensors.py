@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import PrequantError
 
 # A `.bin` shard's tensors have no byte range we know of in the file: they are reached through the shard's
-# memory-mapped state dict.
+# memory-mapped state dict. Nor has an FP8 weight's 16-bit form (`fp8.Fp8Weight`): `TensorReader.view` makes it.
 BIN_OFFSET = -1
 
 
@@ -24,7 +24,7 @@ class TensorRef:
     dtype: str  # safetensors code, e.g. "BF16"
     shape: tuple[int, ...]
     file: Path
-    offset: int  # absolute offset of the first byte in `file`; BIN_OFFSET for a .bin shard's tensor
+    offset: int  # absolute offset of the first byte in `file`; BIN_OFFSET for a .bin shard's tensor or an FP8 weight
     nbytes: int
 
     @property

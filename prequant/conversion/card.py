@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .._version import __version__
 from ..bnb.stats import expected_rel_error
+from ..checkpoint import fp8
 from ..checkpoint.hf_files import CARD, read_config
 from ..errors import PrequantError
 from .plan import Plan
@@ -137,6 +138,7 @@ def _body(
         "transformers saves after quantizing on load with the same `BitsAndBytesConfig`, so it loads with no "
         "quantization arguments."),
         "",
+        *([note, ""] if (note := fp8.card_note(st.source for st in plan.steps)) else []),
         "## Quantization",
         "",
         "| setting | value |",

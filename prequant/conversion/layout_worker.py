@@ -141,17 +141,17 @@ def _layout_from_dict(data: dict) -> Layout:
 def main() -> None:
     """The child: scan the local checkpoint, decide, print the layout as JSON on stdout."""
     from ..bnb.layout import analyze
-    from ..checkpoint.hf_files import read_config
     from ..source.spec import local
-    from ..source.resolve import scan
+    from ..source.resolve import contents
 
     from ..errors import PrequantError
 
     request = json.loads(sys.argv[1])
     src = local(request["source"], Path(request["source"]))
-    tensors = scan(src)
+    held = contents(src)  # as the parent sees it (an FP8 source: its 16-bit tensors)
+    tensors = held.tensors
     try:
-        layout = analyze(read_config(src.path), src.path, tensors, request["skip"], request["trust_remote_code"])
+        layout = analyze(held.config, src.path, tensors, request["skip"], request["trust_remote_code"])
     except PrequantError as e:  # carried to the parent, which raises it as it would have raised it itself
         json.dump({"tensors_key": tensors_key(tensors), "error": base64.b64encode(pickle.dumps(e)).decode()}, sys.stdout)
         return
