@@ -143,7 +143,7 @@ class Recorder:
             "format_version": FORMAT_VERSION,
             "versions": versions(),
             "device": device,
-            "job": self.job,  # the conversion's fingerprint (source files, plan, version): --resume knows it is done
+            "job": self.job,  # the conversion's fingerprint (source files, plan, version): a rerun knows it is done
             "source": source,
             "options": self.options,
             # Source names of the tensors quantized as their transpose (the planner's Decision.transpose).
