@@ -30,15 +30,12 @@ def main() -> None:
 
 
 def _run(cli: ModuleType) -> None:
-    """`cli.main()`, then leave at once.
+    """`cli.main()`, then leave at once with its status.
 
-    Once a command has finished, stdout and stderr are flushed and atexit handlers (the trace, logging)
-    have run, nothing is left to do; the interpreter's own teardown would still spend about two seconds
-    destroying torch's and CUDA's state (measured on the GPU machine), so the process exits without it.
-    SIGINT and SIGTERM are exceptions from start-up on (`util.signals`); once the command has finished they
-    are blocked, so the exit status is the command's, and a signal whose exception some library swallowed
-    still makes it 130 / 143. With PREQUANT_DEBUG=1 an unexpected exception takes the
-    normal path, traceback and all."""
+    Once the command has finished, its output flushed and the atexit handlers (the trace, logging) run, nothing is
+    left to do: the interpreter's own teardown would still spend seconds freeing torch's and transformers' modules,
+    so the process exits without it. SIGINT and SIGTERM are blocked from then on, so the
+    exit status is the command's, and a signal whose exception some library swallowed still makes it 130 / 143."""
     try:
         cli.main()
         code = 0
@@ -49,10 +46,10 @@ def _run(cli: ModuleType) -> None:
             print(e.code, file=sys.stderr)
             code = 1
     except KeyboardInterrupt as e:  # a signal while main() was reporting how the command ended
-        code = cli.exits.interrupted(signals.of(e))
+        code = cli.interrupted(signals.of(e))
     signals.hold()
     if code == 0 and signals.received() is not None:  # a library swallowed its exception: still not a success
-        code = cli.exits.interrupted(signals.received())
+        code = cli.interrupted(signals.received())
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -3,17 +3,40 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from typing import Annotated
 
 from .util import signals, trace  # first, so a trace's "start" is the process' own start (standard library only)
-from . import exits
 
 import typer
+import typer.core
 
-from .bnb import tensor_spawn
-from .conversion import layout_worker, readahead
-from .source import hub_early
-from .util.helptext import Command as _Command, examples as _examples
+from . import settings
+from .errors import PrequantError
+
+
+class _Command(typer.core.TyperCommand):
+    """Help laid out as click lays it out, with each argument by its metavar: recent typers write required
+    arguments as `{name}` and add a `<type>` column, older ones do neither; this reads the same on all of them."""
+
+    def collect_usage_pieces(self, ctx: object) -> list[str]:
+        return ["[OPTIONS]", *(p.metavar or p.name.upper() for p in self.params if p.param_type_name == "argument")]
+
+    def format_options(self, ctx: object, formatter: object) -> None:
+        arguments = [(p.metavar or p.name.upper(), p.help or "") for p in self.params
+                     if p.param_type_name == "argument"]
+        options = [r for p in self.get_params(ctx) if p.param_type_name == "option" and (r := p.get_help_record(ctx))]
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def _examples(*lines: str) -> str:
+    """An epilog of example command lines, kept as written (click rewraps other paragraphs)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
+
 
 app = typer.Typer(
     name="prequant",
@@ -67,9 +90,12 @@ def convert(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the summary (with --dry-run, the plan) as JSON on stdout.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace the checkpoint in a non-empty OUTPUT_DIR.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what a non-empty OUTPUT_DIR holds (another "
+                         "checkpoint, another conversion's interrupted work); this same conversion is continued.")
+                         ] = False,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue an interrupted conversion into OUTPUT_DIR (same source and options).")] = False,
+        "--resume", help="Continue an interrupted conversion into OUTPUT_DIR, or fail if there is none to continue "
+        "(the same command continues one without it too).")] = False,
     trust_remote_code: Annotated[bool, typer.Option(
         "--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")] = False,
     stats: Annotated[bool, typer.Option(
@@ -94,15 +120,11 @@ def convert(
                      "(recorded in prequant.json)."),
     ] = False,
 ) -> None:
-    """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR."""
+    """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR (run again, it continues where it stopped)."""
     arguments = dict(locals())
-    if layout_worker.worthwhile():
-        layout_worker.start(source, skip or [], trust_remote_code)  # transformers imports there, torch here
-    if not (dry_run or resume):
-        weight_bytes = readahead.start_for_source(source)  # the disk works while torch imports
-        tensor_spawn.start_early(weight_bytes, device)  # and so do the CPU workers
-        if hub_early.start(source, delete=delete_source_shards):  # and the network, for a Hub source
-            readahead.note_cold_start()  # which no start-up read-ahead checks: are the libraries cold?
+    from .conversion import output  # standard library: OUTPUT_DIR is refused before torch's import or the network
+
+    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)
     with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
         from .conversion.options import ConvertOptions
         from .conversion.run import convert as run_convert
@@ -228,5 +250,45 @@ def version() -> None:
 
 
 def main() -> None:
-    """Run the app; how it ended becomes one line and an exit status (`prequant.exits`)."""
-    exits.run(app)
+    """Run the app: how it ended becomes one line on stderr and an honest exit status. 0 for success, 1 for
+    failures, 2 for usage errors, 130 / 143 for SIGINT / SIGTERM; a PrequantError prints its own message, anything
+    unexpected its type and message (PREQUANT_DEBUG=1: the traceback instead)."""
+    try:
+        code = app(standalone_mode=False)
+    except PrequantError as e:
+        if settings.debug():
+            raise
+        print("Error: " + _one_line(e.message), file=sys.stderr)  # names from a corrupt file may hold newlines
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt as e:
+        sys.exit(interrupted(signals.of(e)))
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as e:
+        # typer raises the click it runs on: the click package, or (typer >= 0.2x) its own vendored copy.
+        click_exceptions = sys.modules[typer.BadParameter.__module__]
+        if isinstance(e, click_exceptions.ClickException):  # usage errors and the like
+            e.show()
+            sys.exit(e.exit_code)
+        if settings.debug():
+            raise
+        what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        print(f"Error: {_one_line(what)} (PREQUANT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        sys.exit(1)
+    if code == 130:  # typer turns a KeyboardInterrupt inside a command into this exit code, and returns it
+        sys.exit(interrupted(signals.received() or signal.SIGINT))
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+def interrupted(signum: int) -> int:
+    """Say that a signal stopped the command; return its exit status."""
+    print(f"Error: interrupted by {signals.name(signum)}", file=sys.stderr)
+    return signals.exit_code(signum)
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    line = " ".join(text.splitlines())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -111,7 +111,7 @@ def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
             env={"PREQUANT_TRACE": str(trace)}, check=True)
     t = json.loads(trace.read_text())
     names = [name for name, _ in t["events"]]
-    order = ["start", "imported", "quantizer-ready", "planned", "pipeline-start", "pipeline-end",
+    order = ["start", "imported", "planned", "quantizer-ready", "pipeline-start", "pipeline-end",
              "manifest-written", "published", "exit"]
     assert [n for n in names if n in order] == order
     assert any(n.startswith("shard-written:") for n in names)
@@ -195,7 +195,7 @@ def test_base_model_must_be_a_repo_id(checkpoints, tmp_path):
 
 
 def test_fused_moe_note_in_the_plan_and_summary_from_the_cli(checkpoints, tmp_path):
-    """The CLI decides the layout in a child process: the fused-experts sentence survives the trip."""
+    """The fused-experts sentence reaches the plan and the summary the CLI prints."""
     note = "note: 77% of the parameters (196,608 of 254,784) stay unquantized: transformers 5 fuses"
     plan = run_cli("convert", str(checkpoints("mixtral")), str(tmp_path / "out"), "--dry-run")
     assert plan.returncode == 0 and note in plan.stdout, plan.stderr

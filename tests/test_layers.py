@@ -28,7 +28,6 @@ LAYERS: list[set[str]] = [
     {"prequant.source"},
     {"prequant.verify", "prequant.fsdp"},
     {"prequant.conversion"},
-    {"prequant.exits"},
     {"prequant.cli", "prequant"},
     {"prequant.__main__"},
 ]
@@ -137,29 +136,17 @@ def test_no_import_cycles_lazy_and_type_checking_imports_included():
 
 
 def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
-    """The CLI starts the read-ahead and the layout child before it imports torch: what that runs, run here in a
-    fresh interpreter on a real checkpoint directory (sharded, with an index), must load neither torch nor
-    transformers nor huggingface_hub (each costs seconds of start-up)."""
-    src = tmp_path / "ckpt"
+    """The CLI checks OUTPUT_DIR before it imports torch: its own module and that check, run here in a fresh
+    interpreter, must load neither torch nor transformers nor huggingface_hub (each costs seconds of start-up)."""
+    src, out = tmp_path / "ckpt", tmp_path / "out"
     src.mkdir()
     (src / "config.json").write_text("{}")
-    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
-        (src / name).write_bytes(b"x" * 4096)
-    (src / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     code = (
         "import sys\n"
-        "from prequant.util import trace\n"
-        "from prequant.bnb import tensor_spawn\n"
-        "from prequant.conversion import layout_worker, readahead\n"
-        "layout_worker.worthwhile()\n"
-        f"weight_bytes = readahead.start_for_source({str(src)!r})\n"
-        "assert weight_bytes == 8192, weight_bytes\n"
-        "tensor_spawn.MIN_BYTES = 0\n"
-        "tensor_spawn.start_early(weight_bytes, 'cpu')\n"
-        "assert readahead._current is not None, 'no read-ahead started'\n"
-        "readahead._current.stop()\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'huggingface_hub', 'numpy', 'typer') if m in sys.modules)\n"
+        "import prequant.cli\n"
+        "from prequant.conversion import output\n"
+        f"output.target({str(out)!r}, {str(src)!r}, overwrite=False, resume=False)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'huggingface_hub', 'numpy') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,

@@ -4,41 +4,34 @@
 of one core before anything can be planned. For the common architectures the answer follows from the names:
 which modules are `nn.Linear` (or GPT-2's `Conv1D`), that the output embedding stays unquantized, which MoE
 experts transformers 5 fuses. `predict` returns that Layout, in exactly the form `analyze` gives it (same
-reasons, dtypes, method and skip list), so that a conversion can start on it at once. None where the rules are
+reasons, dtypes, method and skip list), so that a settled one stands for it. None where the rules are
 not known here (another architecture, transformers 4, remote code not trusted, a `_keep_in_fp32` model...).
 
 `settled` says when the prediction is transformers' answer rather than a guess: the architecture is one of
 `KNOWN` (no remote code), the installed transformers is one of the `VERIFIED` versions, and the checkpoint holds
 exactly the parameters that model holds, in the shapes it requires (`params.expected`, from config.json). Then
-no conversion, dry run or resume imports transformers' modeling code (seconds) to decide anything. Anything
-else (a newer transformers, an extra or missing tensor, a shape transformers would refuse, a config this module
-cannot read) leaves the prediction a head start: the conversion still asks transformers, compares the two
-before it publishes anything, and starts again on transformers' layout when they differ (`conversion.layouts`).
-
-PREQUANT_PREDICT_LAYOUT=0 turns prediction off (every conversion then waits for transformers, as before);
-PREQUANT_CONFIRM_LAYOUT=1 keeps predicting but has transformers confirm even a settled prediction.
+no conversion, dry run or resume imports transformers' modeling code (seconds) to decide anything (`decide`).
+Anything else (a newer transformers, an extra or missing tensor, a shape transformers would refuse, a config this
+module cannot read) is decided by transformers (`layout.analyze`) before anything is planned.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, replace
 from importlib import metadata
+from pathlib import Path
 
 from ..checkpoint.tensors import TensorRef
-from .layout import Decision, Family, Layout, _which_skip, detect_family
+from .layout import Decision, Family, Layout, _which_skip, analyze, detect_family
 from .loading import cast_code, load_dtype, should_convert, unmatched_by_4x
 from .params import expected
 
-ENV = "PREQUANT_PREDICT_LAYOUT"
-CONFIRM_ENV = "PREQUANT_CONFIRM_LAYOUT"
 # transformers (major, minor) versions whose layout the prediction is, for a checkpoint `settled` accepts.
 # `python scripts/dev/check_layout_rules.py VERSION...` runs tests/bnb/test_predict.py and test_params.py (each
-# architecture's models built, saved and decided by that transformers) with each version; on 2026-12-02 it
-# passed with every 5.x minor from 5.1 to 5.24. 5.0 differs (with tied embeddings and --skip, its skip list
-# lacks the last module), so there the prediction stays a head start. The suite itself checks the newest it
-# installs. Raise the upper end only after that script passes on the new version.
+# architecture's models built, saved and decided by that transformers) with each version. 5.0 differs (with tied
+# embeddings and --skip, its skip list lacks the last module), so there transformers decides. Raise the upper end
+# only after that script passes on the new version.
 VERIFIED = ((5, 1), (5, 24))
 
 
@@ -103,8 +96,6 @@ OUTPUT_EMBEDDING = "lm_head"  # what transformers' get_keys_to_not_convert keeps
 def predict(config: dict, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool = False) -> Layout | None:
     """The Layout `layout.analyze` is expected to return for this checkpoint, from names alone; None when this
     module cannot tell (then only transformers can). Shapes are not checked here: `analyze` does that."""
-    if not _switch(ENV, True):
-        return None
     arch = (config.get("architectures") or [None])[0]
     remote = bool(config.get("auto_map"))
     dtype = load_dtype(config, tensors)
@@ -151,29 +142,21 @@ def predict(config: dict, tensors: list[TensorRef], skip: list[str], trust_remot
     return Layout(decisions, skip_modules, method, warnings=unmatched_by_4x(by_skip, skip_modules or []))
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """What the names alone tell of a checkpoint's layout, before transformers is asked."""
-
-    layout: Layout | None  # `predict`'s layout; None: unknown here, or not wanted
-    settled: bool  # `layout` is transformers' own (`settled`): nothing need wait for transformers
-
-
-def prediction(config: dict, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool = False, *,
-               head_start: bool = True) -> Prediction:
-    """`predict`'s layout and whether it is `settled`; a layout that is not settled only with `head_start` (for a
-    conversion that may start on a guess and have transformers confirm it before publishing)."""
+def decide(config: dict, source_dir: Path, tensors: list[TensorRef], skip: list[str],
+           trust_remote_code: bool = False) -> tuple[Layout, bool]:
+    """The layout transformers decides for this checkpoint, and whether it was `settled` from names alone (then
+    transformers' modeling code is not imported); else transformers' own (`layout.analyze`), asked here."""
     if settled(config, tensors):
         layout = predict(config, tensors, skip, trust_remote_code)
         assert layout is not None  # settled implies a prediction
-        return Prediction(layout, True)
-    return Prediction(predict(config, tensors, skip, trust_remote_code) if head_start else None, False)
+        return layout, True
+    return analyze(config, source_dir, tensors, skip, trust_remote_code), False
 
 
 def settled(config: dict, tensors: list[TensorRef], transformers_version: str | None = None) -> bool:
     """Whether `predict`'s layout for this checkpoint is transformers' own, without asking it: see the module
     docstring. `transformers_version`: the installed one's unless given."""
-    if not may_settle(config, transformers_version) or detect_family(tensors) is not None:
+    if not _may_settle(config, transformers_version) or detect_family(tensors) is not None:
         return False
     arch = config["architectures"][0]
     if load_dtype(config, tensors) is None or (shapes := expected(arch, config)) is None:
@@ -185,12 +168,10 @@ def settled(config: dict, tensors: list[TensorRef], transformers_version: str | 
     return len(found) == len(tensors) and found == shapes
 
 
-def may_settle(config: dict, transformers_version: str | None = None) -> bool:
+def _may_settle(config: dict, transformers_version: str | None = None) -> bool:
     """What `settled` asks of config.json and the environment alone (no tensor is read): a known architecture
     without remote code (even trusted, remote code is its own: what it builds is never assumed), a verified
-    transformers, neither switch set. The CLI asks it before it would start the layout child."""
-    if not _switch(ENV, True) or _switch(CONFIRM_ENV, False):
-        return False
+    transformers."""
     if not verified(transformers_version):
         return False
     arch = (config.get("architectures") or [None])[0]
@@ -210,11 +191,6 @@ def verified(transformers_version: str | None = None) -> bool:
 def _tied(config: dict, rules: Rules) -> bool:
     """Whether the model ties its output embedding to the input one (config.json, else its class' default)."""
     return bool(config.get("tie_word_embeddings", rules.tied_default))
-
-
-def _switch(env: str, default: bool) -> bool:
-    value = os.environ.get(env)
-    return default if value is None else value.strip().lower() not in ("0", "off", "no", "false", "")
 
 
 def _minor(version: str) -> tuple[int, int]:

@@ -1,12 +1,11 @@
 """The conversion: `convert()` in `run.py` reads as the pipeline, one named step per line.
 
-Its parts, in the order the data flows: `options` (ConvertOptions), `layout_worker` (the layout decided in a
-child process while torch loads), `plan` (pure: every output tensor and shard before any data is read),
-`readahead` (the disk kept busy), `pipeline` (read, quantize and write overlapped) with `gpu_loader` (file to
-GPU through pinned buffers), `kept` (NaN and Inf in the tensors kept as they are), `shardset` (its output shards,
-journaled) and `writer` (one streaming safetensors shard), `journal` (resume), `sidecar` (config, index, side
-files), `record` (prequant.json and the hashes) with `card` (README.md), `output` (checked, staged, published)
-with `lock` (one conversion per OUTPUT_DIR), `summary` (what was done).
+Its parts, in the order the data flows: `options` (ConvertOptions), `plan` (pure: every output tensor and shard
+before any data is read), `output` (OUTPUT_DIR checked, claimed, staged, published), `journal` (what a rerun
+continues), `readahead` (the disk kept busy), `pipeline` (read, quantize and write overlapped) with `gpu_loader`
+(file to GPU through pinned buffers), `kept` (NaN and Inf in the tensors kept as they are), `shardset` (its output
+shards, journaled) and `writer` (one streaming safetensors shard), `sidecar` (config, index, side files),
+`record` (prequant.json and the hashes) with `card` (README.md), `summary` (what was done).
 
 (The package is named `conversion`, not `convert`, so that `prequant.convert` stays the function.) This face
-imports nothing: the CLI uses `layout_worker` and `readahead` before torch is imported."""
+imports nothing: the CLI checks OUTPUT_DIR with `output` before torch is imported."""

@@ -1,7 +1,8 @@
 """The resume journal: what an interrupted conversion had finished, and for which job.
 
 Lives in the staging folder next to the partial shards. `job.json` fingerprints the job (source files,
-the whole plan, prequant's version); `journal.jsonl` gets one line per finished tensor (with its
+the whole plan, prequant's version): the same job run again continues from the journal (`output.claim` refuses
+another job's); `journal.jsonl` gets one line per finished tensor (with its
 quant-state JSON, the only bytes the shard header still needs) and one per finished shard. A tensor
 is journaled only after its bytes are in the shard file, so after a kill, SIGKILL included, every
 journaled tensor is on disk (in the page cache at least; shards are fsynced when finished). A Hub source's shard
@@ -17,17 +18,19 @@ import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..errors import PrequantError
 from ..util.fsio import write_error, write_json
-from .plan import Plan
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 JOB = "job.json"
 JOURNAL = "journal.jsonl"
 
 
 def fingerprint(plan: Plan, source_files: tuple[Path, ...], version: str) -> dict:
-    """What must not change between an interrupted run and its resume."""
+    """What must not change between an interrupted run and the run that continues it."""
     files = []
     for p in source_files:
         st = p.stat()
@@ -37,7 +40,7 @@ def fingerprint(plan: Plan, source_files: tuple[Path, ...], version: str) -> dic
 
 
 def job_id(job: dict) -> str:
-    """A job's fingerprint as one string, which the manifest records (--resume then knows a finished job)."""
+    """A job's fingerprint as one string, which the manifest records (a rerun then knows a finished job)."""
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
 
 
@@ -54,21 +57,15 @@ class Finished:
 class Journal:
     """Append-only record of finished work; thread-safe enough for the single writer thread that uses it."""
 
-    def __init__(self, staging: Path, job: dict, *, resume: bool) -> None:
+    def __init__(self, staging: Path, job: dict) -> None:
+        """Continue the journal in `staging` when it holds this `job` (`output.claim` let no other job's stay),
+        else start one."""
         self.staging = staging
         self.done = Finished()
-        job_path = staging / JOB
-        if resume and job_path.exists():
-            previous = json.loads(job_path.read_text())
-            if previous != job:
-                changed = "the source files" if previous.get("source_files") != job["source_files"] else "the options"
-                raise PrequantError(
-                    f"cannot resume in {staging.parent}: {changed} changed since the interrupted run; rerun without "
-                    "--resume to start over"
-                )
+        if (staging / JOB).exists():
             self.done = _read(staging / JOURNAL)
         else:
-            write_json(job_path, job)
+            write_json(staging / JOB, job)
             (staging / JOURNAL).unlink(missing_ok=True)
         self._file = open(staging / JOURNAL, "a")  # noqa: SIM115 - closed in close()
         self._lock = threading.Lock()  # the writer's lines, and the download thread's (`source_downloaded`)

@@ -1,8 +1,10 @@
-"""The output directory: checked before anything is written, locked for one conversion, assembled in a hidden
+"""The output directory: checked before anything slow, claimed by one conversion at a time, assembled in a hidden
 staging folder, published with config.json last.
 
 A loader recognises a checkpoint by config.json plus weights; until the very end they exist only under
-OUTPUT_DIR/.prequant-staging/, so an interrupted run leaves nothing that looks complete.
+OUTPUT_DIR/.prequant-staging/, so an interrupted run leaves nothing that looks complete. The staging folder holds
+the job's fingerprint and journal (`journal`): the same conversion run again continues there. Standard library
+and filelock only: the CLI checks OUTPUT_DIR here before torch is imported.
 """
 
 from __future__ import annotations
@@ -10,19 +12,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from ..checkpoint.hf_files import CONFIG, INDEX_NAMES
 from ..checkpoint.manifest import MANIFEST
 from ..errors import PrequantError, UsageError
 from ..util import failpoints
-from .journal import JOB, JOURNAL
-from .lock import LOCK, OutputLock
+from .journal import JOB, JOURNAL, job_id
 
 STAGING = ".prequant-staging"
+LOCK = ".prequant.lock"
 PUBLISHING = "PUBLISHING"  # marker: everything is written, files are being moved into place
 _BOOKKEEPING = (JOB, JOURNAL, PUBLISHING)
 # What a previous conversion into the same directory may have left and a new one replaces.
@@ -30,19 +37,21 @@ _REPLACED = (CONFIG, *INDEX_NAMES, MANIFEST)
 _REPLACED_GLOBS = ("model*.safetensors", "pytorch_model*.bin")
 
 
-def target(output_dir: str | Path, source_dir: Path, *, overwrite: bool, resume: bool, dry_run: bool = False) -> Path:
-    """OUTPUT_DIR as a Path, refused (UsageError, nothing touched) when a conversion must not write there: an
-    empty name (an unset variable: it would mean the current directory), a file, the source directory or a
-    folder inside it, or a non-empty directory without --overwrite (or, with --resume, an interrupted or
-    finished conversion in it). A dry run writes nothing: only the name is checked."""
+def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resume: bool, dry_run: bool = False) -> Path:
+    """OUTPUT_DIR as a Path, refused (UsageError, nothing touched) when a conversion of `source` (SOURCE as given, or
+    a directory) must not write there: an empty name (an unset variable: it would mean the current directory), a
+    file, the source directory or a folder inside it, or a directory holding anything but a prequant conversion
+    without --overwrite (which conversion, `claim` says once the job is known). A dry run writes nothing: only
+    the name is checked."""
     if not str(output_dir).strip():
         raise UsageError("OUTPUT_DIR is empty (an unset variable?); pass the directory to write the checkpoint to")
     out = Path(output_dir)
     if dry_run:
         return out
+    source_dir = _local_dir(source)
     try:
         exists, is_dir = out.exists(), out.is_dir()
-        inside = _inside(out, source_dir)
+        inside = _inside(out, source_dir) if source_dir is not None else None
     except (OSError, RuntimeError) as e:  # a name longer than the filesystem allows, a loop of links, ...
         raise UsageError(f"OUTPUT_DIR {str(out)[:200]!r} is not a usable path ({e.strerror or e}); choose another") from e
     if exists and not is_dir:
@@ -51,6 +60,15 @@ def target(output_dir: str | Path, source_dir: Path, *, overwrite: bool, resume:
         raise UsageError(inside)
     check_contents(out, overwrite=overwrite, resume=resume)
     return out
+
+
+def _local_dir(source: str | Path) -> Path | None:
+    """SOURCE's directory when it names one here (else a Hub repo, or a name `resolve` refuses)."""
+    try:
+        path = Path(source).expanduser()
+        return path if path.is_dir() else None
+    except (OSError, ValueError, RuntimeError):
+        return None
 
 
 def _inside(out: Path, source_dir: Path) -> str | None:
@@ -67,21 +85,21 @@ def _inside(out: Path, source_dir: Path) -> str | None:
 
 
 def check_contents(output_dir: Path, *, overwrite: bool, resume: bool) -> None:
-    """Refuse an OUTPUT_DIR that holds anything but our own bookkeeping, unless --overwrite, or --resume finds an
-    interrupted (or finished: see `claim`) conversion there."""
+    """Refuse an OUTPUT_DIR that holds anything but a prequant conversion (interrupted or finished), unless
+    --overwrite."""
     if not output_dir.is_dir() or overwrite:
         return
-    existing = sorted(p.name for p in output_dir.iterdir() if p.name not in (STAGING, LOCK))
-    if not existing:
-        return
-    if resume and (interrupted(output_dir) or (output_dir / MANIFEST).is_file()):
+    existing = _entries(output_dir)
+    if not existing or interrupted(output_dir) or (output_dir / MANIFEST).is_file():
         return
     what = (" and holds no interrupted conversion to resume (--resume only continues one)" if resume else "")
-    held = f"1 entry: {existing[0]}" if len(existing) == 1 else f"{len(existing)} entries, e.g. {existing[0]}"
-    raise UsageError(
-        f"OUTPUT_DIR {output_dir} is not empty ({held}){what}; pass --overwrite "
-        "to replace the checkpoint in it, or choose an empty directory"
-    )
+    held = f"{len(existing)} entries, e.g. {existing[0]}" if len(existing) > 1 else f"1 entry: {existing[0]}"
+    raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass --overwrite to replace the "
+                     "checkpoint in it, or choose an empty directory")
+
+
+def _entries(output_dir: Path) -> list[str]:
+    return sorted(p.name for p in output_dir.iterdir() if p.name not in (STAGING, LOCK))
 
 
 def interrupted(output_dir: Path) -> bool:
@@ -92,40 +110,76 @@ def interrupted(output_dir: Path) -> bool:
 
 @dataclass(frozen=True)
 class Claim:
-    """OUTPUT_DIR, locked for one conversion; `complete`: --resume found this very job finished there."""
+    """OUTPUT_DIR, locked for one conversion: its staging folder (an interrupted run's of the same job, continued,
+    or a new one), or `complete`: the same job is finished there already."""
 
     output_dir: Path
+    staging: Path
     complete: bool
 
 
 @contextmanager
-def claim(output_dir: Path, job_id: str, *, overwrite: bool, resume: bool) -> Iterator[Claim]:
-    """Lock OUTPUT_DIR for this conversion (`lock`) and check it again under the lock (a run that finished
-    meanwhile has filled it). With --resume and no interrupted conversion there, a finished output of the same
-    job (`job_id`, recorded in prequant.json) is complete already; one of another job is refused."""
-    with OutputLock(output_dir):
+def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool) -> Iterator[Claim]:
+    """Lock OUTPUT_DIR for the conversion whose fingerprint is `job` ("": not a conversion, nothing to continue),
+    check it again under the lock, and decide what happens to what is there: an interrupted run of the same job is
+    continued, a finished one is complete; another job's work is refused (UsageError, one line) unless
+    --overwrite, which starts over."""
+    with _locked(output_dir):
         check_contents(output_dir, overwrite=overwrite, resume=resume)
-        complete = False
-        if resume and not interrupted(output_dir) and (output_dir / MANIFEST).is_file():
-            if (found := _job_of(output_dir)) != job_id:
-                if found is None:
-                    raise UsageError(
-                        f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options wrote "
-                        "(e.g. the result of prequant change-storage), not an interrupted one; pass --overwrite to "
-                        "replace it, or choose an empty directory"
-                    )
-                raise UsageError(
-                    f"OUTPUT_DIR {output_dir} holds a finished conversion of another source or with other options, "
-                    "not an interrupted one (--resume only continues an interrupted conversion); pass --overwrite to "
-                    "replace it, or choose an empty directory"
-                )
-            if changed := _changed_files(output_dir):
-                raise UsageError(
-                    f"OUTPUT_DIR {output_dir} holds this conversion, finished, but {changed} since; run `prequant "
-                    "verify` on it, or pass --overwrite to convert again"
-                )
-            complete = True
-        yield Claim(output_dir, complete)
+        staging = output_dir / STAGING
+        staged = _staged_job(staging)
+        if staged is not None and staged != job and not overwrite:
+            raise UsageError(f"OUTPUT_DIR {output_dir} holds an interrupted conversion of another job ({_changed(staged, job)} "
+                             "changed since it started); rerun it as it was to continue it, or pass --overwrite to "
+                             "start over")
+        complete = staged is None and _finished(output_dir, job, overwrite=overwrite)
+        if staged != job and staging.exists():
+            shutil.rmtree(staging)  # another job's work (with --overwrite), or files of no job at all
+        yield Claim(output_dir, staging if complete else staging_dir(output_dir), complete)
+
+
+def _finished(output_dir: Path, job: dict | str, *, overwrite: bool) -> bool:
+    """Whether OUTPUT_DIR holds `job` finished, intact; another finished checkpoint is refused unless --overwrite."""
+    if not (output_dir / MANIFEST).is_file():
+        if job or overwrite or not _entries(output_dir):
+            return False
+        raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass --overwrite to replace the checkpoint in it, or "
+                         "choose an empty directory")
+    found = _job_of(output_dir)
+    if found is not None and job and found == job_id(job):
+        if not (changed := _changed_files(output_dir)):
+            return True
+        if not overwrite:
+            raise UsageError(f"OUTPUT_DIR {output_dir} holds this conversion, finished, but {changed} since; run "
+                             "`prequant verify` on it, or pass --overwrite to convert again")
+    if overwrite:
+        return False
+    if found is None:
+        raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options "
+                         "wrote (e.g. the result of prequant change-storage); pass --overwrite to replace it, or choose "
+                         "an empty directory")
+    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion of another source or with other options; "
+                     "pass --overwrite to replace it, or choose an empty directory")
+
+
+def _staged_job(staging: Path) -> dict | None:
+    """The fingerprint of the interrupted conversion in the staging folder, if any."""
+    try:
+        job = json.loads((staging / JOB).read_text())
+    except (OSError, ValueError):
+        return None
+    return job if isinstance(job, dict) else None
+
+
+def _changed(staged: dict, job: dict | str) -> str:
+    """What differs between an interrupted conversion's fingerprint and this one's, in words."""
+    if not isinstance(job, dict):
+        return "the command"
+    if staged.get("source_files") != job.get("source_files") or staged.get("hub") != job.get("hub"):
+        return "the source files"
+    if staged.get("prequant") != job.get("prequant"):
+        return "prequant's version"
+    return "the options"
 
 
 def _changed_files(output_dir: Path) -> str | None:
@@ -148,12 +202,58 @@ def _job_of(output_dir: Path) -> str | None:
     return manifest.get("job") if isinstance(manifest, dict) else None
 
 
-def staging_dir(output_dir: Path, keep: bool = False) -> Path:
-    """Create (or, with keep, reuse) the staging folder inside OUTPUT_DIR."""
+@contextmanager
+def _locked(output_dir: Path) -> Iterator[None]:
+    """One conversion per OUTPUT_DIR: the kernel's lock (flock) on OUTPUT_DIR/.prequant.lock, taken without waiting.
+
+    A run killed by SIGKILL or a crash releases it with its file descriptor, so a stale file never blocks. The file
+    says who holds it, for the message another run gets, and is removed before the release (filelock then takes
+    the path again in a run that opened the removed file), so nothing of it is published."""
+    path = output_dir / LOCK
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(path, timeout=0, on_acquired=_write_holder)
+        lock.acquire()
+    except Timeout:
+        raise PrequantError(f"OUTPUT_DIR {output_dir} is in use by another prequant conversion ({_holder(path)}); "
+                            "wait for it to finish or stop it, or choose another OUTPUT_DIR") from None
+    except PermissionError as e:
+        raise PrequantError(f"{output_dir}: permission denied ({e.strerror}); choose a writable OUTPUT_DIR") from e
+    except OSError as e:
+        raise PrequantError(f"{output_dir}: cannot create the output ({e.strerror}); choose another OUTPUT_DIR") from e
+    try:
+        yield
+    finally:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # an OUTPUT_DIR that vanished or turned read-only: the lock itself still goes with the release
+        lock.release()
+
+
+def _write_holder(fd: int) -> None:
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command": sys.argv}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock, from what it wrote into the file."""
+    try:
+        record = json.loads(path.read_bytes() or b"{}")
+        pid, host = int(record["pid"]), str(record["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that is still starting"
+    where = "this host" if host == socket.gethostname() else f"host {host}"
+    started = f", started {record['started']}" if isinstance(record.get("started"), str) else ""
+    return f"pid {pid} on {where}{started}"
+
+
+def staging_dir(output_dir: Path) -> Path:
+    """The staging folder inside OUTPUT_DIR, created (kept when it exists) and checked writable."""
     staging = output_dir / STAGING
     try:
-        if staging.exists() and not keep:
-            shutil.rmtree(staging)
         staging.mkdir(parents=True, exist_ok=True)
         probe = staging / ".write-test"
         probe.write_bytes(b"")
@@ -172,9 +272,9 @@ _LAST = (INDEX_NAMES[0], CONFIG)
 def publish(output_dir: Path, staging: Path) -> None:
     """Move everything from staging into OUTPUT_DIR; the files in `_LAST` go last, in that order.
 
-    With --overwrite, the old checkpoint's config and index go first, so that at no moment does the
-    directory hold an old config over a mix of old and new shards. A publish interrupted half-way is
-    finished by the next run with --resume (the marker says the old files are already gone).
+    The old checkpoint's config and index (with --overwrite) go first, so that at no moment does the directory hold
+    an old config over a mix of old and new shards. A publish interrupted half-way is finished by the same
+    conversion run again (the marker says the old files are already gone).
     """
     marker = staging / PUBLISHING
     if not marker.exists():

@@ -46,8 +46,8 @@ class Recorder:
         self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest
         self._hashes: dict[str, Future[str]] = {}
         self._queue: queue.Queue[tuple[BinaryIO | FollowHash, Future[str]] | None] = queue.Queue()
-        # Shards are hashed side by side: one thread hashes ~1 GB/s, which a fast disk outruns (5 GB shards
-        # finishing every 2 s from a 7 GB/s source). Daemon threads: a failed conversion never waits for them.
+        # Shards are hashed side by side: one hashing thread is slower than a fast disk writes shards. Daemon
+        # threads: a failed conversion never waits for them.
         self._threads = [threading.Thread(target=self._hash_loop, name=f"prequant-hash-{i}", daemon=True)
                          for i in range(HASH_THREADS)]
         for t in self._threads:
@@ -136,7 +136,7 @@ class Recorder:
             "format_version": FORMAT_VERSION,
             "versions": versions(),
             "device": device,
-            "job": self.job,  # the conversion's fingerprint (source files, plan, version): --resume knows it is done
+            "job": self.job,  # the conversion's fingerprint (source files, plan, version): a rerun knows it is done
             "source": source,
             "options": self.options,
             # Source names of the tensors quantized as their transpose (the planner's Decision.transpose).

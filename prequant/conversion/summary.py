@@ -23,7 +23,7 @@ class Summary:
     copied_files: list[str] = field(default_factory=list)
     stats: dict | None = None  # relative error of the dequantized tensors (median, worst), when measured
     hub_commit_url: str | None = None  # with push_to_hub
-    already_complete: bool = False  # --resume found this conversion finished in OUTPUT_DIR: nothing was written
+    already_complete: bool = False  # this conversion was found finished in OUTPUT_DIR: nothing was written
     non_finite: dict[str, dict[str, int]] = field(default_factory=dict)  # kept tensors with NaN / Inf: the counts
     notes: list[str] = field(default_factory=list)  # the plan's notes (e.g. most parameters kept: fused experts)
 

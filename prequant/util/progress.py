@@ -2,33 +2,31 @@
 
 PREQUANT_PROGRESS picks the form for CI: `json` (one JSON object per line: machine-readable records),
 `lines` (the status line even on a terminal), `bar`, or `none`; PREQUANT_PROGRESS_INTERVAL sets the
-seconds between records (default 10).
+seconds between records (`settings`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
+
+from .. import settings
 
 
 class Progress:
     """Counts source bytes done. Thread-safe; `close` prints nothing on stdout (results go there)."""
 
-    def __init__(self, total: int, *, enabled: bool = True, interval: float = 10.0, label: str = "converting") -> None:
+    def __init__(self, total: int, *, enabled: bool = True, label: str = "converting") -> None:
         self.total, self.done, self.label = total, 0, label
         self._lock = threading.Lock()
         self._start = self._last = time.monotonic()
-        mode = os.environ.get("PREQUANT_PROGRESS", "auto").strip().lower()
-        try:
-            self._interval = float(os.environ.get("PREQUANT_PROGRESS_INTERVAL", interval))
-        except ValueError:
-            self._interval = interval  # a typo in an environment variable must not stop a conversion
+        mode = settings.progress()
+        self._interval = settings.progress_interval()
         self._json = mode == "json"
         self._bar = None
-        self._enabled = enabled and mode not in ("none", "off", "0")
+        self._enabled = enabled and mode != "none"
         if self._enabled and (mode == "bar" or (mode == "auto" and sys.stderr.isatty())):
             from tqdm import tqdm
 

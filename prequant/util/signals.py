@@ -14,10 +14,20 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
-_received: int | None = None
-_deferring = False
+
+
+@dataclass
+class _State:
+    """The process' signal handling (signals are the process', so is this)."""
+
+    received: int | None = None  # the first signal the installed handler received
+    deferring: bool = False  # inside `deferred()`: a signal is recorded, not raised
+
+
+_state = _State()
 
 
 class Signalled(KeyboardInterrupt):
@@ -45,52 +55,49 @@ def of(interrupt: BaseException) -> int:
 
 def received() -> int | None:
     """The first signal the installed handler received, if any."""
-    return _received
+    return _state.received
 
 
 def _handler(signum: int, frame: object) -> None:
-    global _received
-    if _received is not None:
+    if _state.received is not None:
         # A second signal while the first unwinds: whoever sends it wants the process gone now.
         os.write(2, f"Error: interrupted by {name(signum)}\n".encode())
         os._exit(exit_code(signum))
-    _received = signum
-    if not _deferring:
+    _state.received = signum
+    if not _state.deferring:
         raise Signalled(signum)
 
 
 def check() -> None:
     """Raise `Signalled` now if a signal arrived and its exception was swallowed: an import that catches
-    everything (measured: SIGTERM during torch's imports, the conversion then ran to exit status 0)."""
-    if _received is not None:
-        raise Signalled(_received)
+    everything would otherwise let the command run on to exit status 0."""
+    if _state.received is not None:
+        raise Signalled(_state.received)
 
 
 @contextmanager
 def deferred() -> Iterator[None]:
     """Around imports of compiled modules (torch, bitsandbytes): a signal is only recorded there, and raised as
-    `Signalled` when the block ends. Raised inside, the exception would cross a C++ frame that cannot carry it
-    (pybind11: "terminate called after throwing an instance of 'pybind11::error_already_set'", measured on
-    torch.distributed's import: the process aborted instead of exiting 130 / 143). A second signal still ends
-    the process at once. Off the main thread it does nothing: signals are handled in the main thread only, so
+    `Signalled` when the block ends. Raised inside, the exception could cross a C++ frame that cannot carry it
+    (pybind11 then aborts the process: "terminate called after throwing an instance of
+    'pybind11::error_already_set'", instead of exit status 130 / 143). A second signal still ends the process
+    at once. Off the main thread it does nothing: signals are handled in the main thread only, so
     they never raise inside another thread's import (which must not delay or take the main thread's)."""
-    global _deferring
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    outer, _deferring = _deferring, True
+    outer, _state.deferring = _state.deferring, True
     try:
         yield
     finally:
-        _deferring = outer
+        _state.deferring = outer
     if not outer:
         check()
 
 
 def install() -> None:
     """Raise `Signalled` on SIGINT and SIGTERM in this process (main thread only, as Python requires)."""
-    global _received
-    _received = None  # a new command (in-process callers may run several)
+    _state.received = None  # a new command (in-process callers may run several)
     for signum in HANDLED:
         signal.signal(signum, _handler)
 

@@ -1,15 +1,18 @@
-"""Where a conversion may write: --resume only continues an interrupted prequant conversion (or says a finished
-one is complete), an OUTPUT_DIR inside SOURCE is refused; in each refused case nothing is touched."""
+"""Where a conversion may write: the same conversion run again says a finished output is complete, --resume only
+continues an interrupted prequant conversion, an OUTPUT_DIR inside SOURCE is refused; a taken OUTPUT_DIR is refused
+before torch is imported or the Hub is asked; in each refused case nothing is touched."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import cli_env, run_cli
 
 ARGS = ("--device", "cpu")
 
@@ -62,6 +65,50 @@ def test_resume_of_a_finished_conversion_says_already_complete_and_writes_nothin
     assert _snapshot(finished) == before and sorted(os.listdir(finished)) == sorted(before)
     as_json = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--resume", "--json")
     assert '"already_complete": true' in as_json.stdout
+
+
+def test_the_same_conversion_run_again_says_already_complete_and_writes_nothing(checkpoints, finished):
+    """Without --resume too: a rerun of the very command that finished neither fails nor converts again."""
+    before = _snapshot(finished)
+    proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"already complete: {finished} holds this conversion"), proc.stdout
+    assert _snapshot(finished) == before and sorted(os.listdir(finished)) == sorted(before)
+
+
+def test_a_finished_conversion_of_another_job_is_refused_without_resume_too(checkpoints, finished):
+    before = _snapshot(finished)
+    proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--quant-type", "fp4")
+    assert proc.returncode == 2
+    assert "holds a finished conversion of another source or with other options" in _one_line_error(proc)
+    assert _snapshot(finished) == before
+
+
+@pytest.fixture
+def taken(tmp_path) -> Path:
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    return out
+
+
+def test_a_taken_output_dir_is_refused_before_the_hub_is_asked(taken, tmp_path):
+    """Offline, with nothing cached: the refusal is about OUTPUT_DIR, not about the Hub."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    proc = run_cli("convert", "some-org/some-model", str(taken), *ARGS, env=env)
+    assert proc.returncode == 2
+    assert _one_line_error(proc) == (f"Error: OUTPUT_DIR {taken} is not empty (it holds notes.txt); pass --overwrite "
+                                     "to replace the checkpoint in it, or choose an empty directory")
+
+
+def test_a_taken_output_dir_is_refused_before_torch_is_imported(checkpoints, taken):
+    code = ("import sys\n"
+            f"sys.argv = ['prequant', 'convert', {str(checkpoints('llama'))!r}, {str(taken)!r}]\n"
+            "from prequant import cli\n"
+            "try:\n    cli.main()\nexcept SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), check=False)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert "is not empty" in proc.stderr
 
 
 def test_resume_of_a_finished_conversion_with_a_file_gone_is_refused(checkpoints, finished):

@@ -1,9 +1,11 @@
-"""Interrupted conversions: killed for real at chosen points, resumed, compared by sha256 to a clean run."""
+"""Interrupted conversions: killed for real at chosen points, continued by the same command (or with --resume),
+compared by sha256 to a clean run; another job's interrupted work is refused unless --overwrite."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +64,39 @@ def test_sigkill_then_resume_gives_identical_files(source, clean, tmp_path, fail
     assert _hashes(out) == clean
 
 
+@pytest.mark.parametrize("failpoint", ["step-journaled:3", "shard-journaled:1", "publish-file:2"])
+def test_the_same_command_run_again_continues_the_interrupted_run(source, clean, tmp_path, failpoint):
+    """No --resume: the staging folder of the same job is continued, not thrown away, and the run says so."""
+    out = tmp_path / "out"
+    killed = run_cli("convert", str(source), str(out), *ARGS, env={"PREQUANT_FAILPOINT": failpoint})
+    assert killed.returncode == -signal.SIGKILL
+    again = run_cli("convert", str(source), str(out), *ARGS)
+    assert again.returncode == 0, again.stderr
+    if not failpoint.startswith("publish"):
+        done = re.search(r"^prequant: resuming: (\d+) of (\d+) tensors done$", again.stderr, re.MULTILINE)
+        assert done is not None, again.stderr
+        assert 0 < int(done[1]) < int(done[2])
+    assert _hashes(out) == clean
+
+
+def test_another_jobs_interrupted_run_is_refused_unless_overwrite(source, tmp_path):
+    out, fp4 = tmp_path / "out", tmp_path / "fp4"
+    run_cli("convert", str(source), str(out), *ARGS, env={"PREQUANT_FAILPOINT": "step-journaled:3"})
+    staged = _hashes(out / ".prequant-staging")
+    proc = run_cli("convert", str(source), str(out), *ARGS, "--quant-type", "fp4")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: OUTPUT_DIR {out} holds an interrupted conversion of "
+                                                   "another job (the options changed"), proc.stderr
+    assert "--overwrite" in lines[0]
+    assert _hashes(out / ".prequant-staging") == staged
+    replaced = run_cli("convert", str(source), str(out), *ARGS, "--quant-type", "fp4", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert "resuming" not in replaced.stderr
+    run_cli("convert", str(source), str(fp4), *ARGS, "--quant-type", "fp4", check=True)
+    assert _hashes(out) == _hashes(fp4)
+
+
 def test_two_clean_runs_are_byte_identical(source, clean, tmp_path):
     run_cli("convert", str(source), str(tmp_path / "again"), *ARGS, check=True)
     assert _hashes(tmp_path / "again") == clean
@@ -71,8 +106,8 @@ def test_resume_refuses_changed_options(source, tmp_path):
     out = tmp_path / "out"
     run_cli("convert", str(source), str(out), *ARGS, env={"PREQUANT_FAILPOINT": "step-journaled:3"})
     proc = run_cli("convert", str(source), str(out), *ARGS, "--quant-type", "fp4", "--resume")
-    assert proc.returncode == 1
-    assert "the options changed" in proc.stderr and "without --resume" in proc.stderr
+    assert proc.returncode == 2
+    assert "the options changed" in proc.stderr and "--overwrite" in proc.stderr
     assert not _looks_like_checkpoint(out)
 
 
@@ -83,8 +118,8 @@ def test_resume_refuses_changed_source(tmp_path):
     shard = src / "model.safetensors"
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     proc = run_cli("convert", str(src), str(out), *ARGS, "--resume")
-    assert proc.returncode == 1
-    assert "source files changed" in proc.stderr
+    assert proc.returncode == 2
+    assert "the source files changed" in proc.stderr
 
 
 def test_resume_without_previous_run_starts_fresh(source, clean, tmp_path):

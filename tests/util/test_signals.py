@@ -99,7 +99,7 @@ def test_a_swallowed_signal_still_ends_the_command_with_its_status():
     cannot turn SIGTERM into exit status 0: the command ends with 143 and the one line."""
     code = textwrap.dedent("""
         import os, signal, types
-        from prequant import __main__ as entry, exits
+        from prequant import __main__ as entry, cli
         from prequant.util import signals
 
         def main():
@@ -109,7 +109,7 @@ def test_a_swallowed_signal_still_ends_the_command_with_its_status():
                 pass
 
         signals.install()
-        entry._run(types.SimpleNamespace(main=main, exits=exits))
+        entry._run(types.SimpleNamespace(main=main, interrupted=cli.interrupted))
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 143, done.stderr
