@@ -12,7 +12,7 @@ from ._version import __version__
 from .errors import PrequantError, UsageError
 
 __all__ = ["ConvertOptions", "Plan", "PrequantError", "Summary", "UsageError", "__version__", "convert",
-           "load_for_fsdp", "quantize_tensor"]
+           "load_for_fsdp", "load_model", "quantize_tensor"]
 
 # Imported on first use: `import prequant` (and so the CLI, which starts reading the disk before it
 # pays for torch) must stay cheap.
@@ -23,9 +23,11 @@ _LAZY = {
     "Plan": "conversion.plan",
     "quantize_tensor": "bnb.quantize",
     "load_for_fsdp": "fsdp.loader",
+    "load_model": "bnb.moe",
 }
 
 if TYPE_CHECKING:
+    from .bnb.moe import load_model
     from .bnb.quantize import quantize_tensor
     from .conversion.options import ConvertOptions
     from .conversion.plan import Plan

@@ -168,7 +168,7 @@ def _src_bytes(tensors: list[TensorRef]) -> int:
 def _plan(tensors: list[TensorRef], layout: Layout, opts: ConvertOptions) -> Plan:
     """Plan every output from the layout (which tensors become 4-bit)."""
     require_known(layout)
-    plan = make_plan(tensors, layout, opts.settings, opts.shard_limit)
+    plan = make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.quantize_experts)
     if opts.progress and not opts.dry_run:  # a dry run's plan says them
         for warning in plan.warnings:
             print(f"prequant: warning: {warning}", file=sys.stderr)
