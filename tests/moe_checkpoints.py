@@ -59,3 +59,38 @@ def build_moe(kind: str, path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     return path
+
+
+def dequantized(entries: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A 4-bit weight from its checkpoint entries (short names: weight, absmax, quant_map, nested_*, quant_state.*),
+    dequantized as bitsandbytes' CUDA kernel does: code times block scale in float32, rounded once to the weight's
+    dtype. Written here from the format, apart from prequant's own dequantization."""
+    state = json.loads(bytes(next(v for k, v in entries.items() if k.startswith("quant_state.")).tolist()))
+    raw = entries["weight"].reshape(-1).view(torch.uint8).long()
+    codes = torch.stack([raw >> 4, raw & 15], dim=1).reshape(-1)
+    absmax = entries["absmax"]
+    if "nested_absmax" in entries:
+        scale = entries["nested_absmax"].float().repeat_interleave(256)[: absmax.numel()]
+        absmax = entries["nested_quant_map"].float()[absmax.long()] * scale + state["nested_offset"]
+    n = 1
+    for d in state["shape"]:
+        n *= d
+    block = state["blocksize"]
+    values = entries["quant_map"].float()[codes[:n]] * absmax.float().repeat_interleave(block)[:n]
+    return values.to(getattr(torch, state["dtype"])).view(state["shape"])
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def entries_of(tensors: dict[str, torch.Tensor], weight: str) -> dict[str, torch.Tensor]:
+    """A 4-bit weight's entries by short name."""
+    return {k[len(weight) + 1:] if k != weight else "weight": v for k, v in tensors.items()
+            if k == weight or k.startswith(weight + ".")}

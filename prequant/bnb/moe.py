@@ -150,7 +150,7 @@ class PerExpert(nn.ModuleList):
     def __init__(self, experts: list[Expert], act_fn: nn.Module) -> None:
         super().__init__(experts)
         self.num_experts = len(experts)
-        self.act_fn = act_fn
+        self.__dict__["act_fn"] = act_fn  # parameterless, and not one of the list's entries
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
