@@ -57,6 +57,10 @@ def build_moe(kind: str, path: Path, seed: int = 0) -> Path:
             if name.endswith(("mlp.gate.weight", "router.weight")):
                 p.normal_(0, 1)
     model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    if config["model_type"] == "qwen3_moe":  # its Hub configs (and transformers 4.x) name the expert count so
+        config["num_experts"] = config["num_local_experts"]
+        (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     return path
 
