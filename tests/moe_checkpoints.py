@@ -17,7 +17,7 @@ REFUSED = ["gpt_oss", "llama4"]
 
 
 def moe_config(kind: str):
-    """A tiny config of each MoE layout (four experts, two per token)."""
+    """A tiny config of each MoE layout (four experts, two per token), and a dense Llama."""
     import transformers as tf
 
     experts = dict(num_experts_per_tok=2)
@@ -39,6 +39,8 @@ def moe_config(kind: str):
                                 n_group=1, topk_group=1, head_dim=16, **experts)
     if kind == "gpt_oss":  # experts fused on disk, with biases
         return tf.GptOssConfig(**_BASE, num_local_experts=4, head_dim=16, **experts)
+    if kind == "llama":  # dense: no experts at all
+        return tf.LlamaConfig(**_BASE)
     if kind == "llama4":  # experts fused on disk, transposed
         return tf.Llama4TextConfig(**_BASE, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
                                    head_dim=16)
