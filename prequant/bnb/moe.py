@@ -180,6 +180,15 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def expert_roles(modules: Any) -> dict[str, dict[str, str]]:
+    """{experts module: {role: projection name}} of the 4-bit expert linears among `modules` (model names)."""
+    roles: dict[str, dict[str, str]] = {}
+    for module in modules:
+        if (m := expert_match(f"{module}.weight")) is not None:
+            roles.setdefault(f"{m['block']}.experts", {})[ROLES[m["proj"]]] = m["proj"]
+    return roles
+
+
 def unfuse(model: nn.Module, names: dict[str, dict[str, str]]) -> None:
     """Put a `PerExpert` (meta linears) in place of each fused experts module; `names`: the module's name ->
     {role: projection name} as the checkpoint names them. A layout other than transformers' concatenated,
@@ -217,13 +226,9 @@ def _load_with_experts(directory: Path, refs: dict, quantized: dict[str, str], d
     dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype", "auto")), config)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    to_model = _renamer(model)
+    to_model = renamer(model)
     weights = {to_model(f"{p}.weight").removesuffix(".weight"): p for p in quantized}  # model module -> ckpt prefix
-    roles: dict[str, dict[str, str]] = {}
-    for module, prefix in weights.items():
-        if (m := expert_match(f"{module}.weight")) is not None:
-            roles.setdefault(f"{m['block']}.experts", {})[ROLES[m["proj"]]] = m["proj"]
-    unfuse(model, roles)
+    unfuse(model, expert_roles(weights))
 
     compute = getattr(torch, str(config_json["quantization_config"].get("bnb_4bit_compute_dtype", "float32")))
     exact = exact_class()
@@ -282,7 +287,7 @@ def _is_companion(key: str, quantized: dict[str, str]) -> bool:
     return bool(sep) and prefix in quantized
 
 
-def _renamer(model: nn.Module):
+def renamer(model: nn.Module):
     """checkpoint key -> the model's name for it, through transformers' renamings (not its expert fusing)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -23,6 +23,7 @@ before non-float FSDP2 parameters were supported (2.11, for one) get a two-line 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,6 +32,7 @@ import torch
 from ..bnb.format import decode_quant_state, state_key
 from ..errors import PrequantError, UsageError
 from .checkpoint import Checkpoint
+from .experts import lora_targets_as_named, per_expert
 from .distributed import default_device, ensure_process_group
 from .lora import apply_lora, keep_frozen_weights_out_of_state_dict, lora_init_value
 from .sharding import decoder_layers, local_rows
@@ -111,7 +113,8 @@ def load_for_fsdp(
         model, keys = _build_meta_model(ckpt, dtype=dtype, packed_dtype=packed_dtype, trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = apply_lora(model, lora_r, lora_alpha, lora_dropout, target_modules)
+        with lora_targets_as_named(model) if model._prequant_per_expert else nullcontext():
+            model = apply_lora(model, lora_r, lora_alpha, lora_dropout, target_modules)
         # peft needed the 4-bit mark to build its LoRA layers on bitsandbytes'; past this point it would only make
         # TRL's SFTTrainer cast the LoRA weights to bf16 through `param.data = ...`, which on FSDP2's DTensor
         # parameters changes the outer dtype and not the local shard (the optimizer then fails on mixed dtypes).
@@ -169,6 +172,7 @@ def _build_meta_model(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # skipped on meta weights; a tied head must be the embedding's parameter, not a copy
+    model._prequant_per_expert = per_expert(model, ckpt)  # MoE: one 4-bit linear per expert
     for prefix, quant_type in ckpt.quantized.items():
         try:
             old = model.get_submodule(prefix)
