@@ -83,9 +83,10 @@ def _bnb_linear4bit() -> type:
     return bnb.nn.Linear4bit
 
 
-def dequantized_weight(weight: Any) -> torch.Tensor:
-    """A 4-bit `Params4bit`'s weight, as bitsandbytes' CUDA kernel dequantizes it, on the weight's device."""
-    qs = weight.quant_state
+def dequantized_weight(weight: Any, qs: Any = None) -> torch.Tensor:
+    """A 4-bit weight (packed codes) dequantized as bitsandbytes' CUDA kernel does, on its device; `qs`: its quant
+    state (default: the `Params4bit`'s own)."""
+    qs = qs if qs is not None else weight.quant_state
     if qs.nested:
         absmax = dequantize_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, float(qs.offset))
     else:
@@ -93,7 +94,9 @@ def dequantized_weight(weight: Any) -> torch.Tensor:
     n = 1
     for d in qs.shape:
         n *= d
-    return dequantize(weight.data, absmax, qs.code, qs.blocksize, n).to(qs.dtype).view(qs.shape)
+    # A copy of the codes: FSDP frees and refills a gathered weight's storage, which a numpy view would pin.
+    packed = weight.detach().reshape(-1).view(torch.uint8).clone()
+    return dequantize(packed, absmax, qs.code, qs.blocksize, n).to(qs.dtype).view(qs.shape)
 
 
 def exact_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +105,9 @@ def exact_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _bnb_linear4bit().forward(self, x)
     compute = self.compute_dtype or x.dtype
     bias = None if self.bias is None else self.bias.to(compute)
-    return nn.functional.linear(x.to(compute), dequantized_weight(self.weight).to(compute), bias).to(x.dtype)
+    # Under FSDP the gathered weight is a plain tensor: its quant state is the module's (bitsandbytes' own rule).
+    qs = getattr(self.weight, "quant_state", None) or self.quant_state
+    return nn.functional.linear(x.to(compute), dequantized_weight(self.weight, qs).to(compute), bias).to(x.dtype)
 
 
 _EXACT: type | None = None

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ..bnb.format import decode_quant_state, state_key
+from ..bnb.moe import exact_class
 from ..errors import PrequantError, UsageError
 from .checkpoint import Checkpoint
 from .experts import lora_targets_as_named, per_expert
@@ -173,6 +174,7 @@ def _build_meta_model(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # skipped on meta weights; a tied head must be the embedding's parameter, not a copy
     model._prequant_per_expert = per_expert(model, ckpt)  # MoE: one 4-bit linear per expert
+    linear4bit = exact_class() if model._prequant_per_expert else Linear4bit  # MoE shapes bitsandbytes' CPU gets wrong
     for prefix, quant_type in ckpt.quantized.items():
         try:
             old = model.get_submodule(prefix)
@@ -185,7 +187,7 @@ def _build_meta_model(
             raise PrequantError(f"{prefix} is a {type(old).__name__}, not nn.Linear: cannot hold 4-bit weights")
         meta_packed = ckpt.packed(prefix, packed_dtype).to("meta")
         qs = decode_quant_state(bytes(ckpt.view(state_key(f"{prefix}.weight", quant_type)).tolist()))
-        new = Linear4bit(old.in_features, old.out_features, bias=old.bias is not None, compute_dtype=compute_dtype,
+        new = linear4bit(old.in_features, old.out_features, bias=old.bias is not None, compute_dtype=compute_dtype,
                          compress_statistics=f"{prefix}.weight.nested_absmax" in ckpt.tensors,
                          quant_type=quant_type, quant_storage=meta_packed.dtype, device="meta")
         new.weight = Params4bit(meta_packed, requires_grad=False, blocksize=qs.get("blocksize", 64),
