@@ -3,7 +3,7 @@ with LoRA on every expert's projections, and the adapter (its keys naming the ex
 
 The distributed part runs this very file under torchrun as a worker (`--worker CONFIG_JSON`).
 
-    python -m pytest -q tests/fsdp/test_experts.py
+    python -m pytest -q tests/fsdp/test_fsdp_experts.py
 """
 
 from __future__ import annotations
