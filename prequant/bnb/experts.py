@@ -84,8 +84,3 @@ def _default_skips(layout: Layout) -> list[str]:
     """The linear modules transformers keeps by default (output embedding, tied, last module), which an explicit
     skip list must name: with no skip list written, every skipped linear weight is one of them."""
     return [n.removesuffix(".weight") for n, d in layout.decisions.items() if d.reason.startswith("skipped (")]
-
-
-def count(layout_decisions: dict[str, Decision]) -> int:
-    """How many expert weights a layout quantizes."""
-    return sum(1 for n, d in layout_decisions.items() if d.quantize and d.fused and expert_match(n))

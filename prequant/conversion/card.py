@@ -159,7 +159,9 @@ def loading_section(name: str, known: bool, storage: str, compute: str, fused: b
         compute_or_storage = compute if storage == "uint8" else storage
         return lines + [(f"**transformers 4.x** (tested with 4.57) builds experts as `nn.Linear` layers and loads "
                          f"this checkpoint as it is; pass `dtype` (`{compute_or_storage}`):"), "",
-                        *_snippet(name, compute_or_storage)]
+                        *_snippet(name, compute_or_storage),
+                        ("**FSDP+QLoRA**: `prequant.load_for_fsdp` loads it sharded, one 4-bit linear per expert, "
+                         "and LoRA can target the experts' projections as well as attention."), ""]
     lines += ["**transformers 5**:", "", *_snippet(name, None)]
     if fused:
         lines += [(f"{_FUSED_ONLY}: transformers 4.x builds those experts as 4-bit `Linear4bit` layers and vLLM "
