@@ -206,3 +206,15 @@ def test_verify_checks_every_expert_and_against_the_source(made, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     damaged = verify(bad, source=str(src), progress=False)
     assert not damaged.ok and experts[0] in damaged.to_text()
+
+
+def test_load_model_without_4bit_experts_is_transformers_own_load_exact_on_the_cpu(tmp_path):
+    """DeepSeek-V3's attention has 4-bit layers with 32 inputs (its q_b_proj), which bitsandbytes' CPU matmul gets
+    wrong: load_model, through transformers' from_pretrained, still gives the dequantized reference's logits."""
+    src = build_moe("deepseek_v3", tmp_path / "src")
+    out = tmp_path / "out"
+    prequant.convert(src, out, device="cpu", progress=False)
+    model = prequant.load_model(out, device_map="cpu")
+    eager = _logits(_reference(src, out, "deepseek_v3"), "eager")
+    assert (_logits(model) - eager).abs().max().item() <= 1e-2 * eager.abs().max().item()
+    assert type(model.model.layers[0].self_attn.q_b_proj).__name__ == "ExactLinear4bit"
