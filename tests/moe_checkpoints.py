@@ -31,9 +31,10 @@ def moe_config(kind: str):
     if kind == "olmoe":
         return tf.OlmoeConfig(**_BASE, num_experts=4, pad_token_id=1, eos_token_id=0, bos_token_id=None, **experts)
     if kind == "deepseek_v3":  # layer 0 dense, shared experts, a router with a correction bias
-        return tf.DeepseekV3Config(**{**_BASE, "num_key_value_heads": 4}, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
-                                   n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                                   qk_nope_head_dim=16, v_head_dim=16, **experts)
+        return tf.DeepseekV3Config(**{**_BASE, "num_key_value_heads": 4}, n_routed_experts=4,
+                                   moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                   kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                   v_head_dim=16, **experts)
     if kind == "glm4_moe":
         return tf.Glm4MoeConfig(**_BASE, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
                                 n_group=1, topk_group=1, head_dim=16, **experts)

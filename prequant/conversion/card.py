@@ -144,7 +144,8 @@ _FUSED_ONLY = "With its experts unquantized, this checkpoint loads in transforme
 _EXPERTS = "prequant.load_model"
 
 
-def loading_section(name: str, known: bool, storage: str, compute: str, fused: bool, experts: bool = False) -> list[str]:
+def loading_section(name: str, known: bool, storage: str, compute: str, fused: bool,
+                    experts: bool = False) -> list[str]:
     """"How to load" for each consumer; what each needs depends on the quant storage (and MoE experts: fused and
     kept by transformers 5, or 4-bit one per expert with --quantize-experts)."""
     lines = [_LOADING, ""]

@@ -34,7 +34,8 @@ def test_mixtral_experts_quantized_and_routers_skipped(tmp_path):
     new = quantize_experts(layout, tensors)
     experts = [n for n in new.decisions if expert_match(n)]
     assert len(experts) == 2 * 4 * 3 and all(new.decisions[n].quantize and new.decisions[n].fused for n in experts)
-    assert new.skip_modules == ["lm_head", "model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.gate"]
+    routers = [f"model.layers.{i}.block_sparse_moe.gate" for i in (0, 1)]
+    assert new.skip_modules == ["lm_head", *routers]
     assert not new.decisions["model.layers.0.block_sparse_moe.gate.weight"].quantize
     unchanged = {n: d for n, d in layout.decisions.items() if n not in experts}
     assert all(new.decisions[n] == d for n, d in unchanged.items())

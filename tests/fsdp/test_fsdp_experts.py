@@ -37,7 +37,8 @@ def trained(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp(request.param)
     src = build_moe(request.param, root / "src")
     prequant.convert(src, root / "ckpt", device="cpu", progress=False, quantize_experts=True)
-    config = {"checkpoint": str(root / "ckpt"), "tokenizer": str(build_tokenizer(root / "tok")), "out": str(root / "run")}
+    config = {"checkpoint": str(root / "ckpt"), "tokenizer": str(build_tokenizer(root / "tok")),
+              "out": str(root / "run")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            __file__, "--worker", json.dumps(config)], capture_output=True, text=True, env=_env(),
                           cwd=ROOT, timeout=900, check=False)
