@@ -13,7 +13,7 @@ from ._version import __version__
 from .errors import PrequantError, UsageError
 
 __all__ = ["ConvertOptions", "Plan", "PrequantError", "Summary", "UsageError", "__version__", "change_storage",
-           "convert", "load_for_fsdp", "quantize_tensor"]
+           "convert", "load_for_fsdp", "load_model", "quantize_tensor"]
 
 # Imported on first use: `import prequant` (and so the CLI, which starts reading the disk before it
 # pays for torch) must stay cheap.
@@ -25,9 +25,11 @@ _LAZY = {
     "quantize_tensor": "bnb.quantize",
     "load_for_fsdp": "fsdp.loader",
     "change_storage": "conversion.storage",
+    "load_model": "bnb.moe",
 }
 
 if TYPE_CHECKING:
+    from .bnb.moe import load_model
     from .bnb.quantize import quantize_tensor
     from .conversion.options import ConvertOptions
     from .conversion.plan import Plan

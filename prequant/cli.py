@@ -82,6 +82,8 @@ def convert(
     quant_storage: Annotated[str, typer.Option(metavar="DTYPE", help="dtype the packed weights are stored as: "
                              "bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, float32.")
                              ] = "bfloat16",
+    quantize_experts: Annotated[bool, typer.Option("--quantize-experts", help="Quantize MoE experts too (transformers "
+        "5 keeps them): each 4-bit under its own name; load with transformers 4.57 or prequant.load_model.")] = False,
     skip: Annotated[list[str] | None, typer.Option(
         "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")] = None,
     max_shard_size: Annotated[str, typer.Option(

@@ -135,10 +135,12 @@ def _body(
         "",
         (f"{base_ref} pre-quantized to bitsandbytes 4-bit **{s.quant_type.upper()}** ({dq}, block size "
         f"{s.blocksize}) with prequant {__version__}. It holds exactly what "
-        "transformers saves after quantizing on load with the same `BitsAndBytesConfig`, so it loads with no "
-        "quantization arguments."),
+        + ("transformers 4.x saves after quantizing on load with the same `BitsAndBytesConfig`, MoE experts "
+           "included" if plan.quantize_experts else "transformers saves after quantizing on load with the same "
+           "`BitsAndBytesConfig`") + ", so it loads with no quantization arguments."),
         "",
         *([note, ""] if (note := fp8.card_note(st.source for st in plan.steps)) else []),
+        *([f"**{fused[0].upper()}{fused[1:]}.**", ""] if fused else []),
         "## Quantization",
         "",
         "| setting | value |",
@@ -156,8 +158,8 @@ def _body(
         "",
         *[f"- {n:,} parameters ({why})" for why, n in plan.unquantized().items()],
         "",
-        *([f"**{fused[0].upper()}{fused[1:]}.**", ""] if fused else []),
-        *loading_section(name, known, s.quant_storage, s.compute_dtype, fused is not None),
+        *loading_section(name, known, s.quant_storage, s.compute_dtype, fused is not None and not plan.quantize_experts,
+                         plan.quantize_experts),
         "## Verification",
         "",
         ("`prequant.json` lists the size and sha256 of every file, the source, the versions and options used, "
@@ -190,13 +192,28 @@ def _storage_row(storage: str) -> str:
 _LOADING = "## How to load"
 _STANDS_FOR = "stands for this checkpoint's Hub repo id or local folder."
 _FUSED_ONLY = "With its experts unquantized, this checkpoint loads in transformers 5 only"
+_EXPERTS = "prequant.load_model"
 
 
-def loading_section(name: str, known: bool, storage: str, compute: str, fused: bool) -> list[str]:
-    """"How to load" for each consumer; what each needs depends on the quant storage (and fused MoE experts)."""
+def loading_section(name: str, known: bool, storage: str, compute: str, fused: bool,
+                    experts: bool = False) -> list[str]:
+    """"How to load" for each consumer; what each needs depends on the quant storage (and MoE experts: fused and
+    kept by transformers 5, or 4-bit one per expert with --quantize-experts)."""
     lines = [_LOADING, ""]
     if not known:
         lines += [f"`{name}` {_STANDS_FOR}", ""]
+    if experts:
+        lines += [("**transformers 5** fuses MoE experts into 3-D parameters, which cannot hold these 4-bit experts "
+                   "(its `from_pretrained` refuses this checkpoint with a size mismatch); `prequant.load_model` "
+                   "builds the model with one 4-bit linear per expert, on GPU or CPU (`pip install prequant`):"), "",
+                  "```python", "import prequant", "",
+                  f'model = prequant.load_model("{name}", device_map="auto")', "```", ""]
+        compute_or_storage = compute if storage == "uint8" else storage
+        return lines + [(f"**transformers 4.x** (tested with 4.57) builds experts as `nn.Linear` layers and loads "
+                         f"this checkpoint as it is; pass `dtype` (`{compute_or_storage}`):"), "",
+                        *_snippet(name, compute_or_storage),
+                        ("**FSDP+QLoRA**: `prequant.load_for_fsdp` loads it sharded, one 4-bit linear per expert, "
+                         "and LoRA can target the experts' projections as well as attention."), ""]
     lines += ["**transformers 5**:", "", *_snippet(name, None)]
     if fused:
         lines += [(f"{_FUSED_ONLY}: transformers 4.x builds those experts as 4-bit `Linear4bit` layers and vLLM "
@@ -245,7 +262,8 @@ def change_storage(text: str, old: str, new: str, compute: str) -> str | None:
         return None
     name = heading.group(1)
     section = text[start + 1:end + 1]
-    lines = loading_section(name, _STANDS_FOR not in section, new, compute, _FUSED_ONLY in section)
+    lines = loading_section(name, _STANDS_FOR not in section, new, compute, _FUSED_ONLY in section,
+                            _EXPERTS in section)
     return text[:start + 1].replace(row, _storage_row(new)) + "\n".join(lines) + text[end:]
 
 

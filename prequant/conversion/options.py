@@ -47,6 +47,7 @@ class ConvertOptions:
     blocksize: int = 64
     compute_dtype: str | torch.dtype = "bfloat16"  # a torch dtype is kept as its name ("bfloat16")
     quant_storage: str | torch.dtype = "bfloat16"
+    quantize_experts: bool = False  # MoE expert weights 4-bit too, each under its own name (`bnb.experts`)
     skip: tuple[str, ...] | str = ()  # more modules to keep unquantized (transformers' llm_int8_skip_modules matching)
     max_shard_size: str | int = "5GB"
     device: str | torch.device = "auto"

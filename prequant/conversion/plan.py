@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ..bnb import experts
 from ..bnb.format import QUANTIZABLE, Settings, loses_codes, settings_entries
 from ..bnb.layout import Decision, Layout
 from ..bnb.loading import should_convert
@@ -72,6 +73,10 @@ class Plan:
     # The layout is transformers' without its model having been built (`predict.settled`): said in the text, not
     # in to_dict(), whose hash a resume compares (how the same layout was arrived at does not change the job).
     settled: bool = False
+    quantize_experts: bool = False  # --quantize-experts: every MoE expert weight 4-bit, under its own name
+    # With MoE experts kept (transformers 5 fuses them): the output's size with --quantize-experts, when that
+    # layout is handled (None otherwise).
+    experts_output_bytes: int | None = None
 
     @property
     def input_bytes(self) -> int:
@@ -100,24 +105,36 @@ class Plan:
         return counts
 
     def all_notes(self) -> list[str]:
-        """The layout's notes, and the fused-experts sentence when it applies."""
+        """The experts sentence first when it applies (it says what most of the output is), then the layout's."""
         note = self.fused_experts_note()
-        return [*self.notes, *([note] if note else [])]
+        return [*([note] if note else []), *self.notes]
 
     def fused_experts_note(self) -> str | None:
-        """The one sentence saying that most of the model stays unquantized because transformers 5 fuses its MoE
-        experts, with the figure and the reason (None when fused experts are not most of the parameters)."""
+        """What a MoE model's experts become: with --quantize-experts, how to load the output; without it, when
+        the kept experts are most of the parameters, the figure, both output sizes and the flag to pass (None
+        when neither applies)."""
+        if self.quantize_experts:
+            if not any(s.quantize and s.decision.fused for s in self.steps):
+                return None
+            return ("every MoE expert is 4-bit under its own name (as transformers 4.x + bitsandbytes wrote them): "
+                    "transformers 4.57 loads this checkpoint as it is; on transformers 5, which fuses experts, load it "
+                    "with prequant.load_model(path) (its own from_pretrained refuses it: size mismatch)")
         total = sum(s.source.numel for s in self.steps)
-        fused = sum(s.source.numel for s in self.steps if s.decision.fused)
+        fused = sum(s.source.numel for s in self.steps if s.decision.fused and not s.quantize)
         if not total or fused * 2 <= total:
             return None
+        sizes = f"this output is {_human(self.output_bytes)} of {_human(self.input_bytes)}"
+        if self.experts_output_bytes is not None:
+            sizes += (f"; with {experts.FLAG} it would be {_human(self.experts_output_bytes)}, every expert 4-bit "
+                      "(loaded by transformers 4.57, and by prequant.load_model on transformers 5)")
         return (f"{fused / total:.0%} of the parameters ({fused:,} of {total:,}) stay unquantized: transformers 5 "
                 "fuses this model's MoE experts into 3-D parameters and bitsandbytes quantizes only nn.Linear "
-                "layers, so transformers keeps them in their original dtype too (bitsandbytes#1849)")
+                f"layers, so transformers keeps them in their original dtype too (bitsandbytes#1849); {sizes}")
 
     def to_dict(self) -> dict:
         return {
             "settings": vars(self.settings),
+            "quantize_experts": self.quantize_experts,
             "method": self.method,
             "notes": self.all_notes(),
             **({"warnings": self.warnings} if self.warnings else {}),
@@ -149,7 +166,9 @@ class Plan:
         s = self.settings
         lines = [
             f"plan: {s.quant_type}, blocksize {s.blocksize}, double quant {'on' if s.double_quant else 'off'}, "
-            f"storage {s.quant_storage}, compute {s.compute_dtype}; decided by {self.method}"
+            f"storage {s.quant_storage}, compute {s.compute_dtype}"
+            + (f", MoE experts 4-bit ({experts.FLAG})" if self.quantize_experts else "")
+            + f"; decided by {self.method}"
             + (" (its rules, from names and config.json: verified for this transformers)" if self.settled else ""),
             *(f"note: {n}" for n in self.all_notes()),
             *(f"warning: {w}" for w in self.warnings),
@@ -177,9 +196,25 @@ class Plan:
 
 
 def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
-              skip: Sequence[str] = ()) -> Plan:
+              skip: Sequence[str] = (), quantize_experts: bool = False) -> Plan:
     """Decide every output tensor and its shard. Pure: same inputs, same plan. `skip`: the user's skip patterns,
-    each warned about when it matches no module of the checkpoint (a typo keeps nothing)."""
+    each warned about when it matches no module of the checkpoint (a typo keeps nothing). `quantize_experts`: MoE
+    expert weights 4-bit too (`bnb.experts`; a layout it does not handle is refused)."""
+    if quantize_experts:
+        return replace(_make_plan(tensors, experts.quantize_experts(layout, tensors), settings, max_shard_size, skip),
+                       quantize_experts=True)
+    plan = _make_plan(tensors, layout, settings, max_shard_size, skip)
+    if plan.fused_experts_note() is None:
+        return plan
+    try:  # what the flag would give, said in the note
+        alternative = _make_plan(tensors, experts.quantize_experts(layout, tensors), settings, max_shard_size, skip)
+    except PrequantError:
+        return plan
+    return replace(plan, experts_output_bytes=alternative.output_bytes)
+
+
+def _make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
+               skip: Sequence[str]) -> Plan:
     if not tensors:
         raise PrequantError("the source holds no tensors; check that the weight files are not empty")
     groups: list[tuple[TensorRef, Decision, tuple[OutTensor, ...]]] = []

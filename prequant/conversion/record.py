@@ -41,6 +41,7 @@ class Recorder:
                  job: str | None = None, allow_nan: bool = False) -> None:
         self.source, self.plan, self.job = source, plan, job
         self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
+                        "quantize_experts": plan.quantize_experts,
                         "stats": stats, "allow_nan": allow_nan}
         self.stats = Collector() if stats else None
         self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest

@@ -43,13 +43,13 @@ class Summary:
         lines = [
             f"already complete: {self.output_dir} holds this conversion, finished earlier; nothing was written ({counts})"
             if self.already_complete else f"wrote {self.output_dir}: {counts}",
+            *(f"note: {n}" for n in self.notes),  # first: what most of the output is (MoE experts)
             f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
             f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
             f"time: {self.seconds:.1f} s on {self.device}, {_rate(self.input_bytes / self.seconds if self.seconds else 0)} "
             "of input",
         ]
         lines += [f"unquantized: {n:,} parameters ({why})" for why, n in self.unquantized_parameters.items()]
-        lines += [f"note: {n}" for n in self.notes]
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
                          f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")

@@ -28,6 +28,7 @@ import math
 import os
 import zlib
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,6 +39,8 @@ from ..checkpoint.hf_files import CONFIG
 from ..checkpoint.reader import TensorReader, scan_files
 from ..errors import PrequantError, UsageError
 from ..source.resolve import resolve
+from ..bnb.moe import exact_class
+from .experts import lora_targets_as_named, per_expert
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -117,7 +120,8 @@ def load_for_fsdp(
         model, keys = _build_meta_model(ckpt, dtype=dtype, packed_dtype=packed_dtype, trust_remote_code=trust_remote_code)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = apply_lora(model, lora_r, lora_alpha, lora_dropout, target_modules)
+        with lora_targets_as_named(model) if model._prequant_per_expert else nullcontext():
+            model = apply_lora(model, lora_r, lora_alpha, lora_dropout, target_modules)
         # peft needed the 4-bit mark to build its LoRA layers on bitsandbytes'; past this point it would only make
         # TRL's SFTTrainer cast the LoRA weights to bf16 through `param.data = ...`, which on FSDP2's DTensor
         # parameters changes the outer dtype and not the local shard (the optimizer then fails on mixed dtypes).
@@ -172,6 +176,8 @@ def _build_meta_model(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # skipped on meta weights; a tied head must be the embedding's parameter, not a copy
+    model._prequant_per_expert = per_expert(model, ckpt)  # MoE: one 4-bit linear per expert
+    linear4bit = exact_class() if model._prequant_per_expert else Linear4bit  # MoE shapes bitsandbytes' CPU gets wrong
     for prefix, quant_type in ckpt.quantized.items():
         try:
             old = model.get_submodule(prefix)
@@ -184,7 +190,7 @@ def _build_meta_model(
             raise PrequantError(f"{prefix} is a {type(old).__name__}, not nn.Linear: cannot hold 4-bit weights")
         meta_packed = ckpt.packed(prefix, packed_dtype).to("meta")
         qs = decode_quant_state(bytes(ckpt.view(state_key(f"{prefix}.weight", quant_type)).tolist()))
-        new = Linear4bit(old.in_features, old.out_features, bias=old.bias is not None, compute_dtype=compute_dtype,
+        new = linear4bit(old.in_features, old.out_features, bias=old.bias is not None, compute_dtype=compute_dtype,
                          compress_statistics=f"{prefix}.weight.nested_absmax" in ckpt.tensors,
                          quant_type=quant_type, quant_storage=meta_packed.dtype, device="meta")
         new.weight = Params4bit(meta_packed, requires_grad=False, blocksize=qs.get("blocksize", 64),

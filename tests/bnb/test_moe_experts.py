@@ -1,0 +1,103 @@
+"""`bnb.experts` (which tensors are per-expert weights, the layout with them quantized) and `bnb.moe`'s 4-bit layer
+(exact on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_checkpoints import build_moe, dequantized, entries_of, read_all
+
+from prequant.bnb.experts import expert_match, quantize_experts
+from prequant.bnb.layout import analyze
+from prequant.bnb.quantize import quantize_tensor
+from prequant.checkpoint.hf_files import read_config
+from prequant.checkpoint.reader import scan_files
+from prequant.errors import PrequantError
+
+
+def _layout(path, skip=()):
+    tensors = scan_files(sorted(path.glob("*.safetensors")))
+    return analyze(read_config(path), path, tensors, list(skip)), tensors
+
+
+def test_expert_names_of_each_naming():
+    assert expert_match("model.layers.3.block_sparse_moe.experts.7.w2.weight")["block"] == \
+        "model.layers.3.block_sparse_moe"
+    assert expert_match("model.layers.0.mlp.experts.12.up_proj.weight")["index"] == "12"
+    assert expert_match("model.layers.0.mlp.shared_expert.up_proj.weight") is None
+    assert expert_match("model.layers.0.mlp.experts.gate_up_proj") is None
+
+
+def test_mixtral_experts_quantized_and_routers_skipped(tmp_path):
+    layout, tensors = _layout(build_moe("mixtral", tmp_path / "m"))
+    assert layout.skip_modules is None and not any(d.quantize for n, d in layout.decisions.items() if expert_match(n))
+    new = quantize_experts(layout, tensors)
+    experts = [n for n in new.decisions if expert_match(n)]
+    assert len(experts) == 2 * 4 * 3 and all(new.decisions[n].quantize and new.decisions[n].fused for n in experts)
+    routers = [f"model.layers.{i}.block_sparse_moe.gate" for i in (0, 1)]
+    assert new.skip_modules == ["lm_head", *routers]
+    assert not new.decisions["model.layers.0.block_sparse_moe.gate.weight"].quantize
+    unchanged = {n: d for n, d in layout.decisions.items() if n not in experts}
+    assert all(new.decisions[n] == d for n, d in unchanged.items())
+
+
+def test_experts_matched_by_skip_stay_kept(tmp_path):
+    layout, tensors = _layout(build_moe("qwen3_moe", tmp_path / "q"), skip=["model.layers.1"])
+    new = quantize_experts(layout, tensors)
+    assert not new.decisions["model.layers.1.mlp.experts.0.up_proj.weight"].quantize
+    assert new.decisions["model.layers.0.mlp.experts.0.up_proj.weight"].quantize
+    assert "model.layers.1" in new.skip_modules and "model.layers.0.mlp.gate" in new.skip_modules
+
+
+def test_fused_on_disk_experts_are_refused(tmp_path):
+    layout, tensors = _layout(build_moe("gpt_oss", tmp_path / "g"))
+    with pytest.raises(PrequantError, match=r"--quantize-experts: tensor 'model\.layers\.0\.mlp\.experts\.\w+'"):
+        quantize_experts(layout, tensors)
+
+
+def test_a_dense_model_is_left_as_it_is_with_a_note(tmp_path):
+    layout, tensors = _layout(build_moe("llama", tmp_path / "l"))
+    new = quantize_experts(layout, tensors)
+    assert new.decisions == layout.decisions and new.skip_modules == layout.skip_modules
+    assert any("no MoE expert weights" in n for n in new.notes)
+
+
+# ------------------------------------------------------------------------------ the 4-bit layer on the CPU
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (4, 64), (64, 32), (8, 96), (128, 64)])
+def test_exact_linear_equals_the_dequantized_weight_on_the_cpu(shape):
+    """bitsandbytes' CPU 4-bit matmul is wrong (or crashes) when in % 64 or out % 32; the exact layer is not."""
+    import bitsandbytes as bnb
+    from bitsandbytes.nn import Params4bit
+
+    from prequant.bnb.format import entry_name
+    from prequant.bnb.moe import exact_class
+
+    torch.manual_seed(0)
+    w = torch.randn(shape, dtype=torch.bfloat16)
+    entries = quantize_tensor(w, quant_storage=torch.bfloat16, name="w.weight")
+    layer = exact_class()(shape[1], shape[0], bias=False, compute_dtype=torch.bfloat16, device="meta")
+    stats = {entry_name("w.weight", f"w.weight.{k}"): v for k, v in entries.items() if k != "weight"}
+    layer.weight = Params4bit.from_prequantized(entries["weight"], stats, device="cpu", module=layer)
+    assert isinstance(layer, bnb.nn.Linear4bit)
+    x = torch.randn(3, shape[1], dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, dequantized(entries))
+    assert torch.equal(layer(x), want)
+
+
+# ------------------------------------------------------------------------------ CUDA's bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_expert_bytes_equal_bitsandbytes_cuda(tmp_path):
+    import prequant
+
+    src = build_moe("qwen2_moe", tmp_path / "src")
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False, quantize_experts=True)
+    source, output = read_all(src), read_all(tmp_path / "out")
+    for key in [k for k in source if expert_match(k)]:
+        cuda = quantize_tensor(source[key], quant_storage=torch.bfloat16, device="cuda", name=key)
+        got = entries_of(output, key)
+        assert all(torch.equal(got[k].view(torch.uint8), cuda[k].view(torch.uint8)) for k in cuda), key

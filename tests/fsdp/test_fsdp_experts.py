@@ -1,0 +1,118 @@
+"""load_for_fsdp on MoE checkpoints with 4-bit experts (`--quantize-experts`): 2 gloo ranks train SFTTrainer steps
+with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model`.
+
+The distributed part runs this very file under torchrun as a worker (`--worker CONFIG_JSON`).
+
+    python -m pytest -q tests/fsdp/test_fsdp_experts.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = [[4, 6, 8, 9, 4, 10, 18, 4, 7, 11, 12, 4, 13, 2], [2, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 3, 1]]
+
+
+def _env() -> dict:
+    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def trained(request, tmp_path_factory) -> dict:
+    from conftest import build_tokenizer
+    from moe_checkpoints import build_moe
+
+    import prequant
+
+    root = tmp_path_factory.mktemp(request.param)
+    src = build_moe(request.param, root / "src")
+    prequant.convert(src, root / "ckpt", device="cpu", progress=False, quantize_experts=True)
+    config = {"checkpoint": str(root / "ckpt"), "tokenizer": str(build_tokenizer(root / "tok")),
+              "out": str(root / "run")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           __file__, "--worker", json.dumps(config)], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {**config, "record": torch.load(root / "run" / "record.pt", weights_only=False), "kind": request.param}
+
+
+def test_two_ranks_train_lora_on_every_expert(trained):
+    record = trained["record"]
+    losses = record["losses"]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    experts = {n for n in record["lora"] if ".experts." in n and ".lora_B." in n}
+    proj = ("w1", "w2", "w3") if trained["kind"] == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    assert len(experts) == 2 * 4 * 3  # two layers of four experts, three projections each
+    assert {n.split(".experts.")[1].split(".")[1] for n in experts} == set(proj)
+    assert any(record["lora"][n].abs().sum() > 0 for n in experts)  # trained
+
+
+def test_adapter_names_each_expert_and_reloads_with_the_same_logits(trained):
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    import prequant
+    from prequant.fsdp.experts import lora_targets_as_named
+
+    adapter = Path(trained["out"]) / "final"
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert any(".experts.3." in k and ".lora_A." in k for k in keys)
+    model = prequant.load_model(trained["checkpoint"])
+    with lora_targets_as_named(model):
+        model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits.float()
+    sharded = trained["record"]["probe_logits"].float()
+    assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------- the worker
+
+
+def _worker(config: dict) -> None:
+    import torch.distributed as dist
+    from conftest import TOKENIZER_WORDS
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    import prequant
+    from prequant.fsdp import trainer_args
+
+    out = Path(config["out"])
+    model = prequant.load_for_fsdp(config["checkpoint"], lora_r=4, lora_alpha=8, seed=0)
+    args = trainer_args(SFTConfig(output_dir=str(out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                                  logging_steps=1, bf16=True, use_cpu=True, report_to="none", seed=0,
+                                  disable_tqdm=True, max_length=32, save_strategy="no"))
+    tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"])
+    text = " ".join(TOKENIZER_WORDS)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([{"text": text}] * 16),
+                         processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits
+    lora = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    record = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "probe_logits": logits,
+              "lora": lora}
+    if dist.get_rank() == 0:
+        torch.save(record, out / "record.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", required=True)
+    _worker(json.loads(parser.parse_args().worker))

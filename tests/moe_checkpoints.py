@@ -1,0 +1,103 @@
+"""Tiny checkpoints of transformers-native MoE architectures, built from transformers 5 configs and saved as the Hub
+checkpoints are (transformers 5 un-fuses its experts on save: one 2-D weight per expert and projection)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Sizes that bitsandbytes' CPU kernels get wrong (in features not a multiple of 64, out features not of 32): expert
+# down projections with 32 inputs, routers with 4 outputs, Qwen2-MoE's one-output shared-expert gate.
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=256)
+HANDLED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe"]
+REFUSED = ["gpt_oss", "llama4"]
+
+
+def moe_config(kind: str):
+    """A tiny config of each MoE layout (four experts, two per token), and a dense Llama."""
+    import transformers as tf
+
+    experts = dict(num_experts_per_tok=2)
+    if kind == "mixtral":
+        return tf.MixtralConfig(**_BASE, num_local_experts=4, **experts)
+    if kind == "qwen2_moe":  # a shared expert and its one-output gate
+        return tf.Qwen2MoeConfig(**_BASE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                 **experts)
+    if kind == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**_BASE, num_experts=4, moe_intermediate_size=32, head_dim=16, **experts)
+    if kind == "olmoe":
+        return tf.OlmoeConfig(**_BASE, num_experts=4, pad_token_id=1, eos_token_id=0, bos_token_id=None, **experts)
+    if kind == "deepseek_v3":  # layer 0 dense, shared experts, a router with a correction bias
+        return tf.DeepseekV3Config(**{**_BASE, "num_key_value_heads": 4}, n_routed_experts=4,
+                                   moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                   kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                   v_head_dim=16, **experts)
+    if kind == "glm4_moe":
+        return tf.Glm4MoeConfig(**_BASE, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
+                                n_group=1, topk_group=1, head_dim=16, **experts)
+    if kind == "gpt_oss":  # experts fused on disk, with biases
+        return tf.GptOssConfig(**_BASE, num_local_experts=4, head_dim=16, **experts)
+    if kind == "llama":  # dense: no experts at all
+        return tf.LlamaConfig(**_BASE)
+    if kind == "llama4":  # experts fused on disk, transposed
+        return tf.Llama4TextConfig(**_BASE, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                                   head_dim=16)
+    raise ValueError(kind)
+
+
+def build_moe(kind: str, path: Path, seed: int = 0) -> Path:
+    """Save a randomly initialised tiny MoE model (bf16). Untrained routers send every token to the same experts;
+    the routers get random weights so that tokens reach all of them."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(kind), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "router.weight")):
+                p.normal_(0, 1)
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    if config["model_type"] == "qwen3_moe":  # its Hub configs (and transformers 4.x) name the expert count so
+        config["num_experts"] = config["num_local_experts"]
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    return path
+
+
+def dequantized(entries: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A 4-bit weight from its checkpoint entries (short names: weight, absmax, quant_map, nested_*, quant_state.*),
+    dequantized as bitsandbytes' CUDA kernel does: code times block scale in float32, rounded once to the weight's
+    dtype. Written here from the format, apart from prequant's own dequantization."""
+    state = json.loads(bytes(next(v for k, v in entries.items() if k.startswith("quant_state.")).tolist()))
+    raw = entries["weight"].reshape(-1).view(torch.uint8).long()
+    codes = torch.stack([raw >> 4, raw & 15], dim=1).reshape(-1)
+    absmax = entries["absmax"]
+    if "nested_absmax" in entries:
+        scale = entries["nested_absmax"].float().repeat_interleave(256)[: absmax.numel()]
+        absmax = entries["nested_quant_map"].float()[absmax.long()] * scale + state["nested_offset"]
+    n = 1
+    for d in state["shape"]:
+        n *= d
+    block = state["blocksize"]
+    values = entries["quant_map"].float()[codes[:n]] * absmax.float().repeat_interleave(block)[:n]
+    return values.to(getattr(torch, state["dtype"])).view(state["shape"])
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def entries_of(tensors: dict[str, torch.Tensor], weight: str) -> dict[str, torch.Tensor]:
+    """A 4-bit weight's entries by short name."""
+    return {k[len(weight) + 1:] if k != weight else "weight": v for k, v in tensors.items()
+            if k == weight or k.startswith(weight + ".")}
