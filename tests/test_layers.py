@@ -21,7 +21,7 @@ PACKAGE = ROOT / "prequant"
 # Bottom to top. A module may import its own part, and any part of a lower layer; parts of one layer are
 # independent of each other. (The package face, prequant/__init__.py, is the top, with the CLI.)
 LAYERS: list[set[str]] = [
-    {"prequant.errors", "prequant._version"},
+    {"prequant.errors", "prequant._version", "prequant.settings"},
     {"prequant.util"},
     {"prequant.checkpoint", "prequant.hub"},
     {"prequant.bnb"},
@@ -137,7 +137,7 @@ def test_no_import_cycles_lazy_and_type_checking_imports_included():
 
 
 def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
-    """The CLI starts the read-ahead and the layout child before it imports torch: what that runs, run here in a
+    """The CLI starts the layout child before it imports torch: what that runs, run here in a
     fresh interpreter on a real checkpoint directory (sharded, with an index), must load neither torch nor
     transformers nor huggingface_hub (each costs seconds of start-up)."""
     src = tmp_path / "ckpt"
@@ -150,15 +150,8 @@ def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
     code = (
         "import sys\n"
         "from prequant.util import trace\n"
-        "from prequant.bnb import tensor_spawn\n"
-        "from prequant.conversion import layout_worker, readahead\n"
+        "from prequant.conversion import layout_worker\n"
         "layout_worker.worthwhile()\n"
-        f"weight_bytes = readahead.start_for_source({str(src)!r})\n"
-        "assert weight_bytes == 8192, weight_bytes\n"
-        "tensor_spawn.MIN_BYTES = 0\n"
-        "tensor_spawn.start_early(weight_bytes, 'cpu')\n"
-        "assert readahead._current is not None, 'no read-ahead started'\n"
-        "readahead._current.stop()\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'huggingface_hub', 'numpy', 'typer') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

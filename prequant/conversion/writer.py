@@ -1,33 +1,87 @@
-"""Streaming safetensors writer: the layout is fixed from the plan, tensors land in place as they come.
+"""The output shard format's streaming write: a safetensors shard whose layout is fixed from the plan, its
+tensors landing in place as they come, in any order.
 
-A shard's layout (`shard_layout.ShardLayout`: every offset and the header's reserved room) is fixed before any
-data; the quant-state JSON blobs, whose length is known only once quantized, are written last, then the header.
+Where everything of a shard goes is fixed before any data (`ShardLayout`, also what the plan predicts sizes from).
+Data is ordered by element size, then name, as safetensors' own writer orders it, which keeps every tensor
+aligned. The quant-state JSON blobs (their length is known only once quantized: the text holds a float) go at
+the end of the data section and are written last, then the header; the header gets the room the longest
+conceivable blobs would need, padded with spaces as the safetensors format allows, so its size, and every data
+offset, is known from the plan alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import torch
 
+from ..checkpoint.dtypes import itemsize
 from ..errors import PrequantError
 from ..util import failpoints, trace
 from ..util.fsio import FULL, disk_full, write_error
 from .follow_hash import FollowHash
-from .plan import OutTensor
-from .shard_layout import ShardLayout
+
+_PLACEHOLDER_LEN = 9_999_999  # longer than any quant-state JSON: makes the reserved header big enough
+
+
+class Entry(Protocol):
+    """One tensor of a shard (the plan's OutTensor): `shape` None for a quant-state JSON."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...] | None
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class ShardLayout:
+    """The offsets of a shard's fixed-size tensors and the size of its header (8-byte length + reserved JSON)."""
+
+    def __init__(self, entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> None:
+        entries = list(entries)
+        self.metadata = metadata or {"format": "pt"}
+        self.fixed = sorted((e for e in entries if e.shape is not None), key=lambda e: (-itemsize(e.dtype), e.key))
+        self.variable = sorted((e for e in entries if e.shape is None), key=lambda e: e.key)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for e in self.fixed:
+            self.offsets[e.key] = (pos, pos + e.nbytes)
+            pos += e.nbytes
+        self.fixed_end = pos
+        longest = self.header({e.key: _PLACEHOLDER_LEN for e in self.variable})
+        self.reserved = _round8(len(longest))
+        self.data_start = 8 + self.reserved  # also the bytes a shard spends before its data
+
+    def header(self, variable_sizes: dict[str, int]) -> bytes:
+        """The header JSON once the variable-size tensors' sizes are known (unpadded)."""
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        for e in self.fixed:
+            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape or ()), "data_offsets": list(self.offsets[e.key])}
+        pos = self.fixed_end
+        for e in self.variable:
+            size = variable_sizes[e.key]
+            header[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
+            pos += size
+        return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
 
 class ShardWriter:
     """Writes one output shard; `write` may be called from any thread, in any order."""
 
     def __init__(
-        self, path: Path, entries: list[OutTensor], metadata: dict[str, str] | None = None, *, resume: bool = False
+        self, path: Path, entries: list[Entry], metadata: dict[str, str] | None = None, *, resume: bool = False
     ) -> None:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
@@ -184,9 +238,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Start writing these bytes to disk now, without waiting. Otherwise the kernel holds them dirty (up to
     a tenth of RAM) and the shard's fsync then writes gigabytes at once while the pipeline stands still.
-    Advisory: errors are left to that fsync, which still runs and is what makes the shard durable.
-    (Issuing it from a thread of its own was tried on the GPU machine: the writer's own writes then blocked
-    instead, and the 16 GB pipeline was no faster; with durable output it is bound by the disk's write rate.)"""
+    Advisory: errors are left to that fsync, which still runs and is what makes the shard durable."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         with trace.busy("writeback-start"):
             _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
@@ -259,5 +311,3 @@ def _copy_chunk(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: in
     if data:
         _pwrite_all(dst, memoryview(data), dst_offset, path)
     return len(data)
-
-
