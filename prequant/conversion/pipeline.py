@@ -40,7 +40,7 @@ from .journal import Journal
 from .plan import Plan, Step
 from .writer import ShardWriter
 
-IN_FLIGHT = 2  # tensors queued between two stages
+IN_FLIGHT = 2  # tensors queued between two stages: each finds its next one waiting, and memory stays bounded
 CHUNK_BYTES = 64 * 1024 * 1024  # each of the two pinned buffers a tensor goes to the GPU through
 # Threads filling one pinned buffer: one thread copies from the page cache more slowly than a read-ahead source
 # delivers; the copies (preadv) run without the GIL.

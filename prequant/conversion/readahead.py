@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from ..util import memory, trace
+from ..util import trace
 from ..util.pagecache import advice_chunk, pieces
 
 _STEP = 64 * 1024 * 1024  # the window is checked once per step: few wake-ups, a fine enough bound
@@ -26,11 +26,20 @@ DEPTH = 128 * 1024 * 1024  # asked and not yet read: keeps the disk streaming be
 def default_window() -> int:
     """A quarter of the memory available (to this container, when its cgroup has a limit): page cache that the
     pipeline then reads at memory speed, while past the container's limit it would evict the pages just read."""
-    avail = memory.available()
+    avail = _available()
     if avail is None:
         return 2 * 10**9
     room = _cgroup_room()
     return max(_STEP, min(avail, room if room is not None else avail) // 4)
+
+
+def _available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read (not Linux, no /proc)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def _cgroup_room(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:

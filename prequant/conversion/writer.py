@@ -86,13 +86,9 @@ class ShardWriter:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
         self.layout = ShardLayout(entries, metadata)
-        self.metadata = self.layout.metadata
-        self._fixed, self._variable = self.layout.fixed, self.layout.variable
-        self._offsets, self._fixed_end = self.layout.offsets, self.layout.fixed_end
         self._blobs: dict[str, bytes] = {}
         self._pending = {e.key for e in entries}
         self._lock = threading.Lock()
-        self._reserved, self._data_start = self.layout.reserved, self.layout.data_start
         self._resumed = resume
         self._follow: FollowHash | None = None
         self._runs: dict[int, int] = {}  # data written and not yet contiguous: start -> end (data offsets)
@@ -100,7 +96,7 @@ class ShardWriter:
         # Resuming keeps the bytes already written; the layout is the same, since the plan is.
         self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
         try:
-            _preallocate(self._fd, self._data_start + self._fixed_end, self.partial)
+            _preallocate(self._fd, self.layout.data_start + self.layout.fixed_end, self.partial)
         except BaseException:
             os.close(self._fd)
             raise
@@ -108,20 +104,20 @@ class ShardWriter:
     def follow(self) -> FollowHash | None:
         """For a new shard whose header is known now (no quant-state JSON): a hash that follows the writes
         (`follow_hash`); else None."""
-        if self._variable or self._resumed or self._follow is not None:
+        if self.layout.variable or self._resumed or self._follow is not None:
             return None
-        self._follow = FollowHash(self.partial, self._sealed_header({}), self._data_start + self._fixed_end)
+        self._follow = FollowHash(self.partial, self._sealed_header({}), self.layout.data_start + self.layout.fixed_end)
         return self._follow
 
     def copy_range(self, key: str, src_fd: int, src_offset: int, nbytes: int) -> None:
         """Store a tensor straight from another file (a tensor kept as it is): the kernel copies the bytes,
         so they never pass through this process' memory."""
-        begin, end = self._offsets[key]
+        begin, end = self.layout.offsets[key]
         if nbytes != end - begin:
             raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
-        _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial,
+        _copy_all(src_fd, src_offset, self._fd, self.layout.data_start + begin, nbytes, self.partial,
                   lambda lo, hi: self._written(begin + lo, begin + hi))  # fmt: skip
-        _start_writeback(self._fd, self._data_start + begin, nbytes)
+        _start_writeback(self._fd, self.layout.data_start + begin, nbytes)
         with self._lock:
             self._pending.discard(key)
 
@@ -143,13 +139,13 @@ class ShardWriter:
     def write(self, key: str, data: torch.Tensor) -> None:
         """Store one tensor's bytes (a CPU tensor; a memory-mapped view is written without a copy)."""
         raw = data.detach().contiguous().view(-1).view(torch.uint8)
-        if key in self._offsets:
-            begin, end = self._offsets[key]
+        if key in self.layout.offsets:
+            begin, end = self.layout.offsets[key]
             if raw.numel() != end - begin:
                 raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
-            _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
+            _pwrite_all(self._fd, memoryview(raw.numpy()), self.layout.data_start + begin, self.partial)
             self._written(begin, end)
-            _start_writeback(self._fd, self._data_start + begin, end - begin)
+            _start_writeback(self._fd, self.layout.data_start + begin, end - begin)
         else:
             self._blobs[key] = raw.numpy().tobytes()
         with self._lock:
@@ -163,13 +159,13 @@ class ShardWriter:
             self._runs[begin] = end
             while self._contiguous in self._runs:
                 self._contiguous = max(self._contiguous, self._runs.pop(self._contiguous))
-            upto = self._data_start + self._contiguous
+            upto = self.layout.data_start + self._contiguous
         self._follow.advance(upto)
 
     def _sealed_header(self, sizes: dict[str, int]) -> bytes:
         """The file's first bytes once sealed: the header's length, then the header padded to its reserved room."""
         header = self.layout.header(sizes)
-        padded = header + b" " * (self._reserved - len(header))
+        padded = header + b" " * (self.layout.reserved - len(header))
         return len(padded).to_bytes(8, "little") + padded
 
     def finalize(self, on_sealed: Callable[[BinaryIO], None] | None = None) -> Path:
@@ -179,14 +175,14 @@ class ShardWriter:
         byte is written and before the flush: hashing it need not wait for the disk."""
         if self._pending:
             raise PrequantError(f"internal: {self.path.name} finalized with {len(self._pending)} tensors missing")
-        pos = self._data_start + self._fixed_end
+        pos = self.layout.data_start + self.layout.fixed_end
         # The quant-state blobs go past the room reserved at the start: reserve theirs too before writing, so
         # that no write extends the file. A write past the end is where XFS adds speculative preallocation (as
         # much again as the file, up to 8 GiB), held until the file is closed, after the hashing and the fsync.
-        tail = sum(len(self._blobs[e.key]) for e in self._variable)
+        tail = sum(len(self._blobs[e.key]) for e in self.layout.variable)
         if tail:
             _preallocate(self._fd, pos + tail, self.partial, start=pos)
-        for e in self._variable:
+        for e in self.layout.variable:
             _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
             pos += len(self._blobs[e.key])
         failpoints.hit("shard-finalize")
@@ -194,7 +190,7 @@ class ShardWriter:
         if self._follow is not None and sealed != self._follow.prefix:
             raise PrequantError(f"internal: {self.path.name}'s header changed after its hash began")
         _pwrite_all(self._fd, memoryview(sealed), 0, self.partial)
-        self.data_bytes = pos - self._data_start
+        self.data_bytes = pos - self.layout.data_start
         try:
             os.ftruncate(self._fd, pos)
             if on_sealed is not None:
