@@ -1,17 +1,9 @@
 """Importing bitsandbytes for a CUDA conversion, without the compiler it would not use: standard library only.
 
 bitsandbytes' import compiles four of its default (fallback) kernels with `torch.compile` as it defines them, and
-`torch.compile` imports torch._dynamo, inductor's compile_fx and sympy. On the GPU machine bitsandbytes' import was
-2.6 s of the 5.0 s from a process' start to its first CUDA quantization with warm libraries (torch 1.9 s, CUDA
-0.4 s), and a cold start read 4914 module files (`scripts/probe_cold_cuda.py`, 2026-12-02; a one-off probe removed
-since: `git show 4a7423d:scripts/probe_cold_cuda.py`). The first call of any bitsandbytes kernel imports
-torch._dynamo anyway (torch.library wraps each custom op's kernel so), but not the compiler: on the 2-core CPU
-machine (a one-off script timing `functional()` and a first `quantize_4bit`, two runs each way, 2026-12-02), import
-and first call took 2.2-2.9 s and imported 2588 modules; without those compilations 1.3-1.5 s and 1994 modules. On
-the GPU machine, from a process' start to its first quantization: warm 4.70 s plain, 3.39-3.62 s lean; from a
-dropped page cache 6.17 s lean (6.74 s plain, an earlier lease; that probe with --lean-only). In a cold Grok-shaped
-conversion CUDA and bitsandbytes were then ready 2.3 s after torch's import
-(`scripts/bench/convert.py --size-gb 33 --shape grok --device cuda`).
+`torch.compile` imports torch._dynamo, inductor's compile_fx and sympy: seconds of a conversion's start-up, and
+thousands of module files read when the libraries are cold. The first call of any bitsandbytes kernel imports
+torch._dynamo anyway (torch.library wraps each custom op's kernel so), but not the compiler.
 
 A conversion calls only bitsandbytes' CUDA kernels (`quantize_4bit`, `quantize_blockwise`), which are not compiled.
 So in the `prequant` command's own process (`lean`, from `prequant.__main__`), where no other code uses

@@ -8,20 +8,19 @@ reproduces the CUDA bytes (bitsandbytes' CPU path does not). What the entries ho
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
+from .. import settings as env
 from ..errors import PrequantError, UsageError
 from ..util import signals
 from . import importing
 from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
 
 # `--device auto` quantizes checkpoints lighter than this on the CPU even where there is a GPU: CUDA and
-# bitsandbytes take 1.9-3.6 s to start on the GPU machine (PREQUANT_TRACE, 2026-12-01/02), while the CPU kernel
-# quantizes 256 MiB in about 0.7 s on one thread (0.35-0.42 GB/s), and the bytes are the same either way.
+# bitsandbytes take seconds to start, more than the CPU kernel takes for this much, and the bytes are the same.
 AUTO_CUDA_FROM = 256 * 2**20
 # bitsandbytes' CUDA kernels index elements with int32: bigger tensors go through in block-aligned pieces.
 MAX_KERNEL_ELEMENTS = 2**31 - 2**20
@@ -73,10 +72,7 @@ def no_bitsandbytes(reason: object) -> PrequantError:
 
 @dataclass
 class Quantizer:
-    """Quantizes tensors with fixed settings on one device; `__call__` returns entries on that device.
-
-    The pipeline asks it, as it asks `bnb.starting.Starting`, which quantizer takes the next tensor (`now`) and
-    which one a tensor on a given device (`on`): always this one."""
+    """Quantizes tensors with fixed settings on one device; `__call__` returns entries on that device."""
 
     settings: Settings
     device: torch.device
@@ -91,7 +87,7 @@ class Quantizer:
             _limit_cuda_memory(self.device)
             # The first call of bitsandbytes' kernels imports torch._dynamo (torch.library wraps each custom op's
             # kernel so that it does) and loads them onto the device: paid here, where the quantizer is built (on
-            # CUDA's start thread: bnb.starting), rather than by the pipeline's first tensor.
+            # a thread of its own: `bnb.starting`), rather than by the pipeline's first tensor.
             self(torch.ones(4, 2 * self.settings.blocksize, dtype=torch.bfloat16, device=self.device), "warm-up")
         else:
             from .kernels import cpu
@@ -102,14 +98,6 @@ class Quantizer:
     def device_type(self) -> str:
         """'cpu' or 'cuda': where the conversion runs."""
         return self.device.type
-
-    def now(self) -> Quantizer:
-        """The quantizer for the next tensor read: this one."""
-        return self
-
-    def on(self, device: torch.device) -> Quantizer:
-        """The quantizer for a tensor on `device`: this one."""
-        return self
 
     def __call__(self, x: torch.Tensor, name: str = "tensor") -> dict[str, torch.Tensor]:
         """The entries that follow `name` in a checkpoint: weight, absmax, quant_map, ... quant_state."""
@@ -172,22 +160,21 @@ class Quantizer:
         return codes, nested_absmax, self._cpu.dynamic_map(), offset
 
 
-# Caps what torch may allocate on the GPU, e.g. "8GiB", "8000MB" or plain bytes: a conversion then proves it
-# fits a smaller GPU (torch raises out-of-memory past the cap rather than using more). bench/convert.py uses it.
-CUDA_MEMORY_LIMIT_ENV = "PREQUANT_CUDA_MEMORY_LIMIT"
+# PREQUANT_CUDA_MEMORY_LIMIT caps what torch may allocate on the GPU: a conversion then proves it fits a smaller
+# GPU (torch raises out-of-memory past the cap rather than using more).
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def _limit_cuda_memory(device: torch.device) -> None:
     """Apply PREQUANT_CUDA_MEMORY_LIMIT through torch.cuda.set_per_process_memory_fraction (per device)."""
-    text = os.environ.get(CUDA_MEMORY_LIMIT_ENV, "").strip()
-    if not text:
+    text = env.cuda_memory_limit()
+    if text is None:
         return
     number, unit = text.rstrip("BbIiKkMmGg"), text[len(text.rstrip("BbIiKkMmGg")) :].lower()
     try:
         limit = float(number) * _UNITS[unit]
     except (ValueError, KeyError):
-        raise UsageError(f"{CUDA_MEMORY_LIMIT_ENV}={text!r} is not a size; use e.g. 8GiB, 8000MB or bytes") from None
+        raise UsageError(f"{env.CUDA_MEMORY_LIMIT}={text!r} is not a size; use e.g. 8GiB, 8000MB or bytes") from None
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
 

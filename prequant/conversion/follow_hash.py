@@ -3,10 +3,8 @@
 A shard's hash normally starts once its last byte is written (`record.Recorder.on_shard`): the header comes first
 and holds the quant-state JSONs' lengths, known only once they are quantized. A shard without quant-state JSON (only
 kept tensors: an embedding or lm_head alone, norms) has its header fixed by the plan, so its hash can follow the
-writes. That matters at the end of a conversion: the bench's 16 GB Llama ends with its 1.05 GB lm_head, kept and
-copied in well under a second, as a shard of its own, and its hash after the copy was the last second of the run on
-the GPU and on the CPU (`scripts/bench/convert.py --size-gb 16 --shape llama`, the GPU machine, 2026-12-02: 1.0 s between
-the pipeline's end and the manifest).
+writes. That matters at the end of a conversion, which often ends with a large kept lm_head as a shard of its own:
+copied by the kernel in well under a second, then hashed after the copy, it would add that hash's time to the run.
 
 The hash reads the file this process is writing (the page cache), never past what the writer has marked written,
 and the header from memory: the writer checks, when it seals the shard, that the header it writes is those bytes.

@@ -21,7 +21,7 @@ from ..checkpoint.dtypes import itemsize
 from ..checkpoint.hf_files import shard_name
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
-from .shard_layout import ShardLayout
+from .writer import ShardLayout
 
 QUANT_STATE_ESTIMATE = 170  # bytes of quant-state JSON, typical; the exact length is known only after quantizing
 

@@ -89,7 +89,7 @@ def convert(
     with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
         if claim.complete:
             return _summary(job, manifest.load(out), complete=True)
-        quantizer = starting.quantizer(opts.settings, opts.device, sum(t.nbytes for t in held.tensors), cold=False)
+        quantizer = starting.quantizer(opts.settings, opts.device, sum(t.nbytes for t in held.tensors))
         trace.mark("quantizer-ready")
         with _interruptible(), Recorder(src, plan, stats=opts.stats, job=job.id, allow_nan=opts.allow_nan,
                                         options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit}) as record:
@@ -138,8 +138,7 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
     if src.hub is not None and opts.delete_source_shards:  # a Hub source's reader is a HubShardReader
         data.claim(journal.done.downloaded)  # type: ignore[attr-defined]
         data.on_download(journal.source_downloaded)  # type: ignore[attr-defined]
-    ahead = None if src.hub is not None else readahead.start(
-        list(src.weight_files), window=readahead.pipeline_window(quantizer.device_type))
+    ahead = None if src.hub is not None else readahead.start(list(src.weight_files))
     try:
         with data, Progress(plan.input_bytes, enabled=opts.progress) as bar:
             def on_step(step: Step) -> None:

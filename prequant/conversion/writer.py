@@ -1,44 +1,94 @@
-"""Streaming safetensors writer: the layout is fixed from the plan, tensors land in place as they come.
+"""The output shard format's streaming write: a safetensors shard whose layout is fixed from the plan, its
+tensors landing in place as they come, in any order.
 
-A shard's layout (`shard_layout.ShardLayout`: every offset and the header's reserved room) is fixed before any
-data; the quant-state JSON blobs, whose length is known only once quantized, are written last, then the header.
+Where everything of a shard goes is fixed before any data (`ShardLayout`, also what the plan predicts sizes from).
+Data is ordered by element size, then name, as safetensors' own writer orders it, which keeps every tensor
+aligned. The quant-state JSON blobs (their length is known only once quantized: the text holds a float) go at
+the end of the data section and are written last, then the header; the header gets the room the longest
+conceivable blobs would need, padded with spaces as the safetensors format allows, so its size, and every data
+offset, is known from the plan alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import torch
 
+from ..checkpoint.dtypes import itemsize
 from ..errors import PrequantError
 from ..util import failpoints, trace
 from ..util.fsio import FULL, disk_full, write_error
 from .follow_hash import FollowHash
-from .plan import OutTensor
-from .shard_layout import ShardLayout
+
+_PLACEHOLDER_LEN = 9_999_999  # longer than any quant-state JSON: makes the reserved header big enough
+
+
+class Entry(Protocol):
+    """One tensor of a shard (the plan's OutTensor): `shape` None for a quant-state JSON."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...] | None
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class ShardLayout:
+    """The offsets of a shard's fixed-size tensors and the size of its header (8-byte length + reserved JSON)."""
+
+    def __init__(self, entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> None:
+        entries = list(entries)
+        self.metadata = metadata or {"format": "pt"}
+        self.fixed = sorted((e for e in entries if e.shape is not None), key=lambda e: (-itemsize(e.dtype), e.key))
+        self.variable = sorted((e for e in entries if e.shape is None), key=lambda e: e.key)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for e in self.fixed:
+            self.offsets[e.key] = (pos, pos + e.nbytes)
+            pos += e.nbytes
+        self.fixed_end = pos
+        longest = self.header({e.key: _PLACEHOLDER_LEN for e in self.variable})
+        self.reserved = _round8(len(longest))
+        self.data_start = 8 + self.reserved  # also the bytes a shard spends before its data
+
+    def header(self, variable_sizes: dict[str, int]) -> bytes:
+        """The header JSON once the variable-size tensors' sizes are known (unpadded)."""
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        for e in self.fixed:
+            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape or ()), "data_offsets": list(self.offsets[e.key])}
+        pos = self.fixed_end
+        for e in self.variable:
+            size = variable_sizes[e.key]
+            header[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
+            pos += size
+        return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
 
 class ShardWriter:
     """Writes one output shard; `write` may be called from any thread, in any order."""
 
     def __init__(
-        self, path: Path, entries: list[OutTensor], metadata: dict[str, str] | None = None, *, resume: bool = False
+        self, path: Path, entries: list[Entry], metadata: dict[str, str] | None = None, *, resume: bool = False
     ) -> None:
         self.path = path
         self.partial = path.with_name(path.name + ".partial")
         self.layout = ShardLayout(entries, metadata)
-        self.metadata = self.layout.metadata
-        self._fixed, self._variable = self.layout.fixed, self.layout.variable
-        self._offsets, self._fixed_end = self.layout.offsets, self.layout.fixed_end
         self._blobs: dict[str, bytes] = {}
         self._pending = {e.key for e in entries}
         self._lock = threading.Lock()
-        self._reserved, self._data_start = self.layout.reserved, self.layout.data_start
         self._resumed = resume
         self._follow: FollowHash | None = None
         self._runs: dict[int, int] = {}  # data written and not yet contiguous: start -> end (data offsets)
@@ -46,7 +96,7 @@ class ShardWriter:
         # Resuming keeps the bytes already written; the layout is the same, since the plan is.
         self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
         try:
-            _preallocate(self._fd, self._data_start + self._fixed_end, self.partial)
+            _preallocate(self._fd, self.layout.data_start + self.layout.fixed_end, self.partial)
         except BaseException:
             os.close(self._fd)
             raise
@@ -54,20 +104,20 @@ class ShardWriter:
     def follow(self) -> FollowHash | None:
         """For a new shard whose header is known now (no quant-state JSON): a hash that follows the writes
         (`follow_hash`); else None."""
-        if self._variable or self._resumed or self._follow is not None:
+        if self.layout.variable or self._resumed or self._follow is not None:
             return None
-        self._follow = FollowHash(self.partial, self._sealed_header({}), self._data_start + self._fixed_end)
+        self._follow = FollowHash(self.partial, self._sealed_header({}), self.layout.data_start + self.layout.fixed_end)
         return self._follow
 
     def copy_range(self, key: str, src_fd: int, src_offset: int, nbytes: int) -> None:
         """Store a tensor straight from another file (a tensor kept as it is): the kernel copies the bytes,
         so they never pass through this process' memory."""
-        begin, end = self._offsets[key]
+        begin, end = self.layout.offsets[key]
         if nbytes != end - begin:
             raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
-        _copy_all(src_fd, src_offset, self._fd, self._data_start + begin, nbytes, self.partial,
+        _copy_all(src_fd, src_offset, self._fd, self.layout.data_start + begin, nbytes, self.partial,
                   lambda lo, hi: self._written(begin + lo, begin + hi))  # fmt: skip
-        _start_writeback(self._fd, self._data_start + begin, nbytes)
+        _start_writeback(self._fd, self.layout.data_start + begin, nbytes)
         with self._lock:
             self._pending.discard(key)
 
@@ -89,13 +139,13 @@ class ShardWriter:
     def write(self, key: str, data: torch.Tensor) -> None:
         """Store one tensor's bytes (a CPU tensor; a memory-mapped view is written without a copy)."""
         raw = data.detach().contiguous().view(-1).view(torch.uint8)
-        if key in self._offsets:
-            begin, end = self._offsets[key]
+        if key in self.layout.offsets:
+            begin, end = self.layout.offsets[key]
             if raw.numel() != end - begin:
                 raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
-            _pwrite_all(self._fd, memoryview(raw.numpy()), self._data_start + begin, self.partial)
+            _pwrite_all(self._fd, memoryview(raw.numpy()), self.layout.data_start + begin, self.partial)
             self._written(begin, end)
-            _start_writeback(self._fd, self._data_start + begin, end - begin)
+            _start_writeback(self._fd, self.layout.data_start + begin, end - begin)
         else:
             self._blobs[key] = raw.numpy().tobytes()
         with self._lock:
@@ -109,13 +159,13 @@ class ShardWriter:
             self._runs[begin] = end
             while self._contiguous in self._runs:
                 self._contiguous = max(self._contiguous, self._runs.pop(self._contiguous))
-            upto = self._data_start + self._contiguous
+            upto = self.layout.data_start + self._contiguous
         self._follow.advance(upto)
 
     def _sealed_header(self, sizes: dict[str, int]) -> bytes:
         """The file's first bytes once sealed: the header's length, then the header padded to its reserved room."""
         header = self.layout.header(sizes)
-        padded = header + b" " * (self._reserved - len(header))
+        padded = header + b" " * (self.layout.reserved - len(header))
         return len(padded).to_bytes(8, "little") + padded
 
     def finalize(self, on_sealed: Callable[[BinaryIO], None] | None = None) -> Path:
@@ -125,14 +175,14 @@ class ShardWriter:
         byte is written and before the flush: hashing it need not wait for the disk."""
         if self._pending:
             raise PrequantError(f"internal: {self.path.name} finalized with {len(self._pending)} tensors missing")
-        pos = self._data_start + self._fixed_end
+        pos = self.layout.data_start + self.layout.fixed_end
         # The quant-state blobs go past the room reserved at the start: reserve theirs too before writing, so
         # that no write extends the file. A write past the end is where XFS adds speculative preallocation (as
         # much again as the file, up to 8 GiB), held until the file is closed, after the hashing and the fsync.
-        tail = sum(len(self._blobs[e.key]) for e in self._variable)
+        tail = sum(len(self._blobs[e.key]) for e in self.layout.variable)
         if tail:
             _preallocate(self._fd, pos + tail, self.partial, start=pos)
-        for e in self._variable:
+        for e in self.layout.variable:
             _pwrite_all(self._fd, memoryview(self._blobs[e.key]), pos, self.partial)
             pos += len(self._blobs[e.key])
         failpoints.hit("shard-finalize")
@@ -140,7 +190,7 @@ class ShardWriter:
         if self._follow is not None and sealed != self._follow.prefix:
             raise PrequantError(f"internal: {self.path.name}'s header changed after its hash began")
         _pwrite_all(self._fd, memoryview(sealed), 0, self.partial)
-        self.data_bytes = pos - self._data_start
+        self.data_bytes = pos - self.layout.data_start
         try:
             os.ftruncate(self._fd, pos)
             if on_sealed is not None:
@@ -184,9 +234,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Start writing these bytes to disk now, without waiting. Otherwise the kernel holds them dirty (up to
     a tenth of RAM) and the shard's fsync then writes gigabytes at once while the pipeline stands still.
-    Advisory: errors are left to that fsync, which still runs and is what makes the shard durable.
-    (Issuing it from a thread of its own was tried on the GPU machine: the writer's own writes then blocked
-    instead, and the 16 GB pipeline was no faster; with durable output it is bound by the disk's write rate.)"""
+    Advisory: errors are left to that fsync, which still runs and is what makes the shard durable."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         with trace.busy("writeback-start"):
             _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
@@ -259,5 +307,3 @@ def _copy_chunk(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: in
     if data:
         _pwrite_all(dst, memoryview(data), dst_offset, path)
     return len(data)
-
-

@@ -12,7 +12,9 @@ import os
 import signal
 import threading
 
-_spec = os.environ.get("PREQUANT_FAILPOINT", "")
+from .. import settings
+
+_spec = settings.failpoint()
 _name, _, _rest = _spec.partition(":")
 _count, _, _action = _rest.partition(":")
 _left = {_name: int(_count or 1)} if _name else {}

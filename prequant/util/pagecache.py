@@ -1,6 +1,4 @@
-"""Asking Linux to read a file range ahead (`posix_fadvise(WILLNEED)`) in pieces it does not cut short, and which of
-a file's pages it holds (`resident_pages`): standard library only (the CLI's read-ahead runs before torch is
-imported; the CPU workers ask for their own tensors)."""
+"""Asking Linux to read a file range ahead (`posix_fadvise(WILLNEED)`) in pieces it does not cut short."""
 
 from __future__ import annotations
 
@@ -49,31 +47,3 @@ def will_need(fd: int, offset: int, length: int) -> None:
             os.posix_fadvise(fd, start, piece, os.POSIX_FADV_WILLNEED)
     except (OSError, AttributeError):
         pass
-
-
-def resident_pages(path: str | os.PathLike) -> bytes | None:
-    """One byte per page of the file, bit 0 set where the page is in the page cache (mincore on a map of it, which
-    reads none of them); None where that cannot be asked, or for an empty file."""
-    import ctypes
-    import mmap
-
-    size = os.path.getsize(path)
-    if not size:
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-            return bytes(vec) if libc.mincore(address, size, vec) == 0 else None
-        finally:
-            libc.munmap(address, size)
-    finally:
-        os.close(fd)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_PATH = os.environ.get("PREQUANT_TRACE")
+from .. import settings
+
+_PATH = settings.trace_path()
 _events: list[tuple[str, float]] = []
 _busy: dict[str, float] = {}
 _lock = threading.Lock()
@@ -41,13 +42,6 @@ def busy(stage: str) -> Iterator[None]:
         dt = time.perf_counter() - t
         with _lock:
             _busy[stage] = _busy.get(stage, 0.0) + dt
-
-
-def add(stage: str, seconds: float) -> None:
-    """Add `seconds` measured elsewhere (e.g. by a worker process) to `stage`'s total."""
-    if enabled:
-        with _lock:
-            _busy[stage] = _busy.get(stage, 0.0) + seconds
 
 
 def _dump() -> None:

@@ -31,7 +31,34 @@ from pathlib import Path
 from common import ROOT, drop_caches, emit, read_trace, run_env, timed  # this directory
 
 import elf  # this directory
-from prequant.util.pagecache import resident_pages
+
+
+def resident_pages(path: str | os.PathLike) -> bytes | None:
+    """One byte per page of the file, bit 0 set where the page is in the page cache (mincore on a map of it, which
+    reads none of them); None where that cannot be asked, or for an empty file."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if not size:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            return bytes(vec) if libc.mincore(address, size, vec) == 0 else None
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SYSTEM_LIBS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/local/cuda/lib64", "/usr/local/lib")

@@ -27,9 +27,8 @@ import time
 
 from common import Periodic, run_env, status_bytes  # this directory
 
-# prequant: its kernel on the thread pool only; prequant-workers: on one worker process per thread (what a
-# conversion uses for large tensors on a machine of 4 cores or more, `bnb.kernels._procs`), started beforehand.
-IMPLEMENTATIONS = ("prequant", "prequant-workers", "bitsandbytes")
+# prequant: its kernel on the thread pool; bitsandbytes: its own CPU path.
+IMPLEMENTATIONS = ("prequant", "bitsandbytes")
 MIB = 2**20
 
 
@@ -99,7 +98,6 @@ def child(impl: str, shape: tuple[int, int], repeats: int, threads: int | None) 
     if threads:
         torch.set_num_threads(threads)
     run = _quantizer(impl)
-    workers = _workers(impl, torch.get_num_threads())
     x = (torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     run(x[:2, :64].contiguous())  # warm up: imports, lazily built tables
     gc.collect()
@@ -118,10 +116,6 @@ def child(impl: str, shape: tuple[int, int], repeats: int, threads: int | None) 
     peak = (_hwm_bytes() if exact_peak else None) or sampled_peak
     n = x.numel()
     extra = _stats_speed(x, repeats) if impl.startswith("prequant") else {}
-    if workers is not None:
-        extra.update(processes=workers.size, worker_chunks=workers.chunks,
-                     workers_rss_anon_mib=sum(status_bytes(p.pid, ("RssAnon",))["RssAnon"]
-                                              for p in workers._procs) / MIB)  # fmt: skip
     return {**extra,
         "impl": impl,
         "shape": list(shape),
@@ -137,17 +131,6 @@ def child(impl: str, shape: tuple[int, int], repeats: int, threads: int | None) 
         "input_mib": n * 2 / MIB,
         "peak_method": "VmHWM" if exact_peak else "RSS sampling (1 ms)",
     }
-
-
-def _workers(impl: str, threads: int):
-    """The CPU kernel's worker processes for this implementation, started and ready (None: threads only)."""
-    from prequant.bnb.kernels import _procs
-
-    if impl != "prequant-workers":
-        _procs.PROCESSES = 0
-        return None
-    _procs.PROCESSES, _procs.MIN_ELEMENTS = threads, 0  # every tensor, the warm-up's too
-    return _procs.pool_for(1, wait=True)
 
 
 def _stats_speed(x, repeats: int) -> dict:
@@ -204,8 +187,7 @@ def main() -> None:
             ratio = result["prequant"]["best_gbps"] / result["bitsandbytes"]["best_gbps"]
             cpu_ratio = result["prequant"]["gb_per_cpu_second"] / result["bitsandbytes"]["gb_per_cpu_second"]
             row = {"shape": list(shape), "threads": result["prequant"]["threads"], **result,
-                   "speedup_best": ratio, "speedup_per_cpu_second": cpu_ratio,
-                   "workers_speedup_best": result["prequant-workers"]["best_gbps"] / result["bitsandbytes"]["best_gbps"]}
+                   "speedup_best": ratio, "speedup_per_cpu_second": cpu_ratio}
             if row["threads"] == 1:
                 single = {impl: result[impl]["best_gbps"] for impl in IMPLEMENTATIONS}
             for impl in IMPLEMENTATIONS:
@@ -228,9 +210,6 @@ def main() -> None:
             print(f"{'x'.join(map(str, row['shape'])):>12} {row['threads']:>7} {impl:>13} {r['best_gbps']:>10.3f} "
                   f"{r['median_gbps']:>12.3f} {r['gb_per_cpu_second']:>9.3f} {eff:>10} {r['peak_extra_mib']:>15.1f} {st:>11}")
         print(f"{'':>12} {'':>7} {'ratio':>13} {row['speedup_best']:>9.2f}x {'':>12} {row['speedup_per_cpu_second']:>8.2f}x")
-        w = row["prequant-workers"]
-        print(f"{'':>12} {'':>7} {'workers':>13} {row['workers_speedup_best']:>9.2f}x  ({w['processes']} processes, "
-              f"{w['workers_rss_anon_mib']:.0f} MiB RssAnon in all, {w['worker_chunks']} chunks)")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_a_cuda_conversion_by_the_command_imports_no_compiler_and_writes_transfo
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "prequant", "convert", str(src), str(out),
                            "--device", "cuda"], capture_output=True, text=True, timeout=600, check=False,
-                          env=cli_env({"PREQUANT_CPU_WHILE_CUDA_STARTS": "0"}))  # every tensor on bitsandbytes' kernel
+                          env=cli_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "bitsandbytes.functional" in imported, "the conversion quantized with bitsandbytes"

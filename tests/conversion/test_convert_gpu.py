@@ -19,13 +19,6 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.fixture(autouse=True)
-def cuda_from_the_first_tensor(monkeypatch):
-    """These tests are of bitsandbytes' kernel in the pipeline: no tensor goes to the CPU while CUDA starts
-    (`bnb.starting`; tests/bnb/test_starting.py tests that hand-over)."""
-    monkeypatch.setenv("PREQUANT_CPU_WHILE_CUDA_STARTS", "0")
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     src = build_checkpoint("llama", tmp_path_factory.mktemp("gpu-src"))

@@ -107,10 +107,9 @@ def test_malicious_pickle_is_refused_without_running_it(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bin_shards_convert_on_the_gpu_to_the_cpu_kernels_bytes(grok, tmp_path, monkeypatch):
+def test_bin_shards_convert_on_the_gpu_to_the_cpu_kernels_bytes(grok, tmp_path):
     """.bin tensors reach the GPU through torch's own mapping (no byte ranges): same bytes as the CPU run."""
     naming, src, out, _ = grok
-    monkeypatch.setenv("PREQUANT_CPU_WHILE_CUDA_STARTS", "0")  # every tensor through the GPU (bnb.starting)
     prequant.convert(src, tmp_path / "cuda", device="cuda", progress=False)
     cpu, cuda = read_checkpoint(out), read_checkpoint(tmp_path / "cuda")
     assert cpu.keys() == cuda.keys()

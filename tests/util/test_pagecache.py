@@ -1,4 +1,4 @@
-"""util.pagecache: read-ahead advice in pieces Linux honours, covering exactly the bytes asked for; which pages are cached."""
+"""util.pagecache: read-ahead advice in pieces Linux honours, covering exactly the bytes asked for."""
 
 from __future__ import annotations
 
@@ -65,15 +65,3 @@ def test_will_need_advises_exactly_the_range_in_pieces_linux_reads_whole(tmp_pat
     advised = [(o, n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
     assert advised[:-1] == list(pagecache.pieces(4096 + 5, (2 << 20) + 3, chunk))
     assert all(n <= chunk for _, n in advised)
-
-
-def test_resident_pages_has_one_byte_per_page_and_says_which_are_cached(tmp_path):
-    import mmap
-
-    f = tmp_path / "data"
-    f.write_bytes(b"\1" * (3 * mmap.PAGESIZE + 5))
-    f.read_bytes()  # every page in the cache now
-    pages = pagecache.resident_pages(f)
-    assert pages is not None and len(pages) == 4 and all(b & 1 for b in pages)
-    (tmp_path / "empty").write_bytes(b"")
-    assert pagecache.resident_pages(tmp_path / "empty") is None

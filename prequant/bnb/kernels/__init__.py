@@ -5,7 +5,5 @@
 The private modules beside it hold what that takes: the GPU's fast-math arithmetic (`_fastmath`), the
 order in which torch's CUDA `mean` adds (`_cuda_mean`), the code tables (`_tables`), the 8-bit blockwise
 quantization of double quant (`_dynamic8`), and a measured table of the GPU's approximate reciprocal
-(`_mufu_rcp_table`). The work runs on a pool of threads (`_parallel`), or, when asked
-(PREQUANT_CPU_PROCESSES), large tensors on worker processes (`_procs`, `_worker`, `_wire`). A conversion on
-many cores runs these same functions on whole tensors in worker processes of its own (`bnb.tensor_pool`).
+(`_mufu_rcp_table`). The work runs on a pool of threads (`_parallel`).
 """

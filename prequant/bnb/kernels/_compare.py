@@ -8,23 +8,18 @@ partial sums; the partial sums are added in task order, so the result does not d
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 
 import numpy as np
 import torch
 
-from . import _flat, _parallel, _procs, _wire
+from . import _flat, _parallel
 
 # Elements per task, a multiple of every blocksize, the same for any thread count: the partial sums are
 # those of whole tasks, so the figures do not depend on the machine. Large, so that each numpy call
-# outlasts the GIL's hand-overs (`_parallel.task_elements`): on the GPU machine's 16 cores 128 Ki-element
-# tasks made 0.69 GB/s on 16 threads (1.0 on one), 1 Mi-element tasks 3.25 GB/s (0.79 on one)
-# (`scripts/bench/profile_cpu_kernel.py --only stats`).
+# outlasts the GIL's hand-overs (`_parallel.task_elements`).
 TASK_ELEMENTS = 1 << 20
-
-log = logging.getLogger(__name__)
 
 
 def error_sums(
@@ -58,8 +53,7 @@ def error_sums(
         partial[i] = chunk_sums(raw, source.dtype, codes_np[start // 2 :], absmax_np[first:], pairs, blocksize,
                                 exponent)  # fmt: skip
 
-    if not _on_processes(src, source, codes_np, absmax_np, pairs, blocksize, n, exponent, step, partial):
-        _parallel.run(tasks, task)
+    _parallel.run(tasks, task)
     err2 = math.fsum(p[0] for p in partial)
     ref2 = math.fsum(p[1] for p in partial)
     max_err = max((p[2] for p in partial), default=0.0, key=lambda v: math.inf if math.isnan(v) else v)
@@ -70,7 +64,7 @@ def chunk_sums(raw: np.ndarray, dtype: torch.dtype, codes: np.ndarray, absmax: n
                blocksize: int, exponent: int) -> tuple[float, float, float]:  # fmt: skip
     """The sums of `error_sums` over one block-aligned range: `raw` its source elements (as `_flat.Flat` reads
     a tensor of `dtype`), `codes` and `absmax` (scaled) starting at its first element; one task of the thread
-    pool, or one chunk of a worker process (`_worker`): the same numbers either way."""
+    pool."""
     count = len(raw)
     s = _scratch(count)
     pair_count = (count + 1) // 2
@@ -100,41 +94,6 @@ def _factors(exponent: int) -> tuple[np.float32, np.float32]:
     """2**-exponent as two float32 factors, so that neither overflows (|exponent| <= 149 for finite scales)."""
     half = exponent // 2
     return np.float32(2.0**-half), np.float32(2.0 ** -(exponent - half))
-
-
-def _on_processes(src: _flat.Flat, source: torch.Tensor, codes: np.ndarray, absmax: np.ndarray, pairs: torch.Tensor,
-                  blocksize: int, n: int, exponent: int, step: int,
-                  partial: list[tuple[float, float, float]]) -> bool:  # fmt: skip
-    """The tasks of `error_sums` as chunks of the worker processes (`_procs`), into `partial`; False where the
-    pool is not ready or cannot take them (then the threads compute every task)."""
-    if source.dtype not in _wire.DTYPES or src.dtype not in _wire.RAW_DTYPES:
-        return False
-    pool = _procs.pool_for(n)
-    if pool is None or step > pool.chunk:
-        return False
-    table, origin, aux = pairs.numpy(), _wire.file_origin(source), _wire.RAW_DTYPES.index(src.dtype)
-
-    def fill(i: int, slot: int) -> bytes:
-        start, stop = i * step, min(n, (i + 1) * step)
-        first, blocks = start // blocksize, -(-(stop - start) // blocksize)
-        if origin is None:
-            src.copy_range(start, stop, pool.array(slot, "input", src.dtype, stop - start))
-        pair_count = (stop - start + 1) // 2
-        pool.array(slot, "codes", np.dtype(np.uint8), pair_count)[:] = codes[start // 2 : start // 2 + pair_count]
-        pool.array(slot, "absmax", np.dtype(np.float32), blocks)[:] = absmax[first : first + blocks]
-        pool.array(slot, "pairs", np.dtype(np.float64), 256)[:] = table
-        return _wire.request(_wire.SUMS, source.dtype, aux, slot, stop - start, blocksize, exponent, origin,
-                              start * source.element_size())  # fmt: skip
-
-    def collect(i: int, slot: int, sums: tuple) -> None:
-        partial[i] = sums
-
-    try:
-        pool.run(len(partial), fill, collect)
-    except _procs.Unavailable as e:
-        log.warning("the CPU kernel's worker processes stopped (%s); computing statistics on threads", e)
-        return False
-    return True
 
 
 def dequantize_nested(codes: torch.Tensor, nested_absmax: torch.Tensor, nested_map: torch.Tensor, offset: float,

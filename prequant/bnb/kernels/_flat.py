@@ -37,13 +37,6 @@ class Flat:
         copy_flat_range(self.array, start, stop, out)
         return out
 
-    def copy_range(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Copy the elements [start, stop) into `out` (of their dtype), whatever the tensor's strides."""
-        if self.flat is not None:
-            np.copyto(out[: stop - start], self.flat[start:stop])
-        else:
-            copy_flat_range(self.array, start, stop, out)
-
 
 def float32(values: np.ndarray, torch_dtype: torch.dtype, out: np.ndarray) -> np.ndarray:
     """Some elements as float32 (exactly: every input dtype but float64 converts without rounding): `out`,

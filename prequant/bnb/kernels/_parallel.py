@@ -12,7 +12,7 @@ shorter than a piece, and each hands the GIL over (`_quantize4.Job.torch_inline`
 
 The calling thread works too, so one thread means no pool at all; a call made from a pool thread (nested
 use) runs serially. Whatever happens (an error in a piece, KeyboardInterrupt in the caller), `run` returns
-only once no thread touches the caller's tensors any more: a worker left running could read a memory map
+only once no thread touches the caller's tensors any more: a thread left running could read a memory map
 the caller is about to close.
 """
 
@@ -45,11 +45,8 @@ def task_elements(base: int, cap: int) -> int:
 
     Why pieces grow with the threads: each numpy call holds the GIL for its Python part and must take it
     back when its loop ends, and every hand-over wakes a sleeping thread, so a call's loop must outlast
-    the hand-overs of all the other threads. Measured on the GPU machine's 16 cores (Xeon, Python 3.12,
-    `scripts/bench/profile_cpu_kernel.py`): a float32 product runs 1.45x faster on 16 threads than on one for 64 Ki
-    elements and 14x for 1 Mi; the 4-bit kernel on 16 threads made 0.54 GB/s with 64 Ki pieces, 2.6 GB/s
-    with 1 Mi. On one thread the small pieces are as fast and stay in the core's cache; the cap bounds
-    each thread's buffers (about 18 bytes per element in the 4-bit kernel).
+    the hand-overs of all the other threads. On one thread the small pieces are as fast and stay in the core's
+    cache; the cap bounds each thread's buffers (about 18 bytes per element in the 4-bit kernel).
     """
     return min(cap, base << 2 * (threads() - 1).bit_length())
 

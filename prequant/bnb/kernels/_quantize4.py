@@ -69,8 +69,7 @@ class Job:
         self.reciprocals = _reciprocals(x.dtype) if x.dtype != torch.float32 else None
         # torch's operations run vectorized, often twice as fast as numpy's over short rows, but with threads of
         # its own torch forks onto them from every pool thread; cut below its grain instead, the calls are much
-        # shorter than a piece and each hands the GIL over (the kernel on the GPU machine's 16 threads: 0.98 GB/s
-        # so, 1.67 with numpy's; 2026-12-03). So torch only where it has one thread: the worker processes.
+        # shorter than a piece and each hands the GIL over. So torch only where it has one thread.
         self.torch_inline = torch.get_num_threads() == 1
         self.packed, self.absmax = packed.numpy(), absmax.numpy()
 

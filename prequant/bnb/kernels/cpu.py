@@ -19,17 +19,14 @@ quantization), `_dynamic8` (its 8-bit step).
 
 from __future__ import annotations
 
-import logging
 import math
 
 import numpy as np
 import torch
 
-from . import _flat, _parallel, _procs, _quantize4, _tables, _wire
+from . import _parallel, _quantize4, _tables
 from ._cuda_mean import cuda_mean
 from ._dynamic8 import quantize_8bit
-
-log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteError", "code_table", "dynamic_map", "quantize_4bit", "quantize_nested"]
 
@@ -78,48 +75,12 @@ def quantize_4bit(x: torch.Tensor, *, quant_type: str, blocksize: int) -> tuple[
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
     absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
     try:
-        if not _on_processes(x, quant_type, blocksize, packed, absmax):
-            piece = _chunk_elements()
-            job = _quantize4.Job(x, quant_type, blocksize, piece, max(1, TASK_ELEMENTS // piece), packed, absmax)
-            _parallel.run(job.tasks, job.run_task)
+        piece = _chunk_elements()
+        job = _quantize4.Job(x, quant_type, blocksize, piece, max(1, TASK_ELEMENTS // piece), packed, absmax)
+        _parallel.run(job.tasks, job.run_task)
     except _quantize4.NonFinite as e:
         raise NonFiniteError(str(e)) from None
     return packed, absmax
-
-
-def _on_processes(x: torch.Tensor, quant_type: str, blocksize: int, packed: torch.Tensor, absmax: torch.Tensor) -> bool:
-    """Quantize a large tensor on the worker processes (`_procs`) into `packed` and `absmax`; False (nothing
-    written that the threads will not overwrite) where the pool is not ready or cannot take it."""
-    pool = _procs.pool_for(x.numel())
-    if pool is None:
-        return False
-    source, n, origin = _flat.Flat(x, bits=True), x.numel(), _wire.file_origin(x)
-    # Whole rounds of chunks: every worker gets as many, so none idles while another finishes the tensor.
-    count = _ceil(_ceil(n, pool.chunk), pool.size) * pool.size
-    step = _ceil(_ceil(n, count), blocksize) * blocksize
-    packed_np, absmax_np = packed.numpy(), absmax.numpy()
-    aux = _wire.QUANT_TYPES.index(quant_type)
-
-    def fill(i: int, slot: int) -> bytes:
-        start, stop = i * step, min(n, (i + 1) * step)
-        if origin is None:
-            source.copy_range(start, stop, pool.array(slot, "input", source.dtype, stop - start))
-        return _wire.request(_wire.QUANTIZE, x.dtype, aux, slot, stop - start, blocksize, 0, origin,
-                              start * x.element_size())  # fmt: skip
-
-    def collect(i: int, slot: int, _sums: tuple) -> None:
-        start, count = i * step, min(n, (i + 1) * step) - i * step
-        pairs, blocks = (count + 1) // 2, -(-count // blocksize)
-        packed_np[start // 2 : start // 2 + pairs] = pool.array(slot, "codes", np.dtype(np.uint8), pairs)
-        first = start // blocksize
-        absmax_np[first : first + blocks] = pool.array(slot, "absmax", np.dtype(np.float32), blocks)
-
-    try:
-        pool.run(-(-n // step), fill, collect)
-    except _procs.Unavailable as e:
-        log.warning("the CPU kernel's worker processes stopped (%s); quantizing on threads", e)
-        return False
-    return True
 
 
 def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -144,8 +105,7 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
     nested_absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
     # Steps of torch operations on the calling thread, not tasks on the pool: there are 64x fewer absmax
     # values than weights, too few for tasks long enough to outlast the GIL's hand-overs, while torch spreads
-    # each operation of a large step over its own threads. The 917 Ki values of a 14336x4096 weight took
-    # 12.9 ms on one thread and 4.9 ms on 16 of the GPU machine (`scripts/bench/profile_cpu_kernel.py --only nested`).
+    # each operation of a large step over its own threads.
     step = max(blocksize, NESTED_CHUNK // blocksize * blocksize)
     for start in range(0, n, step):
         # bitsandbytes subtracts with a plain torch op (IEEE, no flush); the kernel then flushes.
@@ -153,10 +113,6 @@ def quantize_nested(absmax: torch.Tensor, *, blocksize: int = 256) -> tuple[torc
         codes[start : start + chunk_codes.numel()] = chunk_codes
         nested_absmax[start // blocksize : start // blocksize + chunk_absmax.numel()] = chunk_absmax
     return codes, nested_absmax, float(offset)
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _chunk_elements() -> int:
