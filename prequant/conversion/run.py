@@ -80,6 +80,8 @@ def convert(
     src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
     held = contents(src)
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
+    # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
+    quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, _weight_bytes(held.tensors))
     plan = _plan(held.config, src.path, held.tensors, opts)
     if opts.dry_run:
         return plan
@@ -89,8 +91,6 @@ def convert(
     with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
         if claim.complete:
             return _summary(job, manifest.load(out), complete=True)
-        quantizer = starting.quantizer(opts.settings, opts.device, sum(t.nbytes for t in held.tensors))
-        trace.mark("quantizer-ready")
         with _interruptible(), Recorder(src, plan, stats=opts.stats, job=job.id, allow_nan=opts.allow_nan,
                                         options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit}) as record:
             if not output.publishing(claim.staging):  # else an interrupted run had written everything
@@ -109,6 +109,11 @@ def convert(
     if hint and opts.progress:
         print(f"prequant: note: {hint}", file=sys.stderr)
     return _summary(job, written, hub_url=hub_url, quantizer=quantizer, notes=[hint] if hint else [])
+
+
+def _weight_bytes(tensors: list[TensorRef]) -> int:
+    """The source's weights in bytes (what `--device auto` weighs)."""
+    return sum(t.nbytes for t in tensors)
 
 
 def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: ConvertOptions) -> Plan:
@@ -135,9 +140,9 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
         print(f"prequant: resuming: {len(journal.done.steps)} of {len(plan.steps)} tensors done", file=sys.stderr)
     # A resumed run's downloads start at its first read, once the journal has marked what is done.
     data = reader(src, job.tensors, delete=opts.delete_source_shards, start=not journal.resumed)
-    if src.hub is not None and opts.delete_source_shards:  # a Hub source's reader is a HubShardReader
-        data.claim(journal.done.downloaded)  # type: ignore[attr-defined]
-        data.on_download(journal.source_downloaded)  # type: ignore[attr-defined]
+    if opts.delete_source_shards:  # the shards an interrupted run downloaded are this run's to delete
+        data.claim(journal.done.downloaded)
+        data.on_download(journal.source_downloaded)
     ahead = None if src.hub is not None else readahead.start(list(src.weight_files))
     try:
         with data, Progress(plan.input_bytes, enabled=opts.progress) as bar:
