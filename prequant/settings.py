@@ -84,3 +84,54 @@ def _number(name: str, default: float) -> float:
 
 def _unknown(name: str, value: str, default: object) -> None:
     print(f"prequant: warning: {name}={value!r} is not understood; using {default}", file=sys.stderr)
+
+
+# Other tools' variables that prequant must see as they do. huggingface_hub reads its own at import; these are read
+# when asked, so that a process that sets them later (a test, a notebook) is heard.
+
+
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT: the Hub's URL (None: huggingface_hub's default)."""
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache, as huggingface_hub resolves it: HF_HUB_CACHE, else HF_HOME/hub, else
+    XDG_CACHE_HOME/huggingface/hub (~/.cache when unset)."""
+    env = os.environ
+    xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = env.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return os.path.expandvars(os.path.expanduser(cache))
+
+
+def hf_offline() -> bool | None:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it; None when neither is set."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return None if value is None else value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hf_tokens() -> list[str]:
+    """The tokens set in the environment (HF_TOKEN, HUGGING_FACE_HUB_TOKEN), so messages can be scrubbed of them."""
+    return [t for t in (os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")) if t]
+
+
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def missing_launcher() -> list[str]:
+    """The variables a launcher (torchrun, `accelerate launch`) exports to every rank that this process lacks."""
+    return [k for k in LAUNCHER if k not in os.environ]
+
+
+def world_size() -> int:
+    """WORLD_SIZE as the launcher set it (1 without one): there may be no process group yet."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def accelerate_fsdp(name: str) -> str | None:
+    """accelerate's FSDP_* variable `name` (what `accelerate launch --fsdp_*` exports), None when unset."""
+    return os.environ.get(name)

@@ -216,7 +216,7 @@ class Collector:
         self.add(step, entry_stats(source, entries))
 
     def add(self, step: object, stats: TensorStats) -> None:
-        """Statistics measured elsewhere (by the worker process that quantized the tensor: `tensor_pool`)."""
+        """Statistics computed elsewhere for `step`'s tensor."""
         with self._lock:
             self.tensors[step.source.name] = stats  # type: ignore[attr-defined]
 

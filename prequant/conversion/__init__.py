@@ -2,9 +2,9 @@
 
 Its parts, in the order the data flows: `options` (ConvertOptions), `plan` (pure: every output tensor and shard
 before any data is read), `output` (OUTPUT_DIR checked, claimed, staged, published), `journal` (what a rerun
-continues), `readahead` (the disk kept busy), `pipeline` (read, quantize and write overlapped) with `gpu_loader`
-(file to GPU through pinned buffers), `kept` (NaN and Inf in the tensors kept as they are), `shardset` (its output
-shards, journaled) and `writer` (one streaming safetensors shard), `sidecar` (config, index, side files),
+continues), `readahead` (the disk kept busy), `pipeline` (read, quantize and write overlapped: files to the GPU
+through pinned buffers, output shards journaled), `kept` (NaN and Inf in the tensors kept as they are) and `writer`
+(one streaming safetensors shard), `sidecar` (config, index, side files),
 `record` (prequant.json and the hashes) with `card` (README.md), `summary` (what was done).
 
 (The package is named `conversion`, not `convert`, so that `prequant.convert` stays the function.) This face

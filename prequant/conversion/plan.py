@@ -275,13 +275,9 @@ def _assign_shards(sizes: list[int], max_shard_size: int) -> list[int]:
 # Why the last shards are small: a shard is hashed (sha256, for prequant.json) once its last tensor is
 # written, and the header, which comes first, holds every quant-state JSON's length, so the hash cannot
 # start earlier. With shards filled front to back (transformers' way) the last full shard completes
-# shortly before the end and its hash runs after everything else: 5 GB at 1.2 GB/s, 3.1 s after the writes
-# of a 16 GB Llama on the GPU machine (`scripts/bench/convert.py --size-gb 16 --shape llama --device cuda
-# --warm-libraries`, 2026-12-01: 1.59x its floor). So each shard holds at most as much as all the shards after
-# it together: its hash (at about the disk's speed) is done by the time they are written, even when they are
-# written at the disk's speed, as a large kept tensor is copied. An earlier rule (each shard at most 3x the
-# next one) left 1.7 s after the writes of that Llama, on the GPU (2026-12-02, 1.26x) and 1.9 s on the CPU
-# path: the bench's Llama ends with its 1 GB lm_head, copied in well under a second, after a 3.1 GB shard.
+# shortly before the end and its hash, seconds long, runs after everything else. So each shard holds at most
+# as much as all the shards after it together: its hash (at about the disk's speed) is done by the time they are
+# written, even when they are written at the disk's speed, as a large kept tensor is copied.
 TAIL_SHARD = 512 * 10**6  # the last shard's bytes, at most (one group larger than that gets a shard alone)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import zlib
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -34,12 +33,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from .. import settings
 from ..bnb.format import COMPANIONS, decode_quant_state, entry_key, entry_name, split_state_key, state_key
+from ..bnb.moe import exact_class
 from ..checkpoint.hf_files import CONFIG
 from ..checkpoint.reader import TensorReader, scan_files
 from ..errors import PrequantError, UsageError
 from ..source.resolve import resolve
-from ..bnb.moe import exact_class
 from .experts import lora_targets_as_named, per_expert
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 PackedStorage = Literal["uint8", "checkpoint"]
 # What torchrun (and `accelerate launch`, which runs it) exports to every rank.
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV = settings.LAUNCHER
 
 
 def load_for_fsdp(
@@ -325,7 +325,7 @@ class Checkpoint:
 def missing_launcher_env() -> list[str]:
     """The variables a launcher (torchrun, `accelerate launch`) exports to every rank that this process lacks: none
     under a launcher, all of them in a script started with plain `python`."""
-    return [k for k in LAUNCHER_ENV if k not in os.environ]
+    return settings.missing_launcher()
 
 
 def init_distributed() -> torch.device:

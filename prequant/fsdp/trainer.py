@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, TypeVar
 
+from .. import settings
 from ..errors import UsageError
 from .compat import ensure_accelerate_cpu_fsdp
 from .loader import default_device
@@ -57,7 +57,7 @@ def trainer_args(args: Args) -> Args:
     if not dataclasses.is_dataclass(args) or not hasattr(args, "fsdp_config"):
         raise UsageError(f"trainer_args takes TrainingArguments or SFTConfig, not {type(args).__name__}")
     config = _fsdp_config(args)
-    check_checkpoints(args, int(os.environ.get("WORLD_SIZE", "1")))  # the launcher's: there may be no group yet
+    check_checkpoints(args, settings.world_size())  # the launcher's: there may be no group yet
     changes: dict[str, Any] = {"fsdp": True, "fsdp_config": {**config, **FSDP_CONFIG}}
     if default_device().type == "cpu":
         changes["use_cpu"] = True
@@ -103,14 +103,14 @@ def _fsdp_config(args: Any) -> dict[str, Any]:
     if int(config.get("version", 2)) != 2:
         raise UsageError(f"fsdp_config version {config['version']}: load_for_fsdp shards with FSDP2 (fully_shard); "
                          "leave the version out")
-    state_dict_type = str(config.get("state_dict_type", os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")))
+    state_dict_type = str(config.get("state_dict_type", settings.accelerate_fsdp("FSDP_STATE_DICT_TYPE") or "FULL_STATE_DICT"))
     if "SHARDED" in state_dict_type.upper():
         raise UsageError("fsdp_config state_dict_type SHARDED_STATE_DICT: Trainer.save_model writes no adapter under "
                          "it; leave it out (FULL_STATE_DICT gathers only the LoRA weights of a load_for_fsdp model)")
-    if _true(config.get("activation_checkpointing", os.environ.get("FSDP_ACTIVATION_CHECKPOINTING"))):
+    if _true(config.get("activation_checkpointing", settings.accelerate_fsdp("FSDP_ACTIVATION_CHECKPOINTING"))):
         raise UsageError("fsdp_config activation_checkpointing: accelerate wraps layers by an auto-wrap policy, and "
                          "the model is wrapped already; use gradient_checkpointing=True instead")
-    if _true(config.get("cpu_offload", os.environ.get("FSDP_OFFLOAD_PARAMS"))) or "offload" in fsdp:
+    if _true(config.get("cpu_offload", settings.accelerate_fsdp("FSDP_OFFLOAD_PARAMS"))) or "offload" in fsdp:
         raise UsageError("fsdp offload: load_for_fsdp shards without CPU offload, and accelerate does not re-shard "
                          "a sharded model; leave offload out")
     return config

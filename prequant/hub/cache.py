@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from filelock import FileLock, Timeout  # huggingface_hub's own lock library: the same locks as its downloads
-
 from huggingface_hub import constants
 
+from .. import settings
 from ..errors import PrequantError
 from ..util import holes
 
@@ -40,22 +40,18 @@ _ASIDE = "prequant-freeing"
 
 def endpoint() -> str:
     """The Hub's URL: HF_ENDPOINT, else huggingface_hub's default."""
-    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    return (settings.hf_endpoint() or constants.ENDPOINT).rstrip("/")
 
 
 def cache_dir() -> Path:
     """The hub cache, resolved like huggingface_hub does at import, but from the current environment."""
-    env = os.environ
-    xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    home = env.get("HF_HOME") or os.path.join(xdg, "huggingface")
-    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
-    return Path(os.path.expandvars(os.path.expanduser(cache)))
+    return Path(settings.hf_cache_dir())
 
 
 def offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it, but from the current environment."""
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    return constants.HF_HUB_OFFLINE if value is None else value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+    value = settings.hf_offline()
+    return constants.HF_HUB_OFFLINE if value is None else value
 
 
 def storage_folder(repo_id: str) -> Path:

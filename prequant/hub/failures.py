@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import sys
 import urllib.error
 from pathlib import Path
@@ -23,6 +22,8 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+
+from .. import settings
 
 _NETWORK_FIX = "check the network or HF_ENDPOINT, or download the repo and pass its local directory"
 _LOGIN_FIX = "set HF_TOKEN or run `hf auth login`"
@@ -205,7 +206,7 @@ def first_line(text: str) -> str:
 
 def _known_tokens(token: str | None) -> list[str]:
     """Tokens this process may send, so that messages can be scrubbed of them."""
-    candidates = [token, os.environ.get("HF_TOKEN"), os.environ.get("HUGGING_FACE_HUB_TOKEN")]
+    candidates = [token, *settings.hf_tokens()]
     try:
         candidates.append(Path(constants.HF_TOKEN_PATH).read_text().strip())
     except OSError:

@@ -15,15 +15,15 @@ tensor operations (each addition is one IEEE float32 addition, as on the GPU):
   same tree; finally ``sum * (1.0f / n)``.
 
 The launch shape depends on the GPU only through its multiprocessor count and threads per multiprocessor,
-and only for vectors of about 131072 * 4 elements or more; the defaults are the H100/H200 (132, 2048).
+and only for vectors of about 131072 * 4 elements or more; the defaults are the Hopper GPUs' (sm_90: 132, 2048).
 """
 
 from __future__ import annotations
 
 import torch
 
-H100_MULTIPROCESSORS = 132
-H100_THREADS_PER_MULTIPROCESSOR = 2048
+HOPPER_MULTIPROCESSORS = 132
+HOPPER_THREADS_PER_MULTIPROCESSOR = 2048
 _MAX_THREADS = 512  # per block, for float32 reductions
 _VECTOR = 4  # elements per vectorized load
 
@@ -91,8 +91,8 @@ def _small_sum(v: torch.Tensor) -> torch.Tensor:
 def cuda_mean(
     v: torch.Tensor,
     *,
-    multiprocessors: int = H100_MULTIPROCESSORS,
-    threads_per_mp: int = H100_THREADS_PER_MULTIPROCESSOR,
+    multiprocessors: int = HOPPER_MULTIPROCESSORS,
+    threads_per_mp: int = HOPPER_THREADS_PER_MULTIPROCESSOR,
 ) -> torch.Tensor:
     """0-dim float32: what ``v.cuda().mean()`` returns for a non-empty 1-D float32 tensor ``v``."""
     v = v.to(torch.float32).reshape(-1)

@@ -58,14 +58,14 @@ def _rcp_flip_bits() -> np.ndarray:
 
 
 def rcp_approx_ftz(a: torch.Tensor) -> torch.Tensor:
-    """``rcp.approx.ftz.f32`` of a non-negative float32 tensor (on the CPU), bit for bit as an H100/H200
+    """``rcp.approx.ftz.f32`` of a non-negative float32 tensor (on the CPU), bit for bit as a Hopper GPU
     computes it; see `rcp_approx_ftz_array`."""
     values = np.ascontiguousarray(a.detach().to(torch.float32).numpy())
     return torch.from_numpy(rcp_approx_ftz_array(values))
 
 
 def rcp_approx_ftz_array(a: np.ndarray) -> np.ndarray:
-    """``rcp.approx.ftz.f32`` of a contiguous non-negative float32 array, bit for bit as an H100/H200 does it.
+    """``rcp.approx.ftz.f32`` of a contiguous non-negative float32 array, bit for bit as a Hopper GPU does it.
 
     Zero (and denormal, flushed) inputs give +inf; inputs above 2**126 give 0 (the denormal result is
     flushed). Otherwise the GPU returns one of the two float32 values around 1/a: start from the correctly

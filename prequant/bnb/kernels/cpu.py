@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from . import _parallel, _quantize4, _tables
