@@ -43,15 +43,15 @@ def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_pa
     report_file = tmp_path / "window.json"
     subprocess.run(
         [sys.executable, str(BENCH / "window.py"), "--size-gb", "0.05", "--shape", "uniform",
-         "--devices", "cpu", "--windows", "0.1,0", "--repeats", "2", "--env", "PREQUANT_CPU_WORKERS=0,4",
+         "--devices", "cpu", "--windows", "0.1,0", "--repeats", "2", "--env", "PREQUANT_PROGRESS=none,lines",
          "--dir", str(tmp_path / "work"),
          "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=600,
     )
     report = json.loads(report_file.read_text())
     runs = report["runs"]
-    assert [(r["device"], r["window_gb"], r["env"]["PREQUANT_CPU_WORKERS"]) for r in runs] == [
-        ("cpu", 0.1, "0"), ("cpu", 0.1, "4"), ("cpu", 0.0, "0"), ("cpu", 0.0, "4")] * 2  # in turn
+    assert [(r["device"], r["window_gb"], r["env"]["PREQUANT_PROGRESS"]) for r in runs] == [
+        ("cpu", 0.1, "none"), ("cpu", 0.1, "lines"), ("cpu", 0.0, "none"), ("cpu", 0.0, "lines")] * 2  # in turn
     floor = report["read_write"]["seconds"]
     sys.path.insert(0, str(BENCH))
     from common import disk_of
@@ -237,8 +237,8 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
         [sys.executable, str(ROOT / "scripts" / "bench" / "hub_scale.py"), "--shape", "grok", "--layers", "3",
          "--dims", '{"hidden": 512, "inter": 2048, "vocab": 4096, "heads": 8}', "--shard-gb", "0.02",
          "--format", fmt, "--model-code", "--device", "cpu", "--faults", "--kill", "--local",
-         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1",
-         "--variant", "PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1", "--endpoint-warm",
+         "--variant", "PREQUANT_PROGRESS=none PREQUANT_HUB_RETRY_S=5",
+         "--variant", "PREQUANT_PROGRESS=none PREQUANT_HUB_RETRY_S=5", "--endpoint-warm",
          "--repeats", "2",
          "--dir", str(tmp_path / "work"), "--json", str(report_file)],
         check=True, capture_output=True, text=True, timeout=900,
@@ -254,10 +254,10 @@ def test_hub_scale_bench_measures_the_floor_faults_and_a_killed_run_to_the_same_
     bodies = r["fault"]["bodies"]
     assert r["fault"]["same_bytes"] and [status for status, _ in bodies] == [200, 503, 503, 503, 206], bodies
     assert bodies[0][1] is None and len({asked for _, asked in bodies[1:]}) == 1
-    variant = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1"]
-    assert variant["env"] == {"PREQUANT_HUB_CLIENT": "huggingface_hub", "PREQUANT_HUB_DOWNLOADS": "1"}  # both set
+    variant = r["variants"]["PREQUANT_PROGRESS=none PREQUANT_HUB_RETRY_S=5"]
+    assert variant["env"] == {"PREQUANT_PROGRESS": "none", "PREQUANT_HUB_RETRY_S": "5"}  # both set
     assert variant["same_bytes"] and variant["within_scratch_bound"]
-    again = r["variants"]["PREQUANT_HUB_CLIENT=huggingface_hub PREQUANT_HUB_DOWNLOADS=1 #2"]  # given twice: run twice
+    again = r["variants"]["PREQUANT_PROGRESS=none PREQUANT_HUB_RETRY_S=5 #2"]  # given twice: run twice
     assert again["same_bytes"] and again["env"] == variant["env"] and len(r["variants"]) == 2
     assert r["download"]["seconds"] > 0 and r["transfer"]["seconds"] > 0  # each client alone
     # the served files read back after each drop: 2 conversions, floor, fault, kill, the variant twice, each client alone

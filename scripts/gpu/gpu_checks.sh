@@ -13,14 +13,6 @@
 #   startup      a tiny checkpoint's whole conversion and --dry-run, libraries warm, beside a baseline
 #                (bench/startup.py), with --device auto: what a user who names no device gets
 #   gpu-tests    every test marked gpu (bitsandbytes' kernel as the reference, FSDP on NCCL, ...)
-#   hub-free     not by default: bench/hub_scale.py, the 33 GB Grok-shaped repo from the local Hub, three runs as
-#                they are (shards freed as they are converted: docs/performance.md), then one with
-#                PREQUANT_HUB_FREE_AS_CONVERTED=0 (each shard freed whole after its last tensor, as before 2026-12-05),
-#                all against one floor (Y's call, with three variants: 192 s with its generation, 2026-12-05)
-#   cold-start   not by default: bench/window.py, the 33 GB Grok shapes, everything cold, on cuda: the pipeline waiting
-#                for CUDA (the rule for a cold start) and quantizing meanwhile on the CPU
-#                (PREQUANT_CPU_WHILE_CUDA_STARTS=1), two runs each, interleaved, one floor (X, with =workers too:
-#                232 s with its generation, 2026-12-05); a call of its own, like hub-free
 # Disk (64 GB): one checkpoint at a time (16 GB, then 33 GB); outputs are deleted once hashed; the Hub path
 # holds the 33 GB source (served by hard links), at most 2 downloaded shards and the 11 GB output.
 set -uo pipefail
@@ -75,16 +67,10 @@ clear_checkpoints_except grok-33gb
 step grok33 420 python3 scripts/bench/convert.py --size-gb 33 --shape grok --device cuda --memory-limit-gib 8 --hub \
   --dir "$WORK" --json "$OUT/bench-grok33.json"
 clear_checkpoints_except none
-# Best of 3 whole processes, interleaved with a baseline measured in the same run (the conversion waiting for
-# transformers' layout, PREQUANT_PREDICT_LAYOUT=0), and --dry-run.
+# Best of 3 whole processes, and --dry-run.
 step startup 130 python3 scripts/bench/startup.py --repeats 3 --device auto --skip 'head start' \
   --json "$OUT/startup.json"
 python3 scripts/bench/summary.py "$OUT"
-clear_checkpoints_except grok-33gb
-step hub-free 480 sh -c "cd scripts/bench && python3 hub_scale.py --shape grok --size-gb 33 --device cuda --repeats 3 \
-  --skip-download --variant PREQUANT_HUB_FREE_AS_CONVERTED=0 --dir '$WORK' --json '$OUT/hub-free.json'"
-step cold-start 420 sh -c "cd scripts/bench && python3 window.py --size-gb 33 --shape grok --devices cuda --windows 0 \
-  --env PREQUANT_CPU_WHILE_CUDA_STARTS=auto,1 --repeats 2 --dir '$WORK' --json '$OUT/cold-start.json'"
 clear_checkpoints_except none
 step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ${PREQUANT_TESTS:+-k "$PREQUANT_TESTS"}
 rm -rf "$WORK"/*gb
