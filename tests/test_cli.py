@@ -111,7 +111,7 @@ def test_trace_gives_the_timeline_and_stage_times(checkpoints, tmp_path):
             env={"PREQUANT_TRACE": str(trace)}, check=True)
     t = json.loads(trace.read_text())
     names = [name for name, _ in t["events"]]
-    order = ["start", "imported", "planned", "quantizer-ready", "pipeline-start", "pipeline-end",
+    order = ["start", "imported", "quantizer-started", "planned", "pipeline-start", "pipeline-end",
              "manifest-written", "published", "exit"]
     assert [n for n in names if n in order] == order
     assert any(n.startswith("shard-written:") for n in names)

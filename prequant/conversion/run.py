@@ -82,6 +82,7 @@ def convert(
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
     quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, _weight_bytes(held.tensors))
+    trace.mark("quantizer-started")  # on a GPU, "cuda-ready" follows once it is built
     plan = _plan(held.config, src.path, held.tensors, opts)
     if opts.dry_run:
         return plan

@@ -188,7 +188,7 @@ def convert(tiny: Path, out: Path, device: str, work: Path, env: dict | None = N
     r = timed([sys.executable, "-m", "prequant", "convert", str(tiny), str(out), "--device", device],
               env=run_env(PREQUANT_TRACE=str(trace), **(env or {})), memory=False)
     events = read_trace(trace, spawned).get("events", {})
-    keep = ("start", "imported", "cuda-ready", "quantizer-ready", "pipeline-start", "exit")
+    keep = ("start", "imported", "cuda-ready", "quantizer-ready", "quantizer-started", "pipeline-start", "exit")
     return {"seconds": r["seconds"], "events": {k: v for k, v in events.items() if k in keep}}
 
 

@@ -73,7 +73,7 @@ def main() -> None:
         row = {"device": device, "window_gb": float(window), "seconds": run["seconds"],
                "read_ahead_done": events.get("read-ahead-done"), "pipeline_start": events.get("pipeline-start"),
                "pipeline_end": events.get("pipeline-end"), "output_bytes": run["output_bytes"],
-               "quantizer_ready": events.get("cuda-ready", events.get("quantizer-ready")),
+               "quantizer_ready": events.get("cuda-ready", events.get("quantizer-ready", events.get("quantizer-started"))),
                "peak_rss_anon": run["peak_rss_anon"],
                "busy": run.get("trace", {}).get("busy", {}), "env": {name: value} if name else {},
                "events": events, "disk": disk_timeline}  # fmt: skip

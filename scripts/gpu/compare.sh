@@ -4,13 +4,13 @@
 # Llama with libraries warm on cuda and cpu. Each tree runs its own benchmark scripts (which put it first on
 # PYTHONPATH), against its own floor measured beside it.
 #   OUT=/some/dir BEFORE=.before bash scripts/gpu/compare.sh          # from the repository root, wheels carried
-# STEPS picks parts: "hub llama cpu" (default all).
+# STEPS picks parts: "hub llama gpu-tests startup cpu" (default all, in that order).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_TELEMETRY=1
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 OUT=${OUT:-/tmp/prequant-compare}; WORK=${PREQUANT_WORK:-/tmp/prequant-bench}; BEFORE=$(realpath "${BEFORE:?BEFORE=DIR}")
-STEPS=${STEPS:-hub llama cpu}
+STEPS=${STEPS:-hub llama gpu-tests startup cpu}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 python3 -c "import bitsandbytes" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -31,6 +31,13 @@ if [[ " $STEPS " == *" hub "* ]]; then
 fi
 if [[ " $STEPS " == *" llama "* ]]; then
   both llama16 window.py --size-gb 16 --shape llama --devices cuda --windows 0 --warm-libraries --repeats 2
+fi
+if [[ " $STEPS " == *" gpu-tests "* ]]; then  # this tree's GPU tests
+  PYTHONPATH=$NEW:/tmp/site python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt"
+fi
+if [[ " $STEPS " == *" startup "* ]]; then  # a tiny checkpoint's whole process, both trees, interleaved
+  (cd scripts/bench && python3 startup.py --repeats 3 --device auto --skip 'head start' --before "$BEFORE" \
+    --json "$OUT/startup.json")
 fi
 if [[ " $STEPS " == *" cpu "* ]]; then
   both llama16cpu window.py --size-gb 16 --shape llama --devices cpu --windows 2 --warm-libraries --repeats 1
