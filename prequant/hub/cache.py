@@ -3,9 +3,8 @@
 Where the cache is (HF_HOME / HF_HUB_CACHE), which endpoint (HF_ENDPOINT), whether offline mode is on
 (HF_HUB_OFFLINE), and what lets an offline run resolve a repo: the revision -> sha refs and the commit's file
 listing, recorded once a file of that commit is downloaded (huggingface_hub writes no ref for downloads
-pinned to a sha). And what prequant does to the cache besides downloading: take a file out (`evict`), set one
-aside to free it as it is converted (`set_aside`), and remove partial downloads nobody is writing
-(`remove_stale_partials`).
+pinned to a sha). And what prequant does to the cache besides downloading: take a file out (`evict`) and remove partial
+downloads nobody is writing (`remove_stale_partials`).
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
-from collections.abc import Iterable
 from pathlib import Path
 
 from filelock import FileLock, Timeout  # huggingface_hub's own lock library: the same locks as its downloads
@@ -22,7 +19,6 @@ from huggingface_hub import constants
 
 from .. import settings
 from ..errors import PrequantError
-from ..util import holes
 
 try:  # Per-commit file listing cache (huggingface_hub >= 2.x; snapshot_download writes it too)
     from huggingface_hub._tree_cache import TreeCacheEntry, read_tree_cache, write_tree_cache
@@ -32,10 +28,8 @@ except ImportError:  # pragma: no cover - older huggingface_hub: offline resolve
 log = logging.getLogger("prequant.hub")
 SHA_RE = re.compile(r"[0-9a-f]{40}")
 _LISTINGS: dict[tuple[str, str], dict] = {}  # (repo_id, sha) -> file listing, from resolve() until a download
-# huggingface_hub's partial download (blobs/<etag>.<8 hex>.incomplete, one name per download), or a file a conversion
-# set aside to free as it converts it (blobs/<etag>.prequant-freeing: a name huggingface_hub never gives a file).
-_PARTIAL_RE = re.compile(r"[0-9a-f]+\.(?:[0-9a-f]{8}\.incomplete|prequant-freeing)")
-_ASIDE = "prequant-freeing"
+# huggingface_hub's partial download: blobs/<etag>.<8 hex>.incomplete, one name per download.
+_PARTIAL_RE = re.compile(r"[0-9a-f]+\.[0-9a-f]{8}\.incomplete")
 
 
 def endpoint() -> str:
@@ -171,72 +165,15 @@ def evict(repo_id: str, sha: str, filename: str) -> None:
         pointer.unlink()
 
 
-class SetAside:
-    """A downloaded file out of the cache while a conversion frees it (`set_aside`): its path, a descriptor open for
-    writing (holes need one), and its etag's lock, held until `drop`."""
-
-    def __init__(self, path: Path, lock: FileLock) -> None:
-        self.path, self._lock = path, lock
-        self._guard = threading.Lock()  # the descriptor is never closed while a hole is punched through it
-        try:
-            self._fd: int | None = os.open(path, os.O_WRONLY)
-        except OSError as e:
-            log.debug("cannot open %s to free its converted parts (%s)", path, e)
-            self._fd = None
-
-    def free(self, ranges: Iterable[tuple[int, int]]) -> int:
-        """Give the whole blocks of these byte ranges back to the disk (`util.holes.punch`); the bytes freed (0 once
-        dropped). Raises `util.holes.Unsupported` where the filesystem cannot, OSError for another failure."""
-        with self._guard:
-            if self._fd is None:
-                return 0
-            return sum(holes.punch(self._fd, start, end) for start, end in ranges)
-
-    def drop(self) -> None:
-        """Delete the file (its space goes once nothing holds it open) and release the lock."""
-        with self._guard:
-            fd, self._fd = self._fd, None
-            try:
-                if fd is not None:
-                    os.close(fd)
-                self.path.unlink(missing_ok=True)
-            finally:
-                self._lock.release()
-
-
-def set_aside(repo_id: str, sha: str, filename: str) -> SetAside | None:
-    """Take a downloaded file out of the cache to free it as it is converted: its snapshot link deleted, its blob
-    renamed ``blobs/<etag>.prequant-freeing`` under the etag's lock. So a file with holes never looks complete in
-    the cache, and one a killed run left is removed by `remove_stale_partials` once its lock is free. None where it
-    cannot: not a link to this repo's blobs (a cache without links), or the lock held elsewhere."""
-    pointer = snapshot_path(repo_id, sha, filename)
-    blob = blob_of(repo_id, pointer)
-    if blob is None or not blob.is_file():
-        return None
-    lock = FileLock(str(lock_path(repo_id, blob.name)), timeout=0)
-    try:
-        lock.acquire()
-    except (Timeout, OSError):
-        return None
-    try:
-        aside = blob.with_name(f"{blob.name}.{_ASIDE}")
-        pointer.unlink()  # first: a run killed between the two leaves the blob whole, merely unlinked
-        os.replace(blob, aside)
-    except OSError:
-        lock.release()
-        return None
-    return SetAside(aside, lock)
-
-
 def remove_stale_partials(repo_id: str) -> list[str]:
     """Delete the repo's partial downloads that no download is writing; return their names.
 
     huggingface_hub downloads each file into ``blobs/<etag>.<8 hex>.incomplete``, a name of its own for each
     download, while it holds ``.locks/<repo folder>/<etag>.lock``, and never reuses it: a process killed mid-download
     leaves it behind. A partial file whose lock this process can take is one no download is writing (the lock is
-    the kernel's flock, released when its holder dies), so it goes; one whose lock is held stays. A file set aside
-    (`set_aside`) goes the same way. ``<etag>.incomplete``, the partial file a download resumes (prequant's
-    transfer, and huggingface_hub before 2.4), is kept for the next download of that file."""
+    the kernel's flock, released when its holder dies), so it goes; one whose lock is held stays.
+    ``<etag>.incomplete``, the partial file a download resumes (prequant's transfer, and huggingface_hub before
+    2.4), is kept for the next download of that file."""
     try:
         partials = sorted(p for p in blobs_folder(repo_id).iterdir() if _PARTIAL_RE.fullmatch(p.name))
     except OSError:

@@ -6,16 +6,13 @@ tensors are known) or at the first read. Reading a shard waits until it is compl
 against the plan. Shards that were in the cache before the run are never deleted; those an interrupted run of the
 same conversion downloaded are this run's to delete (`claim`).
 
-With `delete`, this run's shards take at most `SLOTS` times the largest shard's bytes of disk at any moment, counted
-in bytes by `_Scratch`: a download holds what it may write so far (its grant, which `hub.transfer` asks before each
-read), a downloaded shard its size less what was freed of it, a deleted one its size until no descriptor or mapping
-of this process holds it. A shard is freed as it is converted: at its first tensor written it leaves the cache (its
-snapshot link deleted, its blob renamed and kept open here: `hub.cache.set_aside`), and each tensor written gives
-its whole blocks back to the disk (`util.holes`); the last one deletes it. So the next shard downloads while the one
-before is converted, and a killed run leaves nothing with holes that looks complete: the shard it was freeing stays
-as ``<etag>.prequant-freeing``, which the next download from the repo removes (`hub.cache.remove_stale_partials`).
-Where holes cannot be punched (the filesystem, `.bin` shards: no byte ranges) a shard is freed whole after its last
-tensor.
+With `delete`, each shard this run downloaded is deleted from the cache (`hub.cache.evict`) right after its last
+tensor is written, and this run's shards take at most `SLOTS` times the largest shard's bytes of disk at any moment,
+counted by `_Scratch`: a download counts with its whole size from the moment it starts (it starts only once that
+fits), a downloaded shard with its size, a deleted one with its size until no descriptor or mapping of this process
+holds it (its space is freed only then). So the next shard downloads while the one before is converted, and the one
+after waits for a deletion. A killed run leaves only whole shards in the cache: huggingface_hub's partial downloads
+are kept for the next run to resume or removed by it (`hub.cache.remove_stale_partials`).
 """
 
 from __future__ import annotations
@@ -29,10 +26,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ..checkpoint.reader import TensorReader, scan_files
-from ..checkpoint.tensors import BIN_OFFSET, TensorRef
+from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
 from ..hub import cache, client
-from ..util import holes, trace
+from ..util import trace
 from .spec import Source
 
 log = logging.getLogger(__name__)
@@ -41,9 +38,6 @@ log = logging.getLogger(__name__)
 # the same link.
 DOWNLOADS = 2
 SLOTS = 2  # with delete, this run's shards take at most SLOTS x the largest shard's bytes of disk
-# The least a download starts with: it begins once this much (or the whole shard) fits, and is allowed more as the
-# shards before it are freed.
-GRANT_STEP = 64 << 20
 _LEAK_WAIT_S = 60.0  # a deleted shard still mapped after this long is a leak: stop waiting for it
 
 
@@ -53,29 +47,27 @@ class _Stopped(Exception):
 
 class _Scratch:
     """This run's shards on disk against `budget` (module docstring). Not locked by itself: every method is called
-    under the reader's condition, the one `wait_for_room` waits on and `regrant` notifies."""
+    under the reader's condition, the one `wait_for_room` waits on and the reader notifies as shards come and go."""
 
     def __init__(self, sizes: dict[Path, int], cond: threading.Condition) -> None:
-        """`sizes`: every shard's bytes, in the order the plan reads them (the order grants grow in)."""
+        """`sizes`: every shard's bytes."""
         self.sizes, self.cond = sizes, cond
         self.budget = SLOTS * max(sizes.values(), default=0)
-        self.granted: dict[Path, int] = {}  # a download in flight: the bytes it may have on disk so far
+        self.downloading: set[Path] = set()  # downloads in flight with delete: each counts with its whole size
         self.owned: dict[Path, Path] = {}  # downloaded by this run, still in the cache: path -> blob
-        self.deleted: dict[Path, Path] = {}  # evicted or set aside by this run; on disk until gone and unmapped
-        self.freed: dict[Path, int] = {}  # this run's shard: bytes given back to the disk (holes)
+        self.deleted: dict[Path, Path] = {}  # evicted by this run; on disk until gone and unmapped
 
     def held(self, *, deleted: bool = True) -> int:
-        """Bytes of disk this run's shards take: the grants of the downloads in flight, each downloaded shard's size
-        less what was freed of it, and each deleted one still there (its space is freed only once the last
-        descriptor or mapping goes). Without the deleted ones where `deleted` is false."""
+        """Bytes of disk this run's shards take: the downloads in flight, the downloaded shards, and each deleted
+        one still there (its space is freed only once the last descriptor or mapping goes). Without the deleted
+        ones where `deleted` is false."""
         if self.deleted:
             held = _held_files()
             for path, blob in list(self.deleted.items()):
                 if not os.path.lexists(blob) and f"{blob} (deleted)" not in held:
                     del self.deleted[path]
-                    self.freed.pop(path, None)
-        shards = [*self.owned, *self.deleted] if deleted else list(self.owned)
-        return sum(self.granted.values()) + sum(self.sizes[p] - self.freed.get(p, 0) for p in shards)
+        shards = [*self.downloading, *self.owned, *self.deleted] if deleted else [*self.downloading, *self.owned]
+        return sum(self.sizes[p] for p in shards)
 
     def wait_for_room(self, need: int, stopped: Callable[[], bool]) -> bool:
         """Wait until `need` more bytes fit in the budget; False once `stopped()`."""
@@ -92,30 +84,12 @@ class _Scratch:
                     self.deleted.clear()
         return not stopped()
 
-    def grant(self, path: Path) -> None:
-        """A download of `path` starts: it may write as much as there is room for now (at least its first grant,
-        which `wait_for_room` made room for)."""
-        first = min(self.sizes[path], GRANT_STEP)
-        self.granted[path] = max(first, min(self.sizes[path], self.budget - self.held()))
-
-    def regrant(self) -> None:
-        """Give the downloads in flight, in plan order, what the budget has room for; wake the waiters."""
-        room = self.budget - self.held()
-        for path in self.sizes:
-            if room <= 0:
-                break
-            if path in self.granted:
-                more = min(self.sizes[path] - self.granted[path], room)
-                self.granted[path] += more
-                room -= more
-        self.cond.notify_all()
-
-    def leaving(self, path: Path, where: Path | None = None) -> Path | None:
-        """Shard `path` leaves the cache (evicted, or set aside under the name `where`): if it is this run's, it
-        counts as on disk until it is really gone. Its blob, or None where it is not this run's."""
+    def leaving(self, path: Path) -> Path | None:
+        """Shard `path` leaves the cache: if it is this run's, it counts as on disk until it is really gone. Its
+        blob, or None where it is not this run's."""
         blob = self.owned.pop(path, None)
         if blob is not None:
-            self.deleted[path] = where or blob
+            self.deleted[path] = blob
         return blob
 
 
@@ -137,10 +111,6 @@ class HubShardReader(TensorReader):
         self._left = {path: len(refs) for path, refs in self._planned.items()}
         self._cond = threading.Condition()
         self.scratch = _Scratch({path: self.hub.files[self._name(path)] for path in self._planned}, self._cond)
-        self._to_free: dict[Path, list[tuple[int, int]]] = {}  # written tensors' byte ranges not yet freed
-        self._holes = True  # until the filesystem says it cannot
-        self._aside: dict[Path, cache.SetAside] = {}  # a shard being freed: out of the cache, its lock held
-        self._whole: set[Path] = set()  # this run's shards that could not be set aside: freed whole at the end
         self._ready: dict[Path, BaseException | None] = {}  # downloaded and checked (None), or why not
         self._closed = False
         self._failed = False
@@ -208,86 +178,31 @@ class HubShardReader(TensorReader):
             record(name)
 
     def tensor_done(self, ref: TensorRef) -> None:
-        """A tensor's outputs are written (or were, before a resume); with delete, its shard is freed as it goes
-        (module docstring) and deleted after its last tensor."""
+        """A tensor's outputs are written (or were, before a resume); with delete, its shard is deleted from the
+        cache right after its last tensor, if this run downloaded it (or claimed it)."""
         path = ref.file
         with self._cond:
             if path not in self._left:
                 return
             self._left[path] -= 1
-            if not self.delete:
+            if not self.delete or self._left[path] > 0:
                 return
-            last = self._left[path] == 0
-            if last:
-                self._to_free.pop(path, None)
-                blob = self.scratch.leaving(path)
-            else:
-                ours = (path in self.scratch.owned or path in self._aside) and path not in self._whole
-                if ours and self._holes and ref.offset != BIN_OFFSET and ref.nbytes:
-                    self._to_free.setdefault(path, []).append((ref.offset, ref.offset + ref.nbytes))
-        if not last:
-            if path in self._to_free:
-                self._free_written(path)
-            return
+            blob = self.scratch.leaving(path)
         self.release(path)
-        self._drop_aside(path)
         if blob is not None:
             cache.evict(self.hub.repo_id, self.hub.sha, self._name(path))
             with self._cond:
                 self.evicted.append(self._name(path))
         with self._cond:
-            self.scratch.regrant()
-
-    def _free_written(self, path: Path) -> None:
-        """Give the written tensors' blocks of shard `path` back to the disk; at the first, take the shard out of
-        the cache (`cache.set_aside`: it stays open here, and reachable by its new name), so that nothing with holes
-        is ever there to look complete."""
-        if self._closed or not self.holds(path):
-            return  # not read yet (a resume's finished tensors): freed with the first tensor written after it opens
-        with self._cond:
-            first = path in self.scratch.owned
-            ranges = self._to_free.pop(path, [])
-        if first:
-            aside = cache.set_aside(self.hub.repo_id, self.hub.sha, self._name(path))
-            with self._cond:
-                if aside is None:  # freed whole after its last tensor
-                    self._whole.add(path)
-                    return
-                self.scratch.leaving(path, aside.path)  # on disk until deleted (`_drop_aside`) and closed
-                self._aside[path] = aside
-                self.evicted.append(self._name(path))
-        aside = self._aside.get(path)
-        freed = 0
-        try:
-            freed = aside.free(ranges) if aside is not None else 0
-        except holes.Unsupported as e:
-            log.info("cannot free converted parts of %s (%s): each shard is freed after its last tensor",
-                     self._name(path), e)
-            self._holes = False
-        except OSError as e:  # advisory: the shard is freed whole after its last tensor anyway
-            log.debug("freeing converted parts of %s failed: %s", self._name(path), e)
-        with self._cond:
-            self.scratch.freed[path] = self.scratch.freed.get(path, 0) + freed
-            self.scratch.regrant()
-
-    def _drop_aside(self, path: Path | None = None) -> None:
-        """Delete the shard(s) set aside (`_free_written`), every one without a path: converted, or the run over."""
-        with self._cond:
-            asides = [self._aside.pop(path, None)] if path is not None else list(self._aside.values())
-            if path is None:
-                self._aside.clear()
-        for aside in asides:
-            if aside is not None:
-                aside.drop()
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop: the downloads in flight end at their next read (their partial files stay, for the next run to
-        resume); the shards being freed are deleted."""
+        resume)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         super().close()
-        self._drop_aside()  # half-freed shards are of no use to anyone: a resume downloads them again
 
     # -- internals
 
@@ -300,8 +215,8 @@ class HubShardReader(TensorReader):
             self._fetch(path)
 
     def _take(self) -> Path | None:
-        """The next shard to download, once there is room for it (its grant set, with delete); None when none is
-        left or the reader stopped."""
+        """The next shard to download, once there is room for all of it (with delete); None when none is left or
+        the reader stopped."""
         with self._cond:
             while self._next < len(self._order) and not (self._closed or self._failed):
                 path = self._order[self._next]
@@ -311,24 +226,24 @@ class HubShardReader(TensorReader):
                 # A shard on disk already (downloaded by the interrupted run this one resumes: `claim`) takes no
                 # more room; waiting for room for it would wait for itself.
                 new = path not in self.scratch.owned
-                need = min(self.scratch.sizes[path], GRANT_STEP)
+                need = self.scratch.sizes[path]
                 if self.delete and new and not self.scratch.wait_for_room(need, lambda: self._closed):
                     return None
                 if self._next >= len(self._order) or self._order[self._next] is not path:  # taken meanwhile
                     continue
                 self._next += 1
                 if self.delete and new:
-                    self.scratch.grant(path)
+                    self.scratch.downloading.add(path)
                 return path
             return None
 
     def _limit(self, path: Path) -> int:
-        """How many bytes of shard `path` its download may have on disk now (`hub.transfer`'s limit); raises once
-        the reader is closed, which ends the download."""
+        """How many bytes of shard `path` its download may write (`hub.transfer`'s limit): all of them, room for
+        them was made before it started; raises once the reader is closed, which ends the download."""
         with self._cond:
             if self._closed:
                 raise _Stopped(f"the download of {path.name} stopped: the conversion ended")
-            return self.scratch.granted.get(path, self.scratch.sizes[path])
+            return self.scratch.sizes[path]
 
     def _fetch(self, path: Path) -> None:
         """Download `path` and say so to its reader; a failure is every later shard's too."""
@@ -339,21 +254,21 @@ class HubShardReader(TensorReader):
                 e = e.noted("; the tensors converted so far are kept: rerun the same command with --resume to "
                             "continue from them")
             with self._cond:
-                self.scratch.granted.pop(path, None)
+                self.scratch.downloading.discard(path)
                 self._failed = True
                 for later in self._order[self._order.index(path):]:
                     self._ready.setdefault(later, e)  # not those downloaded already
                 self._cond.notify_all()
             return
         with self._cond:
-            self.scratch.granted.pop(path, None)
+            self.scratch.downloading.discard(path)
             if blob is not None:
                 self.scratch.owned[path] = blob
             self._ready[path] = None
-            self.scratch.regrant()  # a shard already in the cache gives its grant back
+            self._cond.notify_all()  # a shard already in the cache gives its room back
 
     def _download(self, path: Path) -> Path | None:
-        """Download one shard (held to its grant) and check its header against the plan; its blob if this run put
+        """Download one shard and check its header against the plan; its blob if this run put
         it in the cache (it was not complete there, and its blob did not exist, when the download began)."""
         name = self._name(path)
         blobs = cache.blobs_folder(self.hub.repo_id)
@@ -403,4 +318,4 @@ def _held_files() -> set[str]:
     return held
 
 
-__all__ = ["DOWNLOADS", "GRANT_STEP", "SLOTS", "HubShardReader"]
+__all__ = ["DOWNLOADS", "SLOTS", "HubShardReader"]

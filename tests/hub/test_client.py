@@ -433,28 +433,3 @@ def test_a_subprocess_sees_the_server(hub_server: HubServer, tiny: str) -> None:
     )
     sha, path = result.stdout.split()
     assert sha == tiny and Path(path).read_bytes() == CONFIG
-
-
-def test_a_file_set_aside_leaves_the_cache_and_its_leftover_goes_once_its_lock_is_free(
-    hub_server: HubServer, tiny: str
-) -> None:
-    """`set_aside`: the snapshot link gone and the blob under a name huggingface_hub never takes, its lock held
-    (so `remove_stale_partials` leaves it); a run killed meanwhile leaves it, removed once the lock is free."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    name = next(n for n in FILES if n.endswith(".safetensors"))
-    source = hub.resolve(REPO)
-    pointer = hub.download(source, name)
-    blob = pointer.resolve()
-    aside = cache.set_aside(REPO, source.sha, name)
-    assert aside is not None and aside.path == blob.with_name(f"{blob.name}.prequant-freeing")
-    assert not pointer.exists() and not pointer.is_symlink() and not blob.exists() and aside.path.is_file()
-    assert cache.set_aside(REPO, source.sha, name) is None  # nothing left to set aside
-    assert cache.remove_stale_partials(REPO) == [] and aside.path.exists()  # in use: its lock is held
-    # huggingface_hub does not take it for the file: offline it has none, online it downloads the file again
-    with pytest.raises(LocalEntryNotFoundError):
-        hf_hub_download(REPO, name, revision=tiny, cache_dir=cached(REPO).parent, local_files_only=True)
-    aside._lock.release()  # as a killed run's lock is released by the kernel
-    assert cache.remove_stale_partials(REPO) == [aside.path.name] and not aside.path.exists()
-    assert hub.download(source, name).read_bytes() == FILES[name]

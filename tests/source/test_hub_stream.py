@@ -259,7 +259,7 @@ def test_two_shards_download_at_once_within_the_two_shard_bound(
         _wait_for(lambda: files[1].name in data.downloaded or not any(t.is_alive() for t in data._threads))
         assert data.downloaded == [files[1].name]  # the second came meanwhile: two downloads at once
         _wait_for(lambda: _all_waiting_for_room(data) or files[0].name in data.downloaded)
-        with data._cond:  # one downloading (all of it allowed: smaller than a grant step), one downloaded
+        with data._cond:  # one downloading (counted whole), one downloaded
             assert data.scratch.held() == sum((tiny / f.name).stat().st_size for f in files[:2])  # no third yet
         assert not files[2].exists()
     finally:
@@ -291,7 +291,7 @@ def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
             assert os.fstat(held).st_blocks > 0  # deleted, but its blocks still allocated
             with data._cond:  # the download threads' own count, as they decide
                 two = sum((tiny / f.name).stat().st_size for f in files[:2])  # the evicted one's too
-                assert (data.scratch.held(), data.scratch.granted) == (two, {})  # no download in flight
+                assert (data.scratch.held(), data.scratch.downloading) == (two, set())  # no download in flight
             assert sorted(data.downloaded) == sorted(f.name for f in files[:2]) and not files[2].exists()
         finally:
             os.close(held)
@@ -646,66 +646,40 @@ def _partial_size(name: str, tiny: Path) -> int | None:
     return found[0].stat().st_size if found else None
 
 
-def test_a_shard_is_freed_as_it_is_converted_and_the_next_download_goes_on_meanwhile(
-    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_shard_is_deleted_right_after_its_last_tensor_and_not_before(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
-    """With delete, the third shard downloads while the first is converted, held to the bytes the budget has room
-    for: at its first tensor written the first leaves the cache (open here, so nothing with holes is there to look
-    complete), each tensor written frees its whole blocks, and the third's download is allowed exactly that more."""
-    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)  # the tiny shards are 50-60 KB
+    """With delete, the first shard stays in the cache, whole, until its last tensor is written, and the third
+    waits for room meanwhile; right after its last tensor it is deleted and the third downloads, in one request."""
     plan, files, data = _streamed(tmp_path)
     first = [step.source for step in plan.steps if step.source.file == files[0]]
-    sizes = [(tiny / f.name).stat().st_size for f in files]
-
-    def settled() -> int | None:
-        """Wait until the third shard's download has written all it may (or waits for room to start); its grant."""
-        _wait_for(lambda: _all_waiting_for_room(data) or files[2] in data.scratch.granted)
-        with data._cond:
-            grant = data.scratch.granted.get(files[2])
-        if grant is not None:
-            _wait_for(lambda: _partial_size(files[2].name, tiny) == grant or files[2].name in data.downloaded)
-            assert files[2].name not in data.downloaded and _partial_size(files[2].name, tiny) == grant < sizes[2]
-        return grant
-
+    assert len(first) >= 2
     try:
         data.prepare(files[0])
         data.prepare(files[1])
-        assert data.scratch.budget == 2 * max(sizes)
-        grants = [settled()]
-        fd = data.fd(files[0])
-        blocks = os.fstat(fd).st_blocks
         blob = files[0].resolve()
         for ref in first[:-1]:  # all but its last tensor
             data.view(ref)  # read, as the pipeline reads it
             data.tensor_done(ref)
-            assert not files[0].exists() and data.evicted == [files[0].name]  # out of the cache, still open here
-            assert not blob.exists() and blob.with_name(f"{blob.name}.prequant-freeing").is_file()  # set aside
-            grants.append(settled())
-        allowed = [g for g in grants if g is not None]
-        assert len(set(allowed)) >= 2 and allowed == sorted(allowed), grants  # it grew as the first was freed
-        freed = data.scratch.freed[files[0]]
-        assert freed > 0 and (blocks - os.fstat(fd).st_blocks) * 512 >= freed  # really given back to the disk
-        with data._cond:
-            assert data.scratch.held() == sizes[0] - freed + sizes[1] + allowed[-1] <= data.scratch.budget
-        data.tensor_done(first[-1])  # its last: closed, gone; the third may finish
-        assert not blob.with_name(f"{blob.name}.prequant-freeing").exists()
+            _wait_for(lambda: _all_waiting_for_room(data))
+            assert files[0].read_bytes() == (tiny / files[0].name).read_bytes() and data.evicted == []
+            assert not files[2].exists() and files[2].name not in data.downloaded
+        data.tensor_done(first[-1])  # its last: deleted at once
+        assert not files[0].exists() and not blob.exists() and data.evicted == [files[0].name]
         _wait_for(lambda: files[2].name in data.downloaded or not any(t.is_alive() for t in data._threads))
         data.prepare(files[2])
         assert files[2].read_bytes() == (tiny / files[2].name).read_bytes()
-        requests = shard_requests(hub_server)
-        assert requests.count((files[2].name, False)) == 1  # one connection, held while it waited: no resume,
-        assert requests.count((files[2].name, True)) == requests.count((files[0].name, True))  # the header reads
+        assert shard_requests(hub_server).count((files[2].name, False)) == 1
     finally:
         data.close()
 
 
-def test_freed_shards_convert_to_the_same_bytes_within_the_budget(
-    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_deleted_shards_convert_to_the_same_bytes_within_the_budget(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
-    """A whole conversion freeing its shards as it goes: the local conversion's bytes; the disk the shards really
+    """A whole conversion deleting its shards as it goes: the local conversion's bytes; the disk the shards really
     take (blocks allocated, partial downloads and shards held open after leaving the cache included) stays within
     the budget; nothing left in the cache."""
-    monkeypatch.setattr(hub_stream, "GRANT_STEP", 4096)
     sizes = [p.stat().st_size for p in tiny.glob("*.safetensors")]
     etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
     blobs = cache_repo(REPO) / "blobs"
@@ -742,12 +716,11 @@ def test_freed_shards_convert_to_the_same_bytes_within_the_budget(
     assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # every shard gone, partials too
 
 
-def test_a_run_killed_while_freeing_a_shard_leaves_nothing_that_looks_complete_and_resumes(
+def test_a_run_killed_mid_shard_leaves_nothing_that_looks_complete_and_resumes(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
-    """Frozen, then SIGKILLed, after its second tensor is journaled: the shard it was freeing is out of the cache
-    (set aside with holes, no link to it), every shard blob left is whole; --resume converts to the local bytes
-    and removes the leftover."""
+    """Frozen, then SIGKILLed, after its second tensor is journaled: the shard it was converting is still in the
+    cache, whole, and so is every shard blob left; --resume converts to the local bytes and deletes them."""
     etags = {hashlib.sha256(p.read_bytes()).hexdigest(): p.read_bytes() for p in tiny.glob("*.safetensors")}
     blobs = cache_repo(REPO) / "blobs"
     out = tmp_path / "out"
@@ -756,8 +729,7 @@ def test_a_run_killed_while_freeing_a_shard_leaves_nothing_that_looks_complete_a
     try:
         _wait_for(lambda: proc.poll() is not None or _stopped(proc.pid))
         assert proc.poll() is None, proc.communicate()[1]
-        aside = [p for p in blobs.iterdir() if p.name.endswith(".prequant-freeing")]
-        assert len(aside) == 1 and aside[0].name.split(".", 1)[0] in etags
+        assert [p for p in blobs.iterdir() if p.name in etags]  # the shard being converted, at least
         for blob in blobs.iterdir():  # what the cache holds under a shard's etag is that shard, whole
             if blob.name in etags:
                 assert blob.read_bytes() == etags[blob.name]
@@ -772,4 +744,4 @@ def test_a_run_killed_while_freeing_a_shard_leaves_nothing_that_looks_complete_a
     assert resumed.returncode == 0, resumed.stderr
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(out) == outputs(tmp_path / "local")
-    assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # the leftover too
+    assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # the killed run's shards too
