@@ -32,7 +32,7 @@ from .params import expected
 # architecture's models built, saved and decided by that transformers) with each version. 5.0 differs (with tied
 # embeddings and --skip, its skip list lacks the last module), so there transformers decides. Raise the upper end
 # only after that script passes on the new version.
-VERIFIED = ((5, 1), (5, 24))
+VERIFIED = ((5, 1), (5, 25))
 
 
 @dataclass(frozen=True)

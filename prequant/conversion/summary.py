@@ -49,7 +49,7 @@ class Summary:
             f"time: {self.seconds:.1f} s on {self.device}, {_rate(self.input_bytes / self.seconds if self.seconds else 0)} "
             "of input",
         ]
-        lines += [f"unquantized: {n:,} parameters ({why})" for why, n in self.unquantized_parameters.items()]
+        lines += [f"unquantized: {n:,} parameters: {why}" for why, n in self.unquantized_parameters.items()]
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "
                          f"({self.stats['max_rel_error_tensor']}); sha256 of every file in prequant.json")
