@@ -35,7 +35,7 @@ from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
 from ..util.fsio import write_json
 from ..util.progress import Progress
-from ..verify.report import VerificationFailed, count
+from ..verify.check import VerificationFailed, count
 from ..verify.run import verify
 from . import card, output
 from .options import one_of, spelled

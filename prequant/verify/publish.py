@@ -8,7 +8,7 @@ from pathlib import Path
 from ..checkpoint.manifest import MANIFEST
 from ..errors import PrequantError
 from ..hub import upload as hub_upload
-from .report import VerificationFailed
+from .check import VerificationFailed
 from .run import verify
 
 
