@@ -10,7 +10,7 @@ import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..bnb.format import (
@@ -73,18 +73,7 @@ class Report:
         self.warnings.append(Problem(where, message))
 
     def to_dict(self) -> dict:
-        return {
-            "ok": self.ok,
-            "output_dir": self.output_dir,
-            "problems": [vars(p) for p in self.problems],
-            "warnings": [vars(p) for p in self.warnings],
-            "files": self.files,
-            "extra_files": self.extra_files,
-            "tensors": self.tensors,
-            "config": self.config,
-            "conversion_stats": self.conversion_stats,
-            "source": self.source,
-        }
+        return {"ok": self.ok, **{k: v for k, v in asdict(self).items() if k != "listed_files"}}
 
     def to_text(self) -> str:
         status = "OK" if self.ok else f"FAILED ({count(len(self.problems), 'problem')})"
