@@ -141,15 +141,14 @@ class KeptCheck:
 
 
 class Recorder:
-    """Collects what the manifest needs while convert runs (the pipeline's `on_shard` hook and its
-    `stats`), then writes the model card and prequant.json into the staging folder."""
+    """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `on_follow` hooks, its
+    `stats` and its `check` of kept tensors), then writes the model card and prequant.json into the staging folder."""
 
     def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None,
                  job: str | None = None, allow_nan: bool = False) -> None:
         self.source, self.plan, self.job = source, plan, job
         self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
-                        "quantize_experts": plan.quantize_experts,
-                        "stats": stats, "allow_nan": allow_nan}
+                        "quantize_experts": plan.quantize_experts, "stats": stats, "allow_nan": allow_nan}
         self.stats = Collector() if stats else None
         self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest
         self._hashes: dict[str, Future[str]] = {}
@@ -178,16 +177,17 @@ class Recorder:
         hash is following its writes already)."""
         if name in self._hashes:
             file.close()
-            return
-        future: Future[str] = Future()
-        self._hashes[name] = future
-        self._queue.put((file, future))
+        else:
+            self._hash(name, file)
 
     def on_follow(self, name: str, follow: FollowHash) -> None:
         """Pipeline hook: shard `name` has just opened and its header is known: hash it as it is written."""
+        self._hash(name, follow)
+
+    def _hash(self, name: str, source: BinaryIO | FollowHash) -> None:
         future: Future[str] = Future()
         self._hashes[name] = future
-        self._queue.put((follow, future))
+        self._queue.put((source, future))
 
     def _hash_loop(self) -> None:
         while (item := self._queue.get()) is not None:
