@@ -225,10 +225,10 @@ def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[s
     new = copy.deepcopy(manifest)
     old_storage = new["options"]["quant_storage"]
     new["options"]["quant_storage"] = storage
-    # The job fingerprint (what `convert --resume` compares) covers a conversion's plan, storage included, which this
-    # cannot recompute without the source; the old one would make `convert --resume` of the old options call this
-    # output complete. So it is remembered under its storage and the new one is null (--resume refuses the folder),
-    # unless this storage's job is remembered: changing back gives the conversion's own prequant.json.
+    # The job fingerprint covers the conversion's plan, storage included, and cannot be recomputed without the
+    # source; kept as it is, a rerun of the old options would call this output complete. So it is remembered under
+    # its storage and the new one is null, unless this storage's job is remembered: changing back gives the
+    # conversion's own prequant.json.
     if "job" in new:
         jobs = new.pop(JOBS_BY_STORAGE, {})
         if new["job"] is not None:

@@ -93,9 +93,9 @@ def compare_source(
 def _transposed_by_architecture(
     src: Source, src_refs: list[TensorRef], report: Report
 ) -> list[str] | None:
-    """For a manifest that predates the record (or none): the tensors convert quantizes transposed, from the
-    same architecture analysis (remote code is never run); None, with the problem reported, if it cannot tell.
-    The skip list only removes tensors from quantization, never changes how one is laid out: none is needed."""
+    """For a manifest without that record (or none): the tensors convert quantizes transposed, from the same
+    architecture analysis (remote code is never run; no skip list, which never changes how a tensor is laid out);
+    None, with the problem reported, if it cannot tell."""
     try:
         layout = analyze(read_config(src.path), src.path, src_refs, [])
     except PrequantError as e:
