@@ -158,7 +158,7 @@ def verify(
 ) -> None:
     """Check OUTPUT_DIR: files against prequant.json (size, sha256), index against shards, quant states, config."""
     with signals.deferred():  # torch's imports (see convert)
-        from .verify.report import VerificationFailed
+        from .verify.check import VerificationFailed
         from .verify.run import check_arguments, verify as run_verify
 
     check_arguments(source, max_rel_error, cli=True)

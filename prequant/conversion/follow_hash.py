@@ -1,13 +1,11 @@
 """A shard's sha256 computed as it is written, for a shard whose header is known before its data.
 
-A shard's hash normally starts once its last byte is written (`record.Recorder.on_shard`): the header comes first
-and holds the quant-state JSONs' lengths, known only once they are quantized. A shard without quant-state JSON (only
-kept tensors: an embedding or lm_head alone, norms) has its header fixed by the plan, so its hash can follow the
-writes. That matters at the end of a conversion, which often ends with a large kept lm_head as a shard of its own:
-copied by the kernel in well under a second, then hashed after the copy, it would add that hash's time to the run.
-
-The hash reads the file this process is writing (the page cache), never past what the writer has marked written,
-and the header from memory: the writer checks, when it seals the shard, that the header it writes is those bytes.
+A shard holding quant-state JSON has a header known only once its tensors are quantized, so it is hashed after it is
+sealed (`record.Recorder.on_shard`). A shard of kept tensors only (an embedding or lm_head alone, norms) has its
+header fixed by the plan, so its hash follows the writes and is ready when the last byte is: a conversion that ends
+with a large kept lm_head does not wait for its hash. The hash reads the file being written (the page cache), never
+past what the writer has marked written, and the header from memory; the writer checks, when it seals the shard,
+that the header it writes is those bytes.
 """
 
 from __future__ import annotations

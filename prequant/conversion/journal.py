@@ -1,13 +1,12 @@
 """The resume journal: what an interrupted conversion had finished, and for which job.
 
-Lives in the staging folder next to the partial shards. `job.json` fingerprints the job (source files,
-the whole plan, prequant's version): the same job run again continues from the journal (`output.claim` refuses
-another job's); `journal.jsonl` gets one line per finished tensor (with its
-quant-state JSON, the only bytes the shard header still needs) and one per finished shard. A tensor
-is journaled only after its bytes are in the shard file, so after a kill, SIGKILL included, every
-journaled tensor is on disk (in the page cache at least; shards are fsynced when finished). A Hub source's shard
-that the run downloaded, to delete once converted (`--delete-source-shards`), gets a line too: a resume deletes it
-in its turn, rather than taking it for one the user had in the cache before.
+It lives in the staging folder next to the partial shards. `job.json` fingerprints the job (source files, the whole
+plan, prequant's version): the same job run again continues from the journal (`output.claim` refuses another job's).
+`journal.jsonl` gets one line per finished tensor (with its quant-state JSON, the only bytes the shard header still
+needs), one per finished shard, and one per Hub shard this run downloaded (a resume deletes it in its turn with
+--delete-source-shards, rather than taking it for one the user had cached). A tensor is journaled only after its
+bytes are in the shard file, so after any kill every journaled tensor is on disk (in the page cache at least;
+shards are fsynced when finished).
 """
 
 from __future__ import annotations
@@ -75,12 +74,14 @@ class Journal:
         return bool(self.done.steps)
 
     def step_done(self, name: str, blobs: dict[str, bytes], non_finite: tuple[int, int] | None = None) -> None:
+        """Tensor `name` is in its shard file: its variable-size `blobs` and, for a kept one, its NaN and Inf."""
         record: dict = {"step": name, "blobs": {k: base64.b64encode(v).decode() for k, v in blobs.items()}}
         if non_finite:
             record["non_finite"] = list(non_finite)
         self._append(record)
 
     def shard_done(self, shard: str) -> None:
+        """Shard `shard` is finished and fsynced."""
         self._append({"shard": shard})
 
     def source_downloaded(self, name: str) -> None:
@@ -103,6 +104,7 @@ class Journal:
 
 
 def _read(path: Path) -> Finished:
+    """What the journal at `path` says is finished, up to its first line cut short."""
     done = Finished()
     if not path.exists():
         return done

@@ -46,7 +46,7 @@ CHUNK_BYTES = 64 * 1024 * 1024  # each of the two pinned buffers a tensor goes t
 # delivers; the copies (preadv) run without the GIL.
 READ_THREADS = 4
 
-# check(name, kept tensor) -> (NaN, Inf) counts when not all finite; raises to refuse it (`kept.KeptCheck`).
+# check(name, kept tensor) -> (NaN, Inf) counts when not all finite; raises to refuse it (`record.KeptCheck`).
 Check = Callable[[str, torch.Tensor], "tuple[int, int] | None"]
 
 

@@ -1,48 +1,154 @@
-"""What a conversion records while it runs, and writes at its end: prequant.json (`checkpoint.manifest`'s format)
-and the model card.
+"""What a conversion writes besides its shards, and what it records for them while it runs: config.json with its
+quantization_config, the index, the source's side files, the NaN and Inf found in the tensors kept unquantized, the
+shards' sha256, and at the end the model card and prequant.json (`checkpoint.manifest`'s format), all into the
+staging folder, published with the rest before config.json.
 
-Shards are hashed on background threads the moment the writer finishes them (their pages are still in the page
-cache, and hashing overlaps the rest of the conversion); the small files are hashed at the end. The manifest is
-written into the staging folder and published with the rest, before config.json.
+Shards are hashed on background threads as soon as the writer finishes them, while their pages are in the page cache
+and the rest of the conversion goes on; the small files are hashed at the end.
+
+A NaN in a kept tensor poisons every forward through it: it is refused unless --allow-nan. An Inf is not always
+damage (attention masks and some biases use it on purpose): it is recorded and reported, not refused. The check is
+one reduction (`aminmax`, which propagates NaN) over the bytes the conversion reads anyway; only a tensor that fails
+it is counted precisely, in bounded chunks.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..bnb.format import entry_name
+import torch
+
+from ..bnb.format import entry_name, quantization_config
 from ..bnb.stats import Collector, summarize
-from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES
+from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES, SAFETENSORS_INDEX, WEIGHT_SUFFIXES
 from ..checkpoint.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, versions
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.safetensors import read_header
 from ..checkpoint.tensors import TensorRef
+from ..errors import PrequantError
 from ..source.spec import Source
 from ..util import trace
-from ..util.fsio import write_json
+from ..util.fsio import write_error, write_json
 from .card import write_card
-from .kept import KeptCheck
 from .follow_hash import FollowHash
 from .plan import Plan
 
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float8 has no Inf (e4m3) or no use for it
+_COUNT_CHUNK = 1 << 24
+
+
+def write_config(staging: Path, config: dict, plan: Plan) -> None:
+    """config.json: the source's, plus quantization_config."""
+    qc = quantization_config(plan.settings, plan.skip_modules)
+    write_json(staging / CONFIG, {**config, "quantization_config": qc})
+
+
+def write_index(staging: Path, plan: Plan, shard_sizes: dict[str, int]) -> None:
+    """model.safetensors.index.json listing every key, when there is more than one shard."""
+    if len(plan.shards) == 1:
+        return
+    weight_map = {o.key: s.shard for s in plan.steps for o in s.outputs}
+    index = {"metadata": {"total_size": sum(shard_sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+    write_json(staging / SAFETENSORS_INDEX, index, sort_keys=False)
+
+
+def side_files(source_dir: Path) -> list[Path]:
+    """Files of the source to carry over (tokenizer, generation config, templates, code, licence), relative.
+    Not its weights, index, config, manifest or card: the output has its own (the card carries the original)."""
+    found = []
+    for path in sorted(source_dir.rglob("*")):
+        rel = path.relative_to(source_dir)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue  # .git, .cache (the Hub's download metadata), editor files
+        if rel.suffix in WEIGHT_SUFFIXES or rel.name in INDEX_NAMES or rel.as_posix() in (CONFIG, MANIFEST, CARD):
+            continue
+        found.append(rel)
+    return found
+
+
+def copy_side_files(source_dir: Path, staging: Path, files: list[Path]) -> None:
+    """Copy `side_files(source_dir)` into the staging folder, keeping their relative paths."""
+    for rel in files:
+        try:
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source_dir / rel, staging / rel)
+        except OSError as e:
+            # Opening the source's file failed (only then is filename2 unset: shutil's sendfile path names
+            # both files on a failed write), or writing the copy did: say which, and what to do.
+            if e.filename == str(source_dir / rel) and e.filename2 is None:
+                raise PrequantError(
+                    f"cannot read it ({e.strerror or e}); make it readable, or move it out of the source directory",
+                    where=source_dir / rel,
+                ) from e
+            raise write_error(staging / rel, e) from e
+
+
+# ------------------------------------------------------------------------------------ kept tensors
+
+
+def non_finite(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a tensor; (0, 0) for integer, bool and float8 tensors."""
+    if t.dtype not in CHECKED or t.numel() == 0:
+        return 0, 0
+    lo, hi = torch.aminmax(t)
+    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+        return 0, 0
+    flat, nan, inf = t.reshape(-1), 0, 0
+    for start in range(0, flat.numel(), _COUNT_CHUNK):
+        part = flat[start : start + _COUNT_CHUNK]
+        nan += int(torch.isnan(part).sum())
+        inf += int(torch.isinf(part).sum())
+    return nan, inf
+
+
+class KeptCheck:
+    """Checks each kept tensor (called from the pipeline's threads) and keeps what it found, by source name."""
+
+    def __init__(self, allow_nan: bool) -> None:
+        self.allow_nan = allow_nan
+        self.found: dict[str, tuple[int, int]] = {}  # name -> (NaN, Inf), only tensors with any
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """Refuse a NaN (PrequantError naming the tensor) unless allowed; return the counts when not all finite."""
+        nan, inf = non_finite(tensor)
+        if not (nan or inf):
+            return None
+        if nan and not self.allow_nan:
+            also = f" (and {inf:,} Inf)" if inf else ""
+            raise PrequantError(
+                f"tensor {name!r}, kept unquantized, holds {nan:,} NaN values{also}, which poison every forward "
+                "through it; fix the source checkpoint, or pass --allow-nan to copy it as it is (recorded in "
+                "prequant.json)"
+            )
+        with self._lock:
+            self.found[name] = (nan, inf)
+        return nan, inf
+
+    def record(self) -> dict[str, dict[str, int]]:
+        """prequant.json's "non_finite" table."""
+        return {name: {"nan": nan, "inf": inf} for name, (nan, inf) in sorted(self.found.items())}
+
+
+# ---------------------------------------------------------------------------------------- prequant.json
 
 
 class Recorder:
-    """Collects what the manifest needs while convert runs (the pipeline's `on_shard` hook and its
-    `stats`), then writes the model card and prequant.json into the staging folder."""
+    """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `on_follow` hooks, its
+    `stats` and its `check` of kept tensors), then writes the model card and prequant.json into the staging folder."""
 
     def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None,
                  job: str | None = None, allow_nan: bool = False) -> None:
         self.source, self.plan, self.job = source, plan, job
         self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
-                        "quantize_experts": plan.quantize_experts,
-                        "stats": stats, "allow_nan": allow_nan}
+                        "quantize_experts": plan.quantize_experts, "stats": stats, "allow_nan": allow_nan}
         self.stats = Collector() if stats else None
         self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest
         self._hashes: dict[str, Future[str]] = {}
@@ -66,22 +172,22 @@ class Recorder:
             for t in self._threads:
                 t.join()
 
-
     def on_shard(self, name: str, file: BinaryIO) -> None:
         """Pipeline hook: shard `name` is complete (`file` reads it); hash it now, in the background (unless its
         hash is following its writes already)."""
         if name in self._hashes:
             file.close()
-            return
-        future: Future[str] = Future()
-        self._hashes[name] = future
-        self._queue.put((file, future))
+        else:
+            self._hash(name, file)
 
     def on_follow(self, name: str, follow: FollowHash) -> None:
         """Pipeline hook: shard `name` has just opened and its header is known: hash it as it is written."""
+        self._hash(name, follow)
+
+    def _hash(self, name: str, source: BinaryIO | FollowHash) -> None:
         future: Future[str] = Future()
         self._hashes[name] = future
-        self._queue.put((follow, future))
+        self._queue.put((source, future))
 
     def _hash_loop(self) -> None:
         while (item := self._queue.get()) is not None:

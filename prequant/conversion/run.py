@@ -34,8 +34,7 @@ from . import card, output, pipeline, readahead
 from .journal import Journal, fingerprint, job_id
 from .options import ConvertOptions
 from .plan import Plan, Step, make_plan
-from .record import Recorder
-from .sidecar import copy_side_files, side_files, write_config, write_index
+from .record import Recorder, copy_side_files, side_files, write_config, write_index
 from .summary import Summary
 
 

@@ -1,23 +1,22 @@
 """`prequant change-storage`: a converted checkpoint with its packed 4-bit weights stored as another dtype.
 
-bitsandbytes' 4-bit codes are bytes; `bnb_4bit_quant_storage` only says which dtype the tensor holding them
-claims to be: the training dtype for FSDP (which shards them with the other parameters), uint8 for vLLM and
-SGLang (which refuse anything else). So one conversion serves both: this rewrites each shard's header (the
-packed weights' dtype and shape, laid out as the writer lays out a conversion with that storage), config.json's
-quantization_config, the storage-dependent part of the card and prequant.json, and copies every tensor's bytes
-with copy_file_range, in the kernel, never through this process' memory. The result is what `convert
---quant-storage X` writes, byte for byte; bf16 -> uint8 -> bf16 gives back the original files.
+bitsandbytes' 4-bit codes are bytes; `bnb_4bit_quant_storage` only says which dtype the tensor holding them claims
+to be: the training dtype for FSDP (which shards them with the other parameters), uint8 for vLLM and SGLang (which
+refuse anything else). So one conversion serves both: this rewrites each shard's header (the packed weights' dtype
+and shape, laid out as the writer lays out a conversion with that storage), config.json's quantization_config, the
+storage-dependent part of the card and prequant.json, and has the kernel copy every tensor's bytes
+(copy_file_range). The result is what `convert --quant-storage X` writes, byte for byte; bf16 -> uint8 -> bf16 gives
+back the original files.
 
-The input is verified first (as `upload` does: sizes, sha256, structure). The output is assembled in
-DEST/.prequant-staging and published with config.json last, as a conversion is: nothing half-written looks
-complete. DEST is checked and locked as a conversion's OUTPUT_DIR is (`output`), and called DEST when refused:
-here OUTPUT_DIR is the input.
+The input is verified first, as `upload` does. DEST is checked, locked, staged and published (config.json last) as a
+conversion's OUTPUT_DIR is (`output`), and called DEST when refused: here OUTPUT_DIR is the input.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import time
@@ -35,7 +34,7 @@ from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
 from ..util.fsio import write_json
 from ..util.progress import Progress
-from ..verify.report import VerificationFailed, count
+from ..verify.check import VerificationFailed, count
 from ..verify.run import verify
 from . import card, output
 from .options import one_of, spelled
@@ -138,6 +137,7 @@ def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_
 
 
 def _shard_names(src: Path) -> list[str]:
+    """The shards of a verified output: those its index names, or its single file."""
     if (src / SAFETENSORS_INDEX).is_file():
         return sorted(set(read_weight_map(src / SAFETENSORS_INDEX).values()))
     return [SAFETENSORS_SINGLE]
@@ -153,7 +153,7 @@ def _rewritten(path: Path, code: str, storage: str) -> tuple[list[TensorRef], di
             if (split := split_state_key(ref.name)) is None:
                 continue
             weight = by_key[split[0]]
-            n = _elements(decode_quant_state(os.pread(f.fileno(), ref.nbytes, ref.offset)))
+            n = math.prod(decode_quant_state(os.pread(f.fileno(), ref.nbytes, ref.offset))["shape"])  # verified
             need = packed_bytes(n)
             if weight.nbytes != need:
                 raise PrequantError(
@@ -168,14 +168,6 @@ def _rewritten(path: Path, code: str, storage: str) -> tuple[list[TensorRef], di
                     where=weight.name)
             packed.add(weight.name)
     return refs, metadata, packed
-
-
-def _elements(state: object) -> int:
-    shape = state.get("shape") if isinstance(state, dict) else None  # verified above: a list of positive ints
-    n = 1
-    for d in shape or ():
-        n *= d
-    return n
 
 
 def _write_shard(src: Path, dst: Path, refs: list[TensorRef], metadata: dict[str, str], packed: set[str],
@@ -201,6 +193,7 @@ def _write_shard(src: Path, dst: Path, refs: list[TensorRef], metadata: dict[str
 
 
 def _entry(r: TensorRef, packed: set[str], code: str) -> OutTensor:
+    """How the writer lays out tensor `r` in the new shard."""
     if r.name in packed:  # the same bytes, as `bnb.format` shapes a packed weight: [count, 1] of the storage dtype
         return OutTensor(r.name, code, (r.nbytes // itemsize(code), 1))
     if split_state_key(r.name) is not None:
@@ -232,10 +225,10 @@ def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[s
     new = copy.deepcopy(manifest)
     old_storage = new["options"]["quant_storage"]
     new["options"]["quant_storage"] = storage
-    # The job fingerprint (what `convert --resume` compares) covers a conversion's plan, storage included, which this
-    # cannot recompute without the source; the old one would make `convert --resume` of the old options call this
-    # output complete. So it is remembered under its storage and the new one is null (--resume refuses the folder),
-    # unless this storage's job is remembered: changing back gives the conversion's own prequant.json.
+    # The job fingerprint covers the conversion's plan, storage included, and cannot be recomputed without the
+    # source; kept as it is, a rerun of the old options would call this output complete. So it is remembered under
+    # its storage and the new one is null, unless this storage's job is remembered: changing back gives the
+    # conversion's own prequant.json.
     if "job" in new:
         jobs = new.pop(JOBS_BY_STORAGE, {})
         if new["job"] is not None:

@@ -1,7 +1,6 @@
-"""`prequant verify` and `prequant upload`: reopen an output and prove it is what prequant wrote (`run.verify`:
-`files`, `tensors`, `compare` each file what they find in a `report.Report`), and publish it only then
-(`publish`). `prequant.verify.verify` and `prequant.verify.upload` are the library's calls, imported on first use
-(so that importing one of these modules does not import them all)."""
+"""`prequant verify` and `prequant upload`: reopen an output and prove it is what prequant wrote (`run.verify`: `check`
+the output on its own and `compare` it with the source, filing what they find in a `check.Report`), and publish it
+only then (`publish`). `prequant.verify.verify` and `prequant.verify.upload` are imported on first use."""
 
 from __future__ import annotations
 

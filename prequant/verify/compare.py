@@ -1,7 +1,7 @@
-"""verify --source: each quantized tensor dequantized and compared with the original (relative L2 error and
-max error, with limits), each kept tensor byte for byte. Which tensors were quantized transposed (GPT-2
-Conv1D) is read from prequant.json; for a manifest without that record it is decided from the source's
-architecture, as convert decides it (never guessed from shapes: square weights are ambiguous)."""
+"""verify --source: each quantized tensor dequantized and compared with the original (relative L2 error and max
+error, with limits), each kept tensor byte for byte. Which tensors were quantized transposed (GPT-2 Conv1D) is read
+from prequant.json, or, for a manifest without that record, decided from the source's architecture as convert
+decides it (never guessed from shapes: square weights are ambiguous)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from ..errors import PrequantError
 from ..source.resolve import resolve
 from ..source.spec import Source
 from ..util.progress import Progress
-from .report import Report
-from .tensors import Group, expected_keys
+from .check import Group, Report, expected_keys
 
 FAIL_FACTOR = 4.0  # heavy-tailed weights reach ~3x the Gaussian figure; a wrong tensor is >= 1.0
 OUTLIER_FACTOR = 1.5  # above this multiple of the Gaussian figure a tensor is flagged (warning)
@@ -36,7 +35,8 @@ def compare_source(
     progress: bool,
     transposed: list[str] | None,
 ) -> None:
-    """`transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
+    """Compare the output's tensors (`refs`, `groups`) with the source `spec`'s, filing what differs in `report`.
+    `transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
     src = resolve(spec)
     src_refs = scan_files(src.weight_files)
     if transposed is None:
@@ -93,9 +93,9 @@ def compare_source(
 def _transposed_by_architecture(
     src: Source, src_refs: list[TensorRef], report: Report
 ) -> list[str] | None:
-    """For a manifest that predates the record (or none): the tensors convert quantizes transposed, from the
-    same architecture analysis (remote code is never run); None, with the problem reported, if it cannot tell.
-    The skip list only removes tensors from quantization, never changes how one is laid out: none is needed."""
+    """For a manifest without that record (or none): the tensors convert quantizes transposed, from the same
+    architecture analysis (remote code is never run; no skip list, which never changes how a tensor is laid out);
+    None, with the problem reported, if it cannot tell."""
     try:
         layout = analyze(read_config(src.path), src.path, src_refs, [])
     except PrequantError as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..checkpoint.manifest import MANIFEST
 from ..errors import PrequantError
 from ..hub import upload as hub_upload
-from .report import VerificationFailed
+from .check import VerificationFailed
 from .run import verify
 
 
@@ -55,19 +55,13 @@ def upload(
 
 
 def _replaced_by(files: list[str]) -> Callable[[list[str]], list[str]]:
-    """Which files of the repo the upload replaces: the checkpoint files a loader would take (weights and index
-    at the top level, e.g. an earlier conversion's shards) that the new one does not have. Everything else in the
-    repo (its own notes, other folders) stays."""
+    """Which files of the repo the upload replaces: the checkpoint files a loader would take (weights and index at
+    the top level, e.g. an earlier conversion's shards) that the new one does not have. Everything else in the repo
+    (its own notes, other folders) stays."""
     new = set(files)
-
-    def stale(remote: list[str]) -> list[str]:
-        return [f for f in remote if f not in new and "/" not in f and _loadable(f)]
-
-    return stale
-
-
-def _loadable(name: str) -> bool:
-    return name.endswith((".safetensors", ".index.json")) or (name.startswith("pytorch_model") and name.endswith(".bin"))
+    loadable = (".safetensors", ".index.json")
+    return lambda remote: [f for f in remote if f not in new and "/" not in f and (
+        f.endswith(loadable) or (f.startswith("pytorch_model") and f.endswith(".bin")))]
 
 
 def push_converted(output_dir: Path, repo_id: str, *, progress: bool = True) -> str:

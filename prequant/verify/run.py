@@ -1,23 +1,6 @@
-"""`prequant verify`: reopen an output and prove it is what prequant wrote; gate uploads on it.
-
-Checks, in order, each failure recorded as one line naming the file or tensor:
-
-1. files against prequant.json: present, same size, same sha256 (hashed in parallel, large reads);
-2. the index against the shards: every key where the index says, none unlisted, none twice;
-3. every quantized tensor: its quant-state JSON (keys, values) and companions (present, same shard,
-   dtypes and shapes implied by the state's shape and blocksize), no stray keys under it;
-4. config.json's quantization_config against the tensors present;
-5. with a source: each quantized tensor dequantized and compared with the original (relative L2 error
-   and max error, with limits), each kept tensor byte for byte. Which tensors were quantized transposed
-   (GPT-2 Conv1D) is read from prequant.json; for a manifest without that record it is decided from the
-   source's architecture, as convert decides it (never guessed from shapes: square weights are ambiguous).
-
-1 and 2 are `files`'; 3 and 4 `tensors`'; 5 `compare`'s; they file what they find in a `report.Report`. The
-upload that verify gates is in `publish`.
-
-Everything is read through memory maps and streamed, so verifying a 165 GB output needs no more memory
-than converting it.
-"""
+"""`prequant verify`: reopen an output and prove it is what prequant wrote, checking it on its own (`check`) and,
+with a source, against the original weights (`compare`). Everything is read through memory maps and streamed, so
+verifying an output needs no more memory than converting it."""
 
 from __future__ import annotations
 
@@ -28,10 +11,8 @@ from pathlib import Path
 from ..checkpoint.hf_files import CONFIG
 from ..checkpoint.manifest import MANIFEST
 from ..errors import PrequantError, UsageError
+from .check import Report, check_config, check_files, check_manifest, check_quantized, check_shards
 from .compare import compare_source
-from .files import check_files, check_manifest, check_shards
-from .report import Report
-from .tensors import check_config, check_quantized
 
 
 def verify(

@@ -15,7 +15,7 @@ import prequant
 from prequant.bnb import stats
 from prequant.bnb.stats import entry_stats
 from prequant.checkpoint.manifest import sha256_file
-from prequant.verify import compare, report as reports, run as verification
+from prequant.verify import check, compare, run as verification
 
 SHARD_1 = "model-00001-of-00002.safetensors"
 SHARD_2 = "model-00002-of-00002.safetensors"
@@ -204,7 +204,7 @@ def test_heavy_tailed_tensor_is_flagged_as_outlier_not_failed():
     x = (torch.distributions.StudentT(3.0).sample((256, 1024)) * 0.02).bfloat16()
     st = entry_stats(x, prequant.quantize_tensor(x, blocksize=1024))
     expected = stats.expected_rel_error("nf4", 1024)
-    report = reports.Report("out")
+    report = check.Report("out")
     compare._judge("w", st, expected=expected, limit=compare.FAIL_FACTOR * expected, report=report)
     assert report.ok and report.warnings and "outlier" in report.warnings[0].message
 
