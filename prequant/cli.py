@@ -124,9 +124,11 @@ def convert(
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR (run again, it continues where it stopped)."""
     arguments = dict(locals())
-    from .conversion import output  # standard library: OUTPUT_DIR is refused before torch's import or the network
+    from .conversion import output, readahead  # standard library: both run before torch's import
 
-    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)
+    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
+    if not dry_run:
+        readahead.prefetch(source)  # a local source's disk reads go on while the libraries load
     with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
         from .conversion.options import ConvertOptions
         from .conversion.run import convert as run_convert

@@ -136,16 +136,22 @@ def test_no_import_cycles_lazy_and_type_checking_imports_included():
 
 
 def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
-    """The CLI checks OUTPUT_DIR before it imports torch: its own module and that check, run here in a fresh
-    interpreter, must load neither torch nor transformers nor huggingface_hub (each costs seconds of start-up)."""
+    """The CLI checks OUTPUT_DIR and starts reading a local source ahead before it imports torch: its own module,
+    that check and that read-ahead, run here in a fresh interpreter on a real checkpoint directory (sharded, with an
+    index), must load neither torch nor transformers nor huggingface_hub (each costs seconds of start-up)."""
     src, out = tmp_path / "ckpt", tmp_path / "out"
     src.mkdir()
     (src / "config.json").write_text("{}")
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (src / name).write_bytes(b"x" * 4096)
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     code = (
         "import sys\n"
         "import prequant.cli\n"
-        "from prequant.conversion import output\n"
+        "from prequant.conversion import output, readahead\n"
         f"output.target({str(out)!r}, {str(src)!r}, overwrite=False, resume=False)\n"
+        f"readahead.prefetch({str(src)!r})\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'huggingface_hub', 'numpy') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

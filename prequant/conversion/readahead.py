@@ -21,6 +21,7 @@ from ..util.pagecache import advice_chunk, pieces
 
 _STEP = 64 * 1024 * 1024  # the window is checked once per step: few wake-ups, a fine enough bound
 DEPTH = 128 * 1024 * 1024  # asked and not yet read: keeps the disk streaming beside the shard writes' requests
+START_DEPTH = 16 * 1024 * 1024  # while the libraries load: little for their page faults to wait behind
 
 
 def default_window() -> int:
@@ -119,6 +120,21 @@ def _wait_read(fd: int, asked: deque[tuple[int, int]], limit: int) -> None:
     while asked and sum(n for _, n in asked) > limit:
         end, _ = asked.popleft()
         os.pread(fd, 1, end - 1)
+
+
+def prefetch(source: str) -> None:
+    """From the CLI, before torch's import: begin reading a local SOURCE's weight files into the page cache (up to
+    the default window), so that the disk works while the libraries load instead of after. The conversion's own
+    read-ahead takes over once its pipeline runs; pages already read cost it nothing. Standard library only;
+    advisory: anything unexpected is left for the conversion to report."""
+    from ..source.spec import local
+
+    try:
+        path = Path(source)
+        if hasattr(os, "posix_fadvise") and path.is_dir():
+            Readahead(list(local(source, path).weight_files), depth=START_DEPTH)  # nothing consumed: up to the window
+    except Exception:  # noqa: BLE001, S110 - advisory only
+        pass
 
 
 def start(files: list[Path], window: int | None = None) -> Readahead | None:
