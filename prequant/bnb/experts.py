@@ -83,4 +83,4 @@ def quantize_experts(layout: Layout, tensors: list[TensorRef]) -> Layout:
 def _default_skips(layout: Layout) -> list[str]:
     """The linear modules transformers keeps by default (output embedding, tied, last module), which an explicit
     skip list must name: with no skip list written, every skipped linear weight is one of them."""
-    return [n.removesuffix(".weight") for n, d in layout.decisions.items() if d.reason.startswith("skipped (")]
+    return [n.removesuffix(".weight") for n, d in layout.decisions.items() if d.reason.startswith("skipped: ")]

@@ -93,7 +93,7 @@ def check_contents(output_dir: Path, *, overwrite: bool, resume: bool) -> None:
     if not existing or interrupted(output_dir) or (output_dir / MANIFEST).is_file():
         return
     what = (" and holds no interrupted conversion to resume (--resume only continues one)" if resume else "")
-    held = f"{len(existing)} entries, e.g. {existing[0]}" if len(existing) > 1 else f"1 entry: {existing[0]}"
+    held = f"{len(existing)} entries, e.g. {existing[0]}" if len(existing) > 1 else existing[0]
     raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass --overwrite to replace the "
                      "checkpoint in it, or choose an empty directory")
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .. import settings
 from .._version import __version__
 from ..bnb import starting
 from ..bnb.layout import require_known
@@ -106,7 +107,7 @@ def convert(
     hub_url = _push(out, opts) if opts.push_to_hub else None
     written = manifest.load(out)
     hint = card.base_model_note(written, opts.said("base_model", "org/name"))
-    if hint and opts.progress:
+    if hint and opts.progress and settings.progress() != "json":  # JSON progress: in the summary's notes
         print(f"prequant: note: {hint}", file=sys.stderr)
     return _summary(job, written, hub_url=hub_url, quantizer=quantizer, notes=[hint] if hint else [])
 

@@ -540,7 +540,7 @@ CASES = [
     Case(source_is_a_file, 1, "{source}", ("is a file", "pass the checkpoint's directory")),
     Case(output_is_a_file, 2, "{output}", ("is a file", "choose a directory")),
     Case(output_is_the_source, 2, "{output}", ("source", "choose another OUTPUT_DIR")),
-    Case(output_holds_one_file, 2, "{output}", ("is not empty (1 entry: notes.txt)", "pass --overwrite")),
+    Case(output_holds_one_file, 2, "{output}", ("is not empty (it holds notes.txt)", "pass --overwrite")),
     Case(shard_not_readable, 1, "model-00002-of-00003.safetensors", ("permission denied", "make it readable")),
     Case(config_not_readable, 1, "config.json", ("permission denied", "make it readable")),
     Case(side_file_not_readable, 1, "tokenizer_config.json", ("cannot read", "make it readable")),

@@ -207,7 +207,7 @@ def test_the_destination_is_called_dest_not_output_dir(both, tmp_path):
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
     code, _, stderr = run_main("change-storage", str(bf16), str(taken), "--quant-storage", "uint8")
-    assert code == 2 and stderr.startswith(f"Error: DEST {taken} is not empty (it holds 1 entry: notes.txt)"), stderr
+    assert code == 2 and stderr.startswith(f"Error: DEST {taken} is not empty (it holds notes.txt)"), stderr
     assert "OUTPUT_DIR" not in stderr and (taken / "notes.txt").read_text() == "mine"
     code, _, stderr = run_main("change-storage", str(bf16), str(bf16 / "inside"), "--quant-storage", "uint8")
     assert code == 2 and stderr.startswith(f"Error: DEST {bf16 / 'inside'} is inside the source directory"), stderr
