@@ -58,8 +58,25 @@ def load_model(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
     if unknown:
         raise UsageError(f"load_model: {', '.join(unknown)} not taken for a checkpoint with 4-bit MoE experts "
                          f"({directory}); it takes {', '.join(sorted(_TAKEN))}")
+    require_transformers()
     with TensorReader() as data:
         return _load_with_experts(directory, refs, quantized, data, from_pretrained_kwargs)
+
+
+# The transformers release whose key renamings (`conversion_mapping`: Mixtral's block_sparse_moe, ...) load_model is
+# tested with; 5.0 renames Mixtral's and Qwen3-MoE's routers but not their experts.
+TRANSFORMERS_TESTED = (5, 25)
+
+
+def require_transformers() -> None:
+    """Refuse, in one line, a transformers older than the one 4-bit experts are loaded and tested with."""
+    import transformers
+
+    found = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if found < TRANSFORMERS_TESTED:
+        wanted = ".".join(map(str, TRANSFORMERS_TESTED))
+        raise PrequantError(f"load_model of a checkpoint with 4-bit MoE experts needs transformers {wanted} or later "
+                            f"(found {transformers.__version__}); pip install -U 'transformers>={wanted}'")
 
 
 def _local(path: str | Path) -> Path:

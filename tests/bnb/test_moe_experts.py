@@ -101,3 +101,16 @@ def test_expert_bytes_equal_bitsandbytes_cuda(tmp_path):
         cuda = quantize_tensor(source[key], quant_storage=torch.bfloat16, device="cuda", name=key)
         got = entries_of(output, key)
         assert all(torch.equal(got[k].view(torch.uint8), cuda[k].view(torch.uint8)) for k in cuda), key
+
+
+def test_load_model_refuses_a_transformers_older_than_the_one_its_renamings_are_tested_with(monkeypatch):
+    import transformers
+
+    from prequant.bnb.moe import require_transformers
+    from prequant.errors import PrequantError
+
+    monkeypatch.setattr(transformers, "__version__", "5.0.0")
+    with pytest.raises(PrequantError, match=r"needs transformers 5\.25 or later \(found 5\.0\.0\)"):
+        require_transformers()
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    require_transformers()
