@@ -13,10 +13,10 @@ from ..bnb.loading import cast_code
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..checkpoint.hf_files import read_config
 from ..checkpoint.manifest import MANIFEST
-from ..checkpoint.reader import TensorReader, scan_files
+from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
-from ..source.resolve import resolve
+from ..source.resolve import contents, resolve
 from ..source.spec import Source
 from ..util.progress import Progress
 from .check import Group, Report, expected_keys
@@ -38,7 +38,7 @@ def compare_source(
     """Compare the output's tensors (`refs`, `groups`) with the source `spec`'s, filing what differs in `report`.
     `transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
     src = resolve(spec)
-    src_refs = scan_files(src.weight_files)
+    src_refs = contents(src).tensors  # an FP8 source's weights as the 16-bit tensors they stand for
     if transposed is None:
         transposed = _transposed_by_architecture(src, src_refs, report)
         if transposed is None:

@@ -138,3 +138,14 @@ def test_a_hub_fp8_shard_is_evicted_once_its_tensors_and_their_scales_are_done(h
             assert data.view(t).dtype == torch.bfloat16
             data.tensor_done(t)
         assert not [p.name for p in cache.glob("blobs/*") if p.stat().st_size > 10_000]  # before the reader closes
+
+
+@pytest.mark.parametrize("fmt, scale_dtype", CASES[:1] + CASES[2:3])
+def test_verify_against_the_fp8_source_compares_the_dequantized_weights(pairs, fmt, scale_dtype):
+    from prequant.verify import verify
+
+    src, _, ours, _ = pairs(fmt, scale_dtype)
+    report = verify(ours, source=src, progress=False)
+    assert report.ok, report.to_dict()
+    compared = report.to_dict()["source"]
+    assert compared["quantized"] == 14 and compared["kept"] == 7  # no scale counted, every weight compared
