@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from helpers import run_cli
 
 
 def _one_line_error(proc) -> str:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cli_env
+from helpers import ROOT, cli_env
 
 # What bitsandbytes' CPU backend logs, at its import on a CPU with AVX512-BF16, when it cannot fetch its optional
 # inference kernel from the Hub (bitsandbytes/backends/cpu/ops.py, the same format and logger).

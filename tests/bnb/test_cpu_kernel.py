@@ -19,7 +19,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from conftest import DATA
+from helpers import DATA
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

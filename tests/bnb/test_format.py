@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import DATA, read_checkpoint, transformers_reference
+from helpers import DATA, read_checkpoint, transformers_reference
 from prequant.bnb import format as fmt
 from prequant.checkpoint.dtypes import TORCH_TO_SAFETENSORS
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("bitsandbytes")
 
 import torch
-from conftest import build_checkpoint, cli_env, gpu_only, read_checkpoint, transformers_reference
+from helpers import build_checkpoint, cli_env, gpu_only, read_checkpoint, transformers_reference
 
 # Quantize and dequantize with bitsandbytes on the CPU; an odd last dimension sends dequantize_4bit to the default
 # backend's _dequantize_4bit_compute, one of the four a normal import compiles.

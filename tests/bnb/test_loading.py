@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from helpers import run_cli
 
 from prequant.bnb import loading
 from prequant.checkpoint.reader import scan_files

@@ -8,7 +8,7 @@ from prequant.bnb import layout, predict
 from prequant.checkpoint import hf_files
 from prequant.source import resolve as sources
 
-from conftest import build_grok
+from helpers import build_grok
 
 SKIPS = [[], ["mlp.down_proj"], ["lm_head"], ["model.layers.0"], ["h.0.mlp"]]
 KINDS = ["llama", "llama_tied", "gpt2", "qwen2", "qwen3", "gemma", "mistral", "mixtral"]

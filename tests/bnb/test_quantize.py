@@ -9,7 +9,7 @@ from prequant import settings
 from prequant.bnb import quantize
 from prequant.errors import UsageError
 
-from conftest import gpu_only
+from helpers import gpu_only
 
 
 @pytest.mark.parametrize("value", ["8 parsecs", "GiB", "8XB"])

@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import DATA, GPU, gpu_only
+from helpers import DATA, GPU, gpu_only
 
 import prequant
 from prequant.bnb import quantize as quantize_mod

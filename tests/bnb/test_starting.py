@@ -21,7 +21,7 @@ from prequant.conversion import pipeline
 from prequant.errors import PrequantError
 from prequant.source.resolve import reader, resolve
 
-from conftest import build_checkpoint, gpu_only, read_checkpoint, transformers_reference
+from helpers import build_checkpoint, gpu_only, read_checkpoint, transformers_reference
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_a_fresh_process_on_cuda_starts_cuda_on_a_thread_and_writes_transformers
     """The CLI in a new process: CUDA is not started yet, so the quantizer is built on a thread."""
     import json
 
-    from conftest import run_cli
+    from helpers import run_cli
 
     ref = transformers_reference(llama, tmp_path / "ref", device="cuda")
     trace = tmp_path / "trace.json"

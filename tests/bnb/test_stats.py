@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import DATA
+from helpers import DATA
 
 import prequant
 from prequant.bnb import stats

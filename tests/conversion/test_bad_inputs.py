@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from helpers import run_cli
 from safetensors.torch import load_file, save_file
 
 SHARDED = "100KB"  # gives the tiny Llama three source shards and an index

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import run_main
+from helpers import run_main
 from huggingface_hub import ModelCard
 
 import prequant
@@ -107,7 +107,7 @@ def test_fused_moe_card_plan_and_summary_say_it_in_one_sentence(checkpoints, tmp
 
 
 def test_remote_code_moe_has_no_fused_experts_note(tmp_path):
-    from conftest import build_grok
+    from helpers import build_grok
 
     plan = prequant.convert(build_grok(tmp_path / "grok", "keyfan", shards=1), tmp_path / "unused", dry_run=True)
     assert plan.fused_experts_note() is None and not any("fuses" in n for n in plan.to_dict()["notes"])

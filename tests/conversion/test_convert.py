@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MIXES, bnb_config, read_checkpoint, retyped, transformers_reference
+from helpers import MIXES, bnb_config, read_checkpoint, retyped, transformers_reference
 
 import prequant
 from prequant.conversion.plan import parse_size

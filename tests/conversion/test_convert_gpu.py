@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import pytest
-from conftest import MIXES, build_checkpoint, gpu_only, read_checkpoint, retyped, transformers_reference
+from helpers import MIXES, build_checkpoint, gpu_only, read_checkpoint, retyped, transformers_reference
 
 import prequant
 
@@ -59,7 +59,7 @@ def test_auto_converts_a_tiny_checkpoint_on_the_cpu_to_the_same_bytes(tiny, tmp_
 
 @gpu_only
 def test_cuda_logits_identical_to_on_the_fly_quantization(tiny, tmp_path):
-    from conftest import bnb_config
+    from helpers import bnb_config
     from transformers import AutoModelForCausalLM
 
     src, _ = tiny

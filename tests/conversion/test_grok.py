@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Evil, build_grok, read_checkpoint, run_cli
+from helpers import Evil, build_grok, read_checkpoint, run_cli
 
 import prequant
 
@@ -61,7 +61,7 @@ def test_config_keeps_auto_map_and_skips_router_and_head(grok):
 
 def test_loads_with_trust_remote_code_and_matches_on_the_fly_quantization(grok, monkeypatch):
     import bitsandbytes as bnb
-    from conftest import bnb_config
+    from helpers import bnb_config
     from transformers import AutoModelForCausalLM
 
     naming, src, out, sentinel = grok

@@ -15,7 +15,7 @@ from prequant.conversion.options import ConvertOptions
 from prequant.conversion.plan import make_plan
 from prequant.source import resolve as sources
 
-from conftest import cli_env, run_cli
+from helpers import cli_env, run_cli
 
 # On a transformers outside predict.VERIFIED nothing settles: raise it after scripts/dev/check_layout_rules.py
 # passes with that version.

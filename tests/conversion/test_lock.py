@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, start_cli
+from helpers import run_cli, start_cli
 
 ARGS = ("--device", "cpu", "--max-shard-size", "60KB")
 LOCK = ".prequant.lock"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_main
+from helpers import run_main
 
 import prequant
 from prequant.conversion.options import ConvertOptions

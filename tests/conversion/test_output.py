@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, run_cli
+from helpers import cli_env, run_cli
 
 ARGS = ("--device", "cpu")
 

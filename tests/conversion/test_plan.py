@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import run_main
+from helpers import run_main
 from safetensors.torch import save_file
 
 import prequant

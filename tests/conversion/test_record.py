@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_checkpoint, run_cli, run_main
+from helpers import read_checkpoint, run_cli, run_main
 
 import prequant
 from prequant.bnb.quantize import Quantizer

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, build_checkpoint, run_cli
+from helpers import ROOT, build_checkpoint, run_cli
 
 ARGS = ("--device", "cpu", "--max-shard-size", "60KB")
 
@@ -129,7 +129,7 @@ def test_resume_without_previous_run_starts_fresh(source, clean, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly_and_says_how_to_resume(tmp_path, sig):
-    from conftest import model_config  # noqa: F401 - a bigger model so the run is still going when signalled
+    from helpers import model_config  # noqa: F401 - a bigger model so the run is still going when signalled
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 

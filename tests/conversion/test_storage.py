@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_checkpoint, run_main
+from helpers import read_checkpoint, run_main
 from safetensors.torch import save_file
 
 import prequant

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 import prequant
 

@@ -7,7 +7,7 @@ import sys
 from importlib import metadata
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts" / "dev"))
 import floors  # noqa: E402

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_cli
+from helpers import run_cli
 
 
 COMMANDS = ["convert", "verify", "change-storage", "upload", "version"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, build_grok, read_checkpoint, run_cli
+from helpers import ROOT, build_grok, read_checkpoint, run_cli
 from safetensors import safe_open
 
 from prequant.verify.run import verify

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from conftest import read_checkpoint
+from helpers import read_checkpoint
 
 import prequant
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, build_checkpoint, build_grok
+from helpers import ROOT, build_checkpoint, build_grok
 
 from prequant.fsdp import Checkpoint
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, build_checkpoint, read_checkpoint
+from helpers import ROOT, build_checkpoint, read_checkpoint
 
 LORA = {"lora_r": 4, "lora_alpha": 8, "seed": 0}
 BATCH = {"batch": 2, "seq": 16, "seed": 0}

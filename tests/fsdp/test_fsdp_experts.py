@@ -29,7 +29,7 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
 def trained(request, tmp_path_factory) -> dict:
-    from conftest import build_tokenizer
+    from helpers import build_tokenizer
     from moe_checkpoints import build_moe
 
     import prequant
@@ -82,7 +82,7 @@ def test_adapter_names_each_expert_and_reloads_with_the_same_logits(trained):
 
 def _worker(config: dict) -> None:
     import torch.distributed as dist
-    from conftest import TOKENIZER_WORDS
+    from helpers import TOKENIZER_WORDS
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer

@@ -23,7 +23,7 @@ from pathlib import Path
 import accelerate
 import pytest
 import torch
-from conftest import ROOT, TOKENIZER_WORDS, build_grok, build_tokenizer
+from helpers import ROOT, TOKENIZER_WORDS, build_grok, build_tokenizer
 
 from packaging.version import Version
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture, until conftest imports it
 
 from prequant import settings

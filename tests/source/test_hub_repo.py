@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_main
+from helpers import run_cli, run_main
 from hub_repos import REPO, outputs, publish, tiny  # noqa: F401 - tiny: a fixture
 from hub_server import TOKEN, HubServer
 

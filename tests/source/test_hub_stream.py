@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, run_main, start_cli
+from helpers import run_cli, run_main, start_cli
 from hub_repos import REPO, cache_repo, outputs, publish, tiny  # noqa: F401 - tiny: a fixture
 from hub_server import HubServer
 
@@ -583,7 +583,7 @@ def test_downloads_start_when_asked_before_any_read(hub_server: HubServer, tiny:
 
 @pytest.fixture(scope="module")
 def grok_bin(tmp_path_factory) -> Path:
-    from conftest import build_grok
+    from helpers import build_grok
 
     return build_grok(tmp_path_factory.mktemp("grok") / "grok-1-hf", "keyfan", shards=3)
 
@@ -624,7 +624,7 @@ def test_grok_bin_shards_stream_and_match_the_local_conversion(
 def test_malicious_pickle_on_the_hub_is_refused_while_planning(
     hub_server: HubServer, grok_bin: Path, tmp_path: Path
 ) -> None:
-    from conftest import Evil
+    from helpers import Evil
 
     folder = tmp_path / "evil"
     shutil.copytree(grok_bin, folder)

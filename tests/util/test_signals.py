@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import start_cli
+from helpers import start_cli
 from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture
 
 SIGNALS = [signal.SIGINT, signal.SIGTERM]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli, run_main
+from helpers import ROOT, run_cli, run_main
 from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture
 from huggingface_hub import ModelCard
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, run_main
+from helpers import run_cli, run_main
 from safetensors.torch import load_file, save_file
 
 import prequant
