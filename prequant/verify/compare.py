@@ -10,13 +10,14 @@ import torch
 from ..bnb import stats
 from ..bnb.layout import analyze
 from ..bnb.loading import cast_code
+from ..checkpoint import fp8
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..checkpoint.hf_files import read_config
 from ..checkpoint.manifest import MANIFEST
-from ..checkpoint.reader import TensorReader
+from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
-from ..source.resolve import contents, resolve
+from ..source.resolve import resolve
 from ..source.spec import Source
 from ..util.progress import Progress
 from .check import Group, Report, expected_keys
@@ -38,7 +39,7 @@ def compare_source(
     """Compare the output's tensors (`refs`, `groups`) with the source `spec`'s, filing what differs in `report`.
     `transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
     src = resolve(spec)
-    src_refs = contents(src).tensors  # an FP8 source's weights as the 16-bit tensors they stand for
+    src_refs = _as_16bit(src, scan_files(src.weight_files))
     if transposed is None:
         transposed = _transposed_by_architecture(src, src_refs, report)
         if transposed is None:
@@ -164,3 +165,13 @@ def _same_bytes(out: torch.Tensor, source: torch.Tensor, chunk: int = 1 << 24) -
         torch.equal(a[i : i + chunk].view(torch.uint8), b[i : i + chunk].to(a.dtype).view(torch.uint8))
         for i in range(0, a.numel(), chunk)
     )
+
+
+def _as_16bit(src: Source, refs: list[TensorRef]) -> list[TensorRef]:
+    """An FP8 source's weights as the 16-bit tensors they stand for (its scales folded into them); any other source's
+    tensors as they are (a source without a readable config.json is reported where the layout is needed)."""
+    try:
+        config = read_config(src.path)
+    except PrequantError:
+        return refs
+    return fp8.as_16bit(refs, config)[0] if fp8.declared(config.get("quantization_config")) else refs
