@@ -118,6 +118,7 @@ class HubShardReader(TensorReader):
         self._order = list(self._planned)  # the download order: the plan's
         self._next = 0  # the next shard of _order to be taken by a download thread
         self.downloaded: list[str] = []  # file names, in the order this run downloaded them
+        self._begun: list[str] = []  # file names whose download this run began (journaled first)
         self._record: Callable[[str], None] | None = None  # `on_download`'s
         self.evicted: list[str] = []
 
@@ -170,10 +171,11 @@ class HubShardReader(TensorReader):
                     self.scratch.owned[path] = path.resolve()
 
     def on_download(self, record: Callable[[str], None]) -> None:
-        """Call `record(name)` for each shard this run downloads into the cache (those downloaded so far at once)."""
+        """Call `record(name)` for each shard this run begins to download into the cache, before its first byte
+        (those begun so far at once)."""
         with self._cond:
             self._record = record
-            done = list(self.downloaded)
+            done = list(self._begun)
         for name in done:
             record(name)
 
@@ -274,6 +276,12 @@ class HubShardReader(TensorReader):
         blobs = cache.blobs_folder(self.hub.repo_id)
         cached = path.is_file() and path.stat().st_size == self.hub.files[name]
         before = set(os.listdir(blobs)) if blobs.is_dir() else set()
+        if not cached:  # journaled before any byte lands in the cache: a kill after the download, before it is
+            with self._cond:  # recorded, would otherwise leave this job's shard looking like the user's
+                self._begun.append(name)
+                record = self._record
+            if record is not None:
+                record(name)
         started = time.monotonic()
         trace.mark(f"download-start:{name}")
         fetched = client.download(self.hub, name, large=True, limit=lambda: self._limit(path))
@@ -284,9 +292,6 @@ class HubShardReader(TensorReader):
         if owned:
             with self._cond:
                 self.downloaded.append(name)
-                record = self._record
-            if record is not None:
-                record(name)
         try:
             if {t.name: t for t in scan_files([path])} != self._planned[path]:
                 raise PrequantError(
