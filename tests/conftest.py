@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hub_server import HubServer, hub_server  # noqa: F401 - the local Hub fixture, for every test module
 from helpers import (  # noqa: E402 - after the path above
+    ROOT,
     build_checkpoint, ORIGINAL_CARD,
 )
 
@@ -96,3 +98,18 @@ def advice(monkeypatch) -> list[tuple[int, int, int]]:
 
     monkeypatch.setattr(os, "posix_fadvise", record)
     return calls
+
+
+@pytest.fixture(scope="session")
+def tf4() -> str:
+    """The transformers 4.57 consumer environment's python (.venv-tf4, or PREQUANT_TF4_PYTHON): skipped without it,
+    except under CI, which builds it (`bash scripts/setup.sh tf4`) and fails without it."""
+    python = os.environ.get("PREQUANT_TF4_PYTHON") or str(ROOT / ".venv-tf4" / "bin" / "python")
+    if not Path(python).is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{python} is missing: .ci/run builds it with `bash scripts/setup.sh tf4`")
+        pytest.skip("no transformers 4.x environment: bash scripts/setup.sh tf4 (or set PREQUANT_TF4_PYTHON)")
+    version = subprocess.run([python, "-c", "import transformers; print(transformers.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version.startswith("4.57"), version
+    return python

@@ -12,11 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
 
 import prequant
 
-TF4_PYTHON = os.environ.get("PREQUANT_TF4_PYTHON") or str(ROOT / ".venv-tf4" / "bin" / "python")
 
 # Run in the transformers 4.57 environment: load the checkpoint with the code given (the card's snippet, which
 # defines `model`), then each Linear4bit's weight dequantized by bitsandbytes against the source's.
@@ -47,18 +45,6 @@ for name, m in model.named_modules():
         packed = str(m.weight.dtype)
 print(json.dumps({"errors": errors, "packed": packed}))
 """
-
-
-@pytest.fixture(scope="module")
-def tf4() -> str:
-    if not Path(TF4_PYTHON).is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"{TF4_PYTHON} is missing: .ci/run builds it with `bash scripts/setup.sh tf4`")
-        pytest.skip("no transformers 4.x environment: bash scripts/setup.sh tf4 (or set PREQUANT_TF4_PYTHON)")
-    version = subprocess.run([TF4_PYTHON, "-c", "import transformers; print(transformers.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    assert version.startswith("4.57"), version
-    return TF4_PYTHON
 
 
 @pytest.fixture(scope="module")

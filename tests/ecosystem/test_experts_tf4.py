@@ -24,7 +24,6 @@ from prequant.bnb.moe import require_transformers
 from prequant.errors import PrequantError
 
 ROOT = Path(__file__).resolve().parents[2]
-TF4_PYTHON = os.environ.get("PREQUANT_TF4_PYTHON") or str(ROOT / ".venv-tf4" / "bin" / "python")
 IDS = ((torch.arange(0, 224, 7).view(2, -1) * 5) % 256).tolist()
 
 _LOADER = r"""
@@ -58,15 +57,6 @@ with torch.no_grad():
     logits = model(torch.tensor(ids)).logits.float()
 print(json.dumps({"linear4bit": linear4, "logits": logits.tolist()}))
 """
-
-
-@pytest.fixture(scope="module")
-def tf4() -> str:
-    if not Path(TF4_PYTHON).is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"{TF4_PYTHON} is missing: .ci/run builds it with `bash scripts/setup.sh tf4`")
-        pytest.skip("no transformers 4.x environment: bash scripts/setup.sh tf4 (or set PREQUANT_TF4_PYTHON)")
-    return TF4_PYTHON
 
 
 def _snippet(out: Path) -> str:
