@@ -76,11 +76,5 @@ def quantize_experts(layout: Layout, tensors: list[TensorRef]) -> Layout:
         if decisions[f"{router}.weight"].quantize:
             raise PrequantError(f"{FLAG}: the router {router} would be quantized, which no loader expects; "
                                 f"pass --skip {router}")
-    defaults = written if layout.skip_modules is not None else _default_skips(layout)
+    defaults = written if layout.skip_modules is not None else layout.default_skips
     return replace(layout, decisions=decisions, skip_modules=sorted({*defaults, *routers}))
-
-
-def _default_skips(layout: Layout) -> list[str]:
-    """The linear modules transformers keeps by default (output embedding, tied, last module), which an explicit
-    skip list must name: with no skip list written, every skipped linear weight is one of them."""
-    return [n.removesuffix(".weight") for n, d in layout.decisions.items() if d.reason.startswith("skipped: ")]

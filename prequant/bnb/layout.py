@@ -49,6 +49,9 @@ class Layout:
     method: str  # how the decisions were made, for the plan
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # said on stderr by a conversion (e.g. --skip and 4.x)
+    # The modules transformers keeps by default (output embedding, tied, last module): what an explicit skip list
+    # written later (MoE routers, `bnb.experts`) must carry too, since it replaces transformers' defaults on load.
+    default_skips: list[str] = field(default_factory=list)
 
 
 def analyze(
@@ -141,7 +144,8 @@ def _from_transformers(
     # An explicit list replaces transformers' defaults on load, so it must carry them too.
     skip_modules = sorted({*defaults, *required, *skip}) if skip or required else None
     method = f"transformers meta model ({name})" + (f", {family.name} skips" if family else "")
-    return Layout(decisions, skip_modules, method, warnings=unmatched_by_4x(by_skip, skip_modules or []))
+    return Layout(decisions, skip_modules, method, warnings=unmatched_by_4x(by_skip, skip_modules or []),
+                  default_skips=sorted(set(defaults)))
 
 
 def _transformers_default_skips(model: object) -> list[str]:

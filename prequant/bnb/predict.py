@@ -139,7 +139,8 @@ def predict(config: dict, tensors: list[TensorRef], skip: list[str], trust_remot
                                          transpose=rules.conv1d, dtype=cast_code(t.dtype, dtype))
     skip_modules = sorted({*defaults, *required, *skip}) if skip or required else None
     method = f"transformers meta model ({arch})" + (f", {family.name} skips" if family else "")
-    return Layout(decisions, skip_modules, method, warnings=unmatched_by_4x(by_skip, skip_modules or []))
+    return Layout(decisions, skip_modules, method, warnings=unmatched_by_4x(by_skip, skip_modules or []),
+                  default_skips=sorted(set(defaults)))
 
 
 def decide(config: dict, source_dir: Path, tensors: list[TensorRef], skip: list[str],
