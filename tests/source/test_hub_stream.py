@@ -781,7 +781,7 @@ def test_the_cli_begins_the_first_shards_before_torchs_import_and_the_reader_ado
     assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # the adopted ones deleted too
 
 
-def test_a_finished_early_shard_counts_as_in_the_cache_before_it_for_nothing_downloaded_twice(
+def test_without_delete_the_early_shards_are_fetched_once_and_stay_in_the_cache(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
     """Without --delete-source-shards: a shard the head start finished before the reader reached it is read from
