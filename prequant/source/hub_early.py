@@ -13,7 +13,7 @@ cache counts as this run's download (journaled, deleted with --delete-source-sha
 adopted: a download in flight stops at its next read (its partial file stays, for the next run to resume), and with
 `delete` a finished shard that was not in the cache before leaves it again.
 
-Standard library at import (huggingface_hub on the thread). Purely a head start: any failure here is left for the
+Standard library at import (huggingface_hub once a Hub source is named). Purely a head start: any failure here is left for the
 conversion to meet and report itself.
 """
 
@@ -162,7 +162,10 @@ def begin(source: str, *, delete: bool = False) -> HeadStart | None:
     except (OSError, ValueError, RuntimeError):
         return None
     repo = hub_spec(source)
-    return None if repo is None else HeadStart(repo[0], delete=delete)
+    if repo is None:
+        return None
+    from ..hub import client  # noqa: F401 - huggingface_hub, here: on the thread its import would wait behind torch's
+    return HeadStart(repo[0], delete=delete)
 
 
 __all__ = ["Begun", "HeadStart", "SHARDS", "Stopped", "begin"]
