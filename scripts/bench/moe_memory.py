@@ -100,7 +100,7 @@ def job(args: argparse.Namespace) -> None:
     opt.zero_grad(set_to_none=True)
     step = {"seconds": round(time.monotonic() - t0, 1), "loss": loss.item(), **peaks(device)}
     lora = sum(p.numel() for p in params)
-    four_bit = sum(1 for m in model.modules() if type(m).__name__.endswith("Linear4bit"))
+    four_bit = sum(1 for m in model.modules() if isinstance(m, bitsandbytes.nn.Linear4bit))  # not peft's wrappers
     report = {"device": str(device), "load": load, "step": step, "lora_parameters": lora,
               "lora_modules": len({n.rsplit(".lora_", 1)[0] for n, p in model.named_parameters() if p.requires_grad}),
               "linear4bit_modules": four_bit, "peak_vm_hwm": (status_bytes("self", ("VmHWM",)) or {}).get("VmHWM"),
@@ -155,7 +155,7 @@ def print_table(r: dict) -> None:
         return f"{v / GIB:9.2f}" if v is not None else f"{'-':>9}"
 
     print(f"\n{'loader':14} {'load GiB':>9} {'step GiB':>9} {'load res':>9} {'step res':>9} {'load s':>7} "
-          f"{"VmHWM":>8} {'4-bit':>6} {'LoRA mods':>9}  (torch's peak allocated / reserved)", file=sys.stderr)
+          f"{'VmHWM':>8} {'4-bit':>6} {'LoRA mods':>9}  (torch's peak allocated / reserved)", file=sys.stderr)
     for loader in ("prequant", "transformers"):
         m = r.get(loader)
         if not m or "load" not in m:
@@ -163,7 +163,7 @@ def print_table(r: dict) -> None:
             continue
         print(f"{loader:14} {gib(m['load']['peak_gpu_allocated'])} {gib(m['step']['peak_gpu_allocated'])} "
               f"{gib(m['load']['peak_gpu_reserved'])} {gib(m['step']['peak_gpu_reserved'])} "
-              f"{m['load']['seconds']:7.1f} {gib(m["peak_vm_hwm"])[1:]} {m['linear4bit_modules']:6d} "
+              f"{m['load']['seconds']:7.1f} {gib(m['peak_vm_hwm'])[1:]} {m['linear4bit_modules']:6d} "
               f"{m['lora_modules']:9d}", file=sys.stderr)
 
 
