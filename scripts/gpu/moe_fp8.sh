@@ -82,8 +82,8 @@ if want deepseek; then
   rm -rf "$WORK"/deepseek_v3-* "$WORK"/out-*
 fi
 if want gpu-tests; then
-  step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/bnb/test_moe_experts.py \
-    tests/conversion/test_convert_experts.py tests/conversion/test_fp8.py tests/conversion/test_fp8_experts.py \
+  step gpu-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/bnb/test_moe_experts.py \
+    tests/conversion/test_convert_experts.py tests/conversion/test_convert_gpu.py tests/conversion/test_fp8.py \
     tests/checkpoint/test_fp8_weights.py
 fi
 
