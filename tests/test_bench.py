@@ -206,6 +206,30 @@ def test_moe_checkpoints_have_the_names_and_shapes_transformers_saves(tmp_path, 
         assert tuple(scales[k].shape) == tuple(-(-d // 128) for d in files[k].shape) and (scales[k] > 0).all()
 
 
+@pytest.mark.slow
+def test_moe_memory_bench_loads_and_trains_both_ways_and_reports(tmp_path):
+    """moe_memory.py (scripts/gpu/moe_fp8.sh's memory step) on the CPU: load_for_fsdp of the 4-bit-experts output with
+    LoRA on attention and experts, transformers' quantize-on-load of the source with LoRA on attention, one step each."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from moe_checkpoints import build_moe
+
+    import prequant
+
+    src = build_moe("mixtral", tmp_path / "src")
+    prequant.convert(src, tmp_path / "ckpt", device="cpu", progress=False, quantize_experts=True)
+    subprocess.run([sys.executable, str(BENCH / "moe_memory.py"), "--checkpoint", str(tmp_path / "ckpt"), "--source",
+                    str(src), "--seq-len", "16", "--json", str(tmp_path / "m.json")],
+                   check=True, capture_output=True, text=True, timeout=600)  # fmt: skip
+    report = json.loads((tmp_path / "m.json").read_text())
+    ours, theirs = report["prequant"], report["transformers"]
+    assert "error" not in ours and "error" not in theirs
+    # 2 layers: 4 attention linears and 4 experts x 3 projections 4-bit, LoRA on each; transformers: attention only
+    assert (ours["linear4bit_modules"], ours["lora_modules"]) == (2 * (4 + 12), 2 * (4 + 12))
+    assert (theirs["linear4bit_modules"], theirs["lora_modules"]) == (2 * 4, 2 * 4)
+    for r in (ours, theirs):
+        assert r["step"]["loss"] > 0 and r["load"]["peak_gpu_allocated"] is None  # CPU: no GPU figure
+
+
 def test_synthetic_checkpoint_from_the_command_line_as_the_gpu_drivers_generate_it(tmp_path):
     """scripts/bench/synthetic.py OUT ...: what scripts/gpu/*.sh run for their source (here reduced dimensions)."""
     dims = {"hidden": 64, "inter": 128, "vocab": 256, "heads": 8}
