@@ -209,7 +209,8 @@ def test_moe_checkpoints_have_the_names_and_shapes_transformers_saves(tmp_path, 
 @pytest.mark.slow
 def test_moe_memory_bench_loads_and_trains_both_ways_and_reports(tmp_path):
     """moe_memory.py (scripts/gpu/moe_fp8.sh's memory step) on the CPU: load_for_fsdp of the 4-bit-experts output with
-    LoRA on attention and experts, transformers' quantize-on-load of the source with LoRA on attention, one step each."""
+    LoRA on attention and experts, transformers' quantize-on-load of the source with LoRA on attention, one step
+    each."""
     sys.path.insert(0, str(ROOT / "tests"))
     from moe_checkpoints import build_moe
 

@@ -267,7 +267,7 @@ class Checkpoint:
             raise PrequantError(f"{src.path}: load_for_fsdp reads safetensors checkpoints; convert it with prequant first")
         self.path = src.path
         self.tensors = {t.name: t for t in scan_files(src.weight_files)}
-        self.fused: dict[str, Any] = {}  # fused 16-bit experts parameters (experts.FusedExperts), by model name
+        self.fused: dict[str, Any] = {}  # fused 16-bit experts parameters, by model name (experts.FusedExperts)
         self.files = src.weight_files
         self.data = TensorReader()
         try:

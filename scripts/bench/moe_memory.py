@@ -8,8 +8,9 @@ against transformers 5's own quantize-on-load of the same bf16 source.
                 the fused 3-D experts 16-bit, peft LoRA on attention (--attention), then one training step
 
 Each runs in its own process (one training step on a fixed random batch: AdamW, bf16 autocast) and reports torch's
-peak allocated and reserved GPU memory while loading and during the step, and the process's peak resident memory (VmHWM), as JSON
-(stdout or --json FILE) and a table (stderr). Without CUDA both run on the CPU and report no GPU figure (smoke runs).
+peak allocated and reserved GPU memory while loading and during the step, and the process's peak resident memory
+(VmHWM), as JSON (stdout or --json FILE) and a table (stderr). Without CUDA both run on the CPU and report no GPU
+figure (smoke runs).
 
     python scripts/bench/moe_memory.py --checkpoint OUT-4BIT --source SRC-BF16 --json moe-memory.json
 """
@@ -80,7 +81,7 @@ def job(args: argparse.Namespace) -> None:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    import bitsandbytes  # noqa: F401  (imported before the clock: the load phase measures loading)
+    import bitsandbytes  # imported before the clock: the load phase measures loading
     import peft  # noqa: F401
     import transformers  # noqa: F401
 

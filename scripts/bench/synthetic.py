@@ -95,7 +95,7 @@ def layer_tensors(shape: str, i: int, dims: dict | None = None) -> list[tuple[st
         return [*_attention(p, h, h, kv), (f"{m}.gate.weight", (c["experts"], h)), *experts, *norms]
     if shape == "qwen3_moe":
         heads = c["heads"] * c["head_dim"]
-        qk_norms = [(f"{p}.self_attn.q_norm.weight", (c["head_dim"],)), (f"{p}.self_attn.k_norm.weight", (c["head_dim"],))]
+        qk_norms = [(f"{p}.self_attn.{n}.weight", (c["head_dim"],)) for n in ("q_norm", "k_norm")]
         return [*_attention(p, h, heads, kv), *qk_norms, (f"{p}.mlp.gate.weight", (c["experts"], h)),
                 *_mlp(f"{p}.mlp.experts", f, h, c["experts"]), *norms]
     if shape == "deepseek_v3":
@@ -108,7 +108,8 @@ def layer_tensors(shape: str, i: int, dims: dict | None = None) -> list[tuple[st
                      (f"{a}.o_proj.weight", (h, n * c["v_head"]))]
         if i < c["dense_layers"]:
             return [*attention, *_mlp(f"{p}.mlp", c["dense_inter"], h), *norms]
-        router = [(f"{p}.mlp.gate.weight", (c["experts"], h)), (f"{p}.mlp.gate.e_score_correction_bias", (c["experts"],))]
+        router = [(f"{p}.mlp.gate.weight", (c["experts"], h)),
+                  (f"{p}.mlp.gate.e_score_correction_bias", (c["experts"],))]
         return [*attention, *router, *_mlp(f"{p}.mlp.experts", f, h, c["experts"]),
                 *_mlp(f"{p}.mlp.shared_experts", f, h), *norms]
     return [
@@ -141,7 +142,8 @@ def config_for(shape: str, layers: int, dims: dict | None = None, model_code: bo
     if shape == "mixtral":
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
                 "intermediate_size": c["inter"], "num_key_value_heads": c["kv_heads"],
-                "num_local_experts": c["experts"], "rms_norm_eps": 1e-5, "rope_theta": 1e6, "router_aux_loss_coef": 0.02}
+                "num_local_experts": c["experts"], "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "router_aux_loss_coef": 0.02}
     if shape == "qwen3_moe":
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common,
                 "intermediate_size": 8 * c["inter"], "moe_intermediate_size": c["inter"],
@@ -191,9 +193,9 @@ WEIGHTS = {  # fmt: (shard name pattern, index name), as transformers names them
 
 def generate(shape: str, size_gb: float, out: Path, shard_gb: float = 5.0, *, layers: int | None = None,
              dims: dict | None = None, model_code: bool = False, fmt: str = "safetensors") -> Path:
-    """Write a random checkpoint (bf16; DeepSeek-V3 FP8) of about size_gb (or of `layers` decoder layers), shard by shard (one shard in
-    memory at a time). `dims` overrides SHAPES[shape]'s entries; `model_code` (grok) adds the remote-code model;
-    `fmt` "bin" writes PyTorch pickle shards (torch.save) instead of safetensors."""
+    """Write a random checkpoint (bf16; DeepSeek-V3 FP8) of about size_gb (or of `layers` decoder layers), shard by
+    shard (one shard in memory at a time). `dims` overrides SHAPES[shape]'s entries; `model_code` (grok) adds the
+    remote-code model; `fmt` "bin" writes PyTorch pickle shards (torch.save) instead of safetensors."""
     import torch
     from safetensors.torch import save_file
 

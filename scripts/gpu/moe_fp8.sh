@@ -114,8 +114,8 @@ for name, label in (("mixtral-experts", "Mixtral-8x7B-shaped, --quantize-experts
           f"{f(floor.get('seconds'), 1, '.1f')} | {f(p.get('ratio_to_floor'))} | {f(p.get('peak_rss_anon'), 2**30)} | "
           f"{f(p.get('peak_gpu_process_bytes'), 2**30)} / {f(p.get('peak_gpu_bytes'), 2**30)} |")
 m = load("memory.json")
-print("\n| Mixtral-8x7B-shaped, 1 GPU | load: peak allocated GiB | step: peak allocated GiB | load / step reserved GiB |"
-      " 4-bit linears | LoRA modules | error |\n|---|---|---|---|---|---|---|")
+print("\n| Mixtral-8x7B-shaped, 1 GPU | load: peak allocated GiB | step: peak allocated GiB |"
+      " load / step reserved GiB | 4-bit linears | LoRA modules | error |\n|---|---|---|---|---|---|---|")
 for loader, label in (("prequant", "prequant load_for_fsdp, 4-bit experts, LoRA on attention + experts"),
                       ("transformers", "transformers 5 quantize-on-load of bf16, experts 16-bit, LoRA on attention")):
     r = m.get(loader, {})

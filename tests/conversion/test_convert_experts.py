@@ -176,7 +176,9 @@ def test_load_model_logits_equal_the_dequantized_reference_on_the_gpu(made, kind
     eager = _logits(reference, "eager")
     spread = (eager - _logits(reference, "batched_mm")).abs().max().item()
     assert (ours - eager).abs().max().item() <= max(spread, 1e-2 * eager.abs().max().item()), (kind, spread)
-    source = _logits(__import__("transformers").AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to("cuda"))
+    from transformers import AutoModelForCausalLM
+
+    source = _logits(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to("cuda"))
     assert (ours - eager).abs().max() < (source - eager).abs().max()
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import pytest
+import torch
 from fp8_checkpoints import fp8_pair, outputs
 from helpers import MIXES, build_checkpoint, gpu_only, read_checkpoint, retyped, transformers_reference
 from moe_checkpoints import HANDLED, build_moe

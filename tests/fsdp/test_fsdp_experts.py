@@ -105,7 +105,8 @@ def test_two_ranks_train_a_checkpoint_with_16bit_experts_as_transformers_fuses_t
                                       for p in ("gate_up_proj", "down_proj")}
     for i in (0, 1):
         experts = [f"model.layers.{i}.{block}.experts.{e}" for e in range(4)]
-        gate_up = torch.stack([torch.cat([source[f"{x}.{w[0]}.weight"], source[f"{x}.{w[1]}.weight"]]) for x in experts])
+        gate_up = torch.stack([torch.cat([source[f"{x}.{w[0]}.weight"], source[f"{x}.{w[1]}.weight"]])
+                               for x in experts])
         down = torch.stack([source[f"{x}.{w[2]}.weight"] for x in experts])
         assert torch.equal(record["experts"][f"model.layers.{i}.mlp.experts.gate_up_proj"], gate_up)
         assert torch.equal(record["experts"][f"model.layers.{i}.mlp.experts.down_proj"], down)
@@ -132,8 +133,8 @@ def test_adapter_of_16bit_experts_reloads_with_the_same_logits(kept):
 
 def _worker(config: dict) -> None:
     import torch.distributed as dist
-    from helpers import TOKENIZER_WORDS
     from datasets import Dataset
+    from helpers import TOKENIZER_WORDS
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
@@ -155,7 +156,7 @@ def _worker(config: dict) -> None:
         logits = model(input_ids=torch.tensor(PROBE)).logits
     lora = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     fused = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in model.named_parameters()
-             if n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3}  # 16-bit experts, as transformers fuses them
+             if n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3}  # 16-bit experts, fused
     rows = [0] * dist.get_world_size()
     dist.all_gather_object(rows, next((p.to_local().shape[0] for p in fused.values()), 0))
     record = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "probe_logits": logits,
