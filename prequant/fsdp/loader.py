@@ -236,7 +236,12 @@ def _fill_shards(model: torch.nn.Module, ckpt: Checkpoint, keys: dict[str, str],
             key = keys[name]
             prefix = key.removesuffix(".weight")
             fused = ckpt.fused.get(key)  # 16-bit experts, fused from the checkpoint's per-expert weights
-            src = fused or (ckpt.packed(prefix, local.dtype) if prefix in ckpt.quantized else ckpt.view(key))
+            if fused is not None:
+                src = fused
+            elif prefix in ckpt.quantized:
+                src = ckpt.packed(prefix, local.dtype)
+            else:
+                src = ckpt.view(key)
             if tuple(src.shape) != tuple(param.shape):
                 raise PrequantError(f"{ckpt.path}: {key} is {tuple(src.shape)} in the file, the model expects "
                                     f"{tuple(param.shape)}; is config.json the checkpoint's own?")

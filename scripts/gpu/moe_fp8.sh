@@ -16,7 +16,8 @@
 #   deepseek   DeepSeek-V3-shaped FP8 (hidden 7168, 256 routed experts of 2048 + 1 shared, MLA attention, vocab
 #              129280), layer 0 dense (18432) + 1 MoE layer: 0.58 + 11.5 GB FP8 with 128x128 scales + 3.7 GB bf16
 #              embedding and head = 15.8 GB; --quantize-experts on cuda against its floor, RssAnon. About 100 s.
-#   gpu-tests  the tests marked gpu of the MoE and FP8 modules. About 60 s.
+#   gpu-tests  the tests marked gpu of the MoE and FP8 modules. About 90 s.
+# In all about 470 s, with the wheels' install and the libraries' first import (about 20 s).
 # Disk (64 GB): one source at a time (at most 15.8 GB) beside its outputs (at most 12 GB), each removed after its step.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
