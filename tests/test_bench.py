@@ -156,6 +156,81 @@ def test_grok_checkpoint_with_model_code_loads_with_every_generated_tensor(tmp_p
     assert all(torch.equal(state[k], v) for k, v in files.items())
 
 
+MOE_DIMS = {  # scripts/gpu/moe_fp8.sh's reduced dimensions (TINY=1)
+    "mixtral": {"hidden": 256, "inter": 512, "heads": 4, "kv_heads": 2, "vocab": 512},
+    "qwen3_moe": {"hidden": 256, "inter": 64, "heads": 4, "kv_heads": 2, "head_dim": 64, "experts": 16, "vocab": 512},
+    "deepseek_v3": {"hidden": 320, "inter": 96, "dense_inter": 400, "heads": 4, "experts": 8, "groups": 2,
+                    "topk_groups": 1, "active": 2, "q_lora": 192, "kv_lora": 128, "rope": 16, "nope": 32, "v_head": 32,
+                    "vocab": 512},
+}
+
+
+@pytest.mark.parametrize("shape", list(MOE_DIMS))
+def test_moe_checkpoints_have_the_names_and_shapes_transformers_saves(tmp_path, shape):
+    """synthetic.py's MoE shapes: every tensor transformers 5 saves for the model of their config.json, per expert,
+    under the same names and shapes (DeepSeek-V3: FP8 codes all finite, a float32 scale per 128x128 block)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, str(BENCH))
+    from synthetic import generate
+
+    ckpt = generate(shape, 0, tmp_path / shape, layers=2, dims=MOE_DIMS[shape])
+    files = {}
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            files.update({k: sf.get_tensor(k) for k in sf.keys()})
+    config = json.loads((ckpt / "config.json").read_text())
+    qc = config.pop("quantization_config", None)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "cfg")).save_pretrained(tmp_path / "ref")
+    saved = {}
+    for f in (tmp_path / "ref").glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            saved.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
+    weights = {k: tuple(v.shape) for k, v in files.items() if not k.endswith("weight_scale_inv")}
+    assert weights == saved
+    assert any(".experts.1." in k for k in saved)
+    scales = {k.removesuffix("_scale_inv"): v for k, v in files.items() if k.endswith("weight_scale_inv")}
+    if shape != "deepseek_v3":
+        assert qc is None and not scales and {v.dtype for v in files.values()} == {torch.bfloat16}
+        return
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    fp8 = {k for k, v in files.items() if v.dtype == torch.float8_e4m3fn}
+    assert fp8 == set(scales) and "model.layers.1.mlp.experts.7.down_proj.weight" in fp8
+    assert "model.layers.1.mlp.gate.weight" not in fp8 and "model.layers.0.mlp.gate_proj.weight" in fp8
+    for k in fp8:
+        assert torch.isfinite(files[k].float()).all(), k
+        assert tuple(scales[k].shape) == tuple(-(-d // 128) for d in files[k].shape) and (scales[k] > 0).all()
+
+
+@pytest.mark.slow
+def test_moe_memory_bench_loads_and_trains_both_ways_and_reports(tmp_path):
+    """moe_memory.py (scripts/gpu/moe_fp8.sh's memory step) on the CPU: load_for_fsdp of the 4-bit-experts output with
+    LoRA on attention and experts, transformers' quantize-on-load of the source with LoRA on attention, one step
+    each."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from moe_checkpoints import build_moe
+
+    import prequant
+
+    src = build_moe("mixtral", tmp_path / "src")
+    prequant.convert(src, tmp_path / "ckpt", device="cpu", progress=False, quantize_experts=True)
+    subprocess.run([sys.executable, str(BENCH / "moe_memory.py"), "--checkpoint", str(tmp_path / "ckpt"), "--source",
+                    str(src), "--seq-len", "16", "--json", str(tmp_path / "m.json")],
+                   check=True, capture_output=True, text=True, timeout=600)  # fmt: skip
+    report = json.loads((tmp_path / "m.json").read_text())
+    ours, theirs = report["prequant"], report["transformers"]
+    assert "error" not in ours and "error" not in theirs
+    # 2 layers: 4 attention linears and 4 experts x 3 projections 4-bit, LoRA on each; transformers: attention only
+    assert (ours["linear4bit_modules"], ours["lora_modules"]) == (2 * (4 + 12), 2 * (4 + 12))
+    assert (theirs["linear4bit_modules"], theirs["lora_modules"]) == (2 * 4, 2 * 4)
+    for r in (ours, theirs):
+        assert r["step"]["loss"] > 0 and r["load"]["peak_gpu_allocated"] is None  # CPU: no GPU figure
+
+
 def test_synthetic_checkpoint_from_the_command_line_as_the_gpu_drivers_generate_it(tmp_path):
     """scripts/bench/synthetic.py OUT ...: what scripts/gpu/*.sh run for their source (here reduced dimensions)."""
     dims = {"hidden": 64, "inter": 128, "vocab": 256, "heads": 8}

@@ -205,7 +205,7 @@ def _build_meta_model(
     model.config.use_cache = False
     keys: dict[int, str] = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if name in ckpt.tensors:
+        if name in ckpt.tensors or name in ckpt.fused:
             keys[id(t)] = name
         elif isinstance(t, torch.nn.Parameter):
             raise PrequantError(
@@ -235,11 +235,20 @@ def _fill_shards(model: torch.nn.Module, ckpt: Checkpoint, keys: dict[str, str],
         if name in keys:
             key = keys[name]
             prefix = key.removesuffix(".weight")
-            src = ckpt.packed(prefix, local.dtype) if prefix in ckpt.quantized else ckpt.view(key)
+            fused = ckpt.fused.get(key)  # 16-bit experts, fused from the checkpoint's per-expert weights
+            if fused is not None:
+                src = fused
+            elif prefix in ckpt.quantized:
+                src = ckpt.packed(prefix, local.dtype)
+            else:
+                src = ckpt.view(key)
             if tuple(src.shape) != tuple(param.shape):
                 raise PrequantError(f"{ckpt.path}: {key} is {tuple(src.shape)} in the file, the model expects "
                                     f"{tuple(param.shape)}; is config.json the checkpoint's own?")
-            local.copy_(_read_rows(src, start, stop))
+            if fused is not None:
+                fused.copy_rows(local, start, stop)
+            else:
+                local.copy_(_read_rows(src, start, stop))
         elif ".lora_A." in name or ".lora_B." in name:
             local.copy_(lora_init_value(name, tuple(param.shape), seed)[start:stop])
         else:
@@ -263,6 +272,7 @@ class Checkpoint:
             raise PrequantError(f"{src.path}: load_for_fsdp reads safetensors checkpoints; convert it with prequant first")
         self.path = src.path
         self.tensors = {t.name: t for t in scan_files(src.weight_files)}
+        self.fused: dict[str, Any] = {}  # fused 16-bit experts parameters, by model name (experts.FusedExperts)
         self.files = src.weight_files
         self.data = TensorReader()
         try:

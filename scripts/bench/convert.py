@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the JSON report here (default: stdout)")
     args = ap.parse_args()
 
-    src = generated(args.shape, args.size_gb, args.dir)
+    src = generated(args.shape, args.size_gb, args.dir, args.layers, args.dims)
     if args.hub:
         hub_path.source_hashes(src)  # while the new shards are still in the page cache
     shards = sorted(src.glob("*.safetensors"))

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    src = generated(args.shape, args.size_gb, args.dir)
+    src = generated(args.shape, args.size_gb, args.dir, args.layers, args.dims)
     shards = sorted(src.glob("*.safetensors"))
     report: dict = {"shape": args.shape, "source_bytes": sum(p.stat().st_size for p in shards),
                     "libraries": "warm" if args.warm_libraries else "cold", "runs": []}  # fmt: skip

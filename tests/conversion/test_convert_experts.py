@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from helpers import gpu_only
 from moe_checkpoints import HANDLED, REFUSED, build_moe, dequantized, entries_of, read_all
 
 import prequant
@@ -145,7 +146,7 @@ def _logits(model, implementation: str | None = None) -> torch.Tensor:
     if implementation is not None:
         model.set_experts_implementation(implementation)
     with torch.no_grad():
-        return model(IDS).logits.float()
+        return model(IDS.to(model.device)).logits.float().cpu()
 
 
 @pytest.mark.parametrize("kind", HANDLED)
@@ -161,6 +162,23 @@ def test_load_model_logits_equal_the_dequantized_reference_on_the_cpu(made, kind
     assert (ours - eager).abs().max().item() <= max(spread, 1e-2 * scale), (kind, spread)
     # and it is the 4-bit model, not the source's: the source's logits are farther away
     source = _logits(__import__("transformers").AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16))
+    assert (ours - eager).abs().max() < (source - eager).abs().max()
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", HANDLED)
+def test_load_model_logits_equal_the_dequantized_reference_on_the_gpu(made, kind):
+    src, out = made(kind)
+    model = prequant.load_model(out, device_map="cuda")
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    ours = _logits(model)
+    reference = _reference(src, out, kind).to("cuda")
+    eager = _logits(reference, "eager")
+    spread = (eager - _logits(reference, "batched_mm")).abs().max().item()
+    assert (ours - eager).abs().max().item() <= max(spread, 1e-2 * eager.abs().max().item()), (kind, spread)
+    from transformers import AutoModelForCausalLM
+
+    source = _logits(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to("cuda"))
     assert (ours - eager).abs().max() < (source - eager).abs().max()
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import pytest
+import torch
+from fp8_checkpoints import fp8_pair, outputs
 from helpers import MIXES, build_checkpoint, gpu_only, read_checkpoint, retyped, transformers_reference
+from moe_checkpoints import HANDLED, build_moe
 
 import prequant
 
@@ -98,3 +100,27 @@ def test_tensors_in_other_dtypes_are_byte_identical_to_transformers(tiny, tmp_pa
     ref = transformers_reference(src, tmp_path / "ref", device="cuda")
     prequant.convert(src, tmp_path / "out", device=device, progress=False)
     _assert_identical_checkpoints(tmp_path / "out", ref)
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", HANDLED)
+def test_quantized_experts_on_cuda_are_the_cpu_kernels_bytes(tmp_path, kind):
+    src = build_moe(kind, tmp_path / "src")
+    for device in ("cuda", "cpu"):
+        prequant.convert(src, tmp_path / device, device=device, progress=False, quantize_experts=True)
+    assert outputs(tmp_path / "cuda") == outputs(tmp_path / "cpu")
+
+
+@gpu_only
+@pytest.mark.parametrize("fmt, scale_dtype", [("block", torch.float32), ("block", torch.bfloat16),
+                                              ("channel", torch.bfloat16), ("tensor", torch.float32)])
+def test_fp8_on_cuda_is_the_reference_dequantization_converted_and_the_cpu_bytes(tmp_path, fmt, scale_dtype):
+    """Both FP8 formats, dimensions not multiples of the block, a weight and its scale in different shards: on CUDA
+    the output equals converting (on CUDA) the 16-bit checkpoint the reference dequantization writes, and the CPU's."""
+    src, ref = fp8_pair(tmp_path, fmt, scale_dtype)
+    for name, source, device in (("fp8-cuda", src, "cuda"), ("fp8-cpu", src, "cpu"), ("ref-cuda", ref, "cuda")):
+        prequant.convert(source, tmp_path / name, device=device, progress=False, max_shard_size="150KB")
+    wanted = outputs(tmp_path / "ref-cuda")
+    assert len([n for n in wanted if n.endswith(".safetensors")]) > 1
+    assert outputs(tmp_path / "fp8-cuda") == wanted
+    assert outputs(tmp_path / "fp8-cpu") == wanted

@@ -1,5 +1,6 @@
 """load_for_fsdp on MoE checkpoints with 4-bit experts (`--quantize-experts`): 2 gloo ranks train SFTTrainer steps
-with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model`.
+with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model`. With
+experts kept 16-bit, the model holds transformers 5's fused experts, each rank its own experts, LoRA on attention.
 
 The distributed part runs this very file under torchrun as a worker (`--worker CONFIG_JSON`).
 
@@ -27,23 +28,33 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
-def trained(request, tmp_path_factory) -> dict:
+def _train(kind: str, root: Path, quantize_experts: bool) -> dict:
+    """A tiny `kind` MoE converted (with or without 4-bit experts) and trained on 2 gloo ranks by the worker."""
     from helpers import build_tokenizer
     from moe_checkpoints import build_moe
 
     import prequant
 
-    root = tmp_path_factory.mktemp(request.param)
-    src = build_moe(request.param, root / "src")
-    prequant.convert(src, root / "ckpt", device="cpu", progress=False, quantize_experts=True)
+    src = build_moe(kind, root / "src")
+    prequant.convert(src, root / "ckpt", device="cpu", progress=False, quantize_experts=quantize_experts)
     config = {"checkpoint": str(root / "ckpt"), "tokenizer": str(build_tokenizer(root / "tok")),
               "out": str(root / "run")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            __file__, "--worker", json.dumps(config)], capture_output=True, text=True, env=_env(),
                           cwd=ROOT, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return {**config, "record": torch.load(root / "run" / "record.pt", weights_only=False), "kind": request.param}
+    record = torch.load(root / "run" / "record.pt", weights_only=False)
+    return {**config, "source": str(src), "record": record, "kind": kind}
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def trained(request, tmp_path_factory) -> dict:
+    return _train(request.param, tmp_path_factory.mktemp(request.param), quantize_experts=True)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def kept(request, tmp_path_factory) -> dict:
+    return _train(request.param, tmp_path_factory.mktemp(f"{request.param}-kept"), quantize_experts=False)
 
 
 def test_two_ranks_train_lora_on_every_expert(trained):
@@ -77,13 +88,53 @@ def test_adapter_names_each_expert_and_reloads_with_the_same_logits(trained):
     assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
 
 
+def test_two_ranks_train_a_checkpoint_with_16bit_experts_as_transformers_fuses_them(kept):
+    """Without --quantize-experts the experts stay 16-bit: the model holds transformers 5's fused experts (gate rows,
+    then up rows), filled from the checkpoint's per-expert weights, their rows split between the ranks; LoRA goes on
+    attention and, through peft's own LoRA of fused expert parameters, on the experts."""
+    from moe_checkpoints import read_all
+
+    record = kept["record"]
+    assert len(record["losses"]) == 3 and all(torch.isfinite(torch.tensor(record["losses"])))
+    for part in (".self_attn.q_proj.lora_B.", ".mlp.experts.lora_B."):
+        assert any(part in n and record["lora"][n].abs().sum() > 0 for n in record["lora"]), part  # trained
+    source = read_all(Path(kept["source"]))
+    w = ("w1", "w3", "w2") if kept["kind"] == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if kept["kind"] == "mixtral" else "mlp"
+    assert set(record["experts"]) == {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1)
+                                      for p in ("gate_up_proj", "down_proj")}
+    for i in (0, 1):
+        experts = [f"model.layers.{i}.{block}.experts.{e}" for e in range(4)]
+        gate_up = torch.stack([torch.cat([source[f"{x}.{w[0]}.weight"], source[f"{x}.{w[1]}.weight"]])
+                               for x in experts])
+        down = torch.stack([source[f"{x}.{w[2]}.weight"] for x in experts])
+        assert torch.equal(record["experts"][f"model.layers.{i}.mlp.experts.gate_up_proj"], gate_up)
+        assert torch.equal(record["experts"][f"model.layers.{i}.mlp.experts.down_proj"], down)
+    assert record["experts_local_rows"] == [2, 2]  # four experts, two per rank
+
+
+def test_adapter_of_16bit_experts_reloads_with_the_same_logits(kept):
+    from peft import PeftModel
+
+    import prequant
+
+    model = PeftModel.from_pretrained(prequant.load_model(kept["checkpoint"]), Path(kept["out"]) / "final")
+    params = dict(model.named_parameters())
+    trained = kept["record"]["lora"]
+    assert [n for n in trained if torch.equal(params[n].float(), trained[n].float())] == list(trained)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits.float()
+    sharded = kept["record"]["probe_logits"].float()
+    assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
 # ----------------------------------------------------------------------------------------- the worker
 
 
 def _worker(config: dict) -> None:
     import torch.distributed as dist
-    from helpers import TOKENIZER_WORDS
     from datasets import Dataset
+    from helpers import TOKENIZER_WORDS
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
@@ -104,8 +155,13 @@ def _worker(config: dict) -> None:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE)).logits
     lora = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    fused = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in model.named_parameters()
+             if n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3}  # 16-bit experts, fused
+    rows = [0] * dist.get_world_size()
+    dist.all_gather_object(rows, next((p.to_local().shape[0] for p in fused.values()), 0))
     record = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "probe_logits": logits,
-              "lora": lora}
+              "lora": lora, "experts": {n: p.full_tensor().detach().clone() for n, p in fused.items()},
+              "experts_local_rows": rows}
     if dist.get_rank() == 0:
         torch.save(record, out / "record.pt")
     dist.barrier()
