@@ -126,23 +126,14 @@ def convert(
     arguments = dict(locals())
     from .conversion import output, readahead  # standard library: both run before torch's import
 
-    from .source import hub_early  # standard library at import
-
-    out = output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
-    early = None
+    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
     if not dry_run:
         readahead.prefetch(source)  # a local source's disk reads go on while the libraries load
-        if output.fresh(out):  # a Hub source's first shards download meanwhile (not for a run that continues one)
-            early = hub_early.begin(source, delete=delete_source_shards)
-    try:
-        with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
-            from .conversion.options import ConvertOptions
-            from .conversion.run import convert as run_convert
-        trace.mark("imported")
-        result = run_convert(source, output_dir, ConvertOptions.pick(arguments), head_start=early)
-    finally:
-        if early is not None:
-            early.close()
+    with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
+        from .conversion.options import ConvertOptions
+        from .conversion.run import convert as run_convert
+    trace.mark("imported")
+    result = run_convert(source, output_dir, ConvertOptions.pick(arguments))
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 
 

@@ -11,7 +11,7 @@ import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,9 +20,6 @@ from ..bnb.loading import skip_problem
 from ..checkpoint.dtypes import torch_name
 from ..errors import UsageError
 from .plan import parse_size
-
-if TYPE_CHECKING:
-    from ..source.hub_early import HeadStart
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _DEVICE = re.compile(r"^(auto|(cpu|cuda)(:\d+)?)$")
@@ -65,8 +62,6 @@ class ConvertOptions:
     allow_nan: bool = False  # copy a kept tensor holding NaN as it is (recorded in prequant.json) instead of refusing
     base_model: str | None = None  # the card's base_model (a Hub repo id) for a local source; a Hub source's own
     cli: bool = field(default=False, repr=False, compare=False)  # built by `pick`: messages name the CLI's flags
-    # A Hub source's first shards, begun by the CLI before torch's import (`source.hub_early`): the reader adopts them.
-    head_start: HeadStart | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = {name: getattr(self, name) for name in ("compute_dtype", "quant_storage")}

@@ -102,11 +102,6 @@ def _entries(output_dir: Path) -> list[str]:
     return sorted(p.name for p in output_dir.iterdir() if p.name not in (STAGING, LOCK))
 
 
-def fresh(output_dir: Path) -> bool:
-    """Whether OUTPUT_DIR holds no conversion, interrupted or finished (a run there starts from the first tensor)."""
-    return not (interrupted(output_dir) or (output_dir / MANIFEST).is_file())
-
-
 def interrupted(output_dir: Path) -> bool:
     """Whether OUTPUT_DIR holds an interrupted conversion (its journal, or a publish cut short)."""
     staging = output_dir / STAGING

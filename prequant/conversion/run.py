@@ -140,8 +140,7 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
     if journal.resumed and opts.progress:
         print(f"prequant: resuming: {len(journal.done.steps)} of {len(plan.steps)} tensors done", file=sys.stderr)
     # A resumed run's downloads start at its first read, once the journal has marked what is done.
-    data = reader(src, job.tensors, delete=opts.delete_source_shards, start=not journal.resumed,
-                  early=opts.head_start)
+    data = reader(src, job.tensors, delete=opts.delete_source_shards, start=not journal.resumed)
     if opts.delete_source_shards:  # the shards an interrupted run downloaded are this run's to delete
         data.claim(journal.done.downloaded)
         data.on_download(journal.source_downloaded)

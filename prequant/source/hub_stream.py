@@ -2,8 +2,7 @@
 
 `HubShardReader` downloads the shards in the order the plan reads them, `DOWNLOADS` at a time on threads of this
 process, while the conversion goes on. The downloads start when the conversion calls `start` (as soon as the
-tensors are known) or at the first read; a shard whose download the CLI began before torch's import (`hub_early`)
-is adopted, not downloaded again. Reading a shard waits until it is complete and its header has been checked
+tensors are known) or at the first read. Reading a shard waits until it is complete and its header has been checked
 against the plan. Shards that were in the cache before the run are never deleted; those an interrupted run of the
 same conversion downloaded are this run's to delete (`claim`).
 
@@ -23,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -32,7 +30,6 @@ from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
 from ..hub import cache, client
 from ..util import trace
-from .hub_early import Begun, HeadStart
 from .spec import Source
 
 log = logging.getLogger(__name__)
@@ -104,12 +101,10 @@ class HubShardReader(TensorReader):
     fails. `tensor_done(ref)` is called as each tensor's outputs are written.
     """
 
-    def __init__(self, src: Source, tensors: Sequence[TensorRef], *, delete: bool = False,
-                 early: HeadStart | None = None) -> None:
-        """`early`: the downloads the CLI began (`hub_early`), adopted as this reader reaches their shards."""
+    def __init__(self, src: Source, tensors: Sequence[TensorRef], *, delete: bool = False) -> None:
         super().__init__()
         assert src.hub is not None
-        self.src, self.hub, self.delete, self.early = src, src.hub, delete, early
+        self.src, self.hub, self.delete = src, src.hub, delete
         self._planned: dict[Path, dict[str, TensorRef]] = {}
         for ref in tensors:
             self._planned.setdefault(ref.file, {})[ref.name] = ref
@@ -278,13 +273,9 @@ class HubShardReader(TensorReader):
         """Download one shard and check its header against the plan; its blob if this run put
         it in the cache (it was not complete there, and its blob did not exist, when the download began)."""
         name = self._name(path)
-        begun = self.early.take(self.hub, name) if self.early is not None else None
-        if begun is not None:  # as the cache was when the CLI began it
-            cached, before = begun.cached, begun.blobs_before
-        else:
-            blobs = cache.blobs_folder(self.hub.repo_id)
-            cached = path.is_file() and path.stat().st_size == self.hub.files[name]
-            before = set(os.listdir(blobs)) if blobs.is_dir() else set()
+        blobs = cache.blobs_folder(self.hub.repo_id)
+        cached = path.is_file() and path.stat().st_size == self.hub.files[name]
+        before = set(os.listdir(blobs)) if blobs.is_dir() else set()
         if not cached:  # journaled before any byte lands in the cache: a kill after the download, before it is
             with self._cond:  # recorded, would otherwise leave this job's shard looking like the user's
                 self._begun.append(name)
@@ -292,11 +283,9 @@ class HubShardReader(TensorReader):
             if record is not None:
                 record(name)
         started = time.monotonic()
-        fetched = self._adopt(begun, path) if begun is not None else None
-        if fetched is None:
-            trace.mark(f"download-start:{name}")
-            fetched = client.download(self.hub, name, large=True, limit=lambda: self._limit(path))
-            trace.mark(f"download-done:{name}")
+        trace.mark(f"download-start:{name}")
+        fetched = client.download(self.hub, name, large=True, limit=lambda: self._limit(path))
+        trace.mark(f"download-done:{name}")
         log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
         blob = fetched.resolve()
         owned = not cached and blob.name not in before  # put in the cache by this run: its to delete
@@ -314,26 +303,6 @@ class HubShardReader(TensorReader):
                 cache.evict(self.hub.repo_id, self.hub.sha, name)  # never leave a bad file for the next run to trust
             raise
         return blob if owned else None
-
-
-    def _adopt(self, begun: Begun, path: Path) -> Path | None:
-        """The shard the CLI's head start downloads, once it is done; None where that download failed for a reason
-        of its own (this reader then downloads the shard itself); a PrequantError (the Hub's answer after the
-        retries) is raised as this reader's own download would raise it."""
-        trace.mark(f"download-adopted:{begun.name}")
-        while True:
-            with self._cond:
-                if self._closed:
-                    raise _Stopped(f"the download of {path.name} stopped: the conversion ended")
-            try:
-                return begun.result.result(timeout=0.1)
-            except FutureTimeout:
-                continue
-            except PrequantError:
-                raise
-            except Exception as error:  # noqa: BLE001
-                log.debug("the early download of %s failed (%s); downloading it again", begun.name, error)
-                return None
 
 
 def _held_files() -> set[str]:

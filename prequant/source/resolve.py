@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..checkpoint import fp8
 from ..checkpoint.hf_files import check_index, read_config
@@ -19,9 +18,6 @@ from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
 from .spec import ALIASES, Contents, Source, hub, hub_spec, local
-
-if TYPE_CHECKING:
-    from .hub_early import HeadStart
 
 
 def resolve(spec: str, *, stream: bool = False, delete: bool = False) -> Source:
@@ -70,11 +66,9 @@ def contents(src: Source) -> Contents:
     return Contents(*fp8.as_16bit(tensors, read_config(src.path), where=src.path / "config.json"))
 
 
-def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False, start: bool = False,
-           early: HeadStart | None = None) -> TensorReader:
+def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False, start: bool = False) -> TensorReader:
     """The TensorReader of the source's data; for a Hub source, one that downloads the shards as the `tensors`
-    (in the order they will be read) reach them: from now on with `start`, else from the first read; it adopts the
-    downloads `early` began (the CLI's head start, `hub_early`) instead of starting them again.
+    (in the order they will be read) reach them: from now on with `start`, else from the first read.
 
     `delete` (Hub sources only): evict each shard prequant downloaded from the cache once its tensors are
     written; call the returned reader's `tensor_done(ref)` as each tensor is written. Not `start` for a resumed
@@ -84,7 +78,7 @@ def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False, s
         return TensorReader()
     from . import hub_stream
 
-    data = hub_stream.HubShardReader(src, fp8.stored(tensors), delete=delete, early=early)  # FP8: stored tensors
+    data = hub_stream.HubShardReader(src, fp8.stored(tensors), delete=delete)  # FP8 weights: their stored tensors
     if start:
         data.start()
     return fp8.reading(data, tensors)

@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -746,89 +745,3 @@ def test_a_run_killed_mid_shard_leaves_nothing_that_looks_complete_and_resumes(
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(out) == outputs(tmp_path / "local")
     assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # the killed run's shards too
-
-
-# ------------------------------------------------------------------------------ the CLI's head start (hub_early)
-
-
-def _trace(path: Path) -> dict[str, float]:
-    """A PREQUANT_TRACE file's events, name -> time."""
-    return {name: at for name, at in json.loads(path.read_text())["events"]}
-
-
-def test_the_cli_begins_the_first_shards_before_torchs_import_and_the_reader_adopts_them(
-    hub_server: HubServer, tiny: Path, tmp_path: Path
-) -> None:
-    """The first two shards' downloads start while the libraries load (before `imported`); the conversion takes
-    them over, so every shard's body is sent once, and the bytes are the local conversion's; with
-    --delete-source-shards the adopted shards leave the cache like the others."""
-    order = _shard_order(tmp_path)
-    hub_server.clear_log()
-    trace_file = tmp_path / "trace.json"
-    out = tmp_path / "out"
-    result = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
-                     env={"PREQUANT_TRACE": str(trace_file)})
-    assert result.returncode == 0, result.stderr
-    events = _trace(trace_file)
-    for name in order[:2]:
-        assert events[f"download-start:{name}"] < events["imported"], events
-        assert f"download-adopted:{name}" in events
-    assert f"download-start:{order[2]}" not in events or events[f"download-start:{order[2]}"] > events["imported"]
-    whole = [name for name, ranged in shard_requests(hub_server) if not ranged]
-    assert sorted(whole) == sorted(order)  # each shard's body once: none downloaded twice
-    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
-    assert outputs(out) == outputs(tmp_path / "local")
-    assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # the adopted ones deleted too
-
-
-def test_without_delete_the_early_shards_are_fetched_once_and_stay_in_the_cache(
-    hub_server: HubServer, tiny: Path, tmp_path: Path
-) -> None:
-    """Without --delete-source-shards: a shard the head start finished before the reader reached it is read from
-    the cache, not requested again, and stays there (as every download does without the option)."""
-    order = _shard_order(tmp_path)
-    hub_server.clear_log()
-    result = run_cli("convert", REPO, str(tmp_path / "out"), "--device", "cpu")
-    assert result.returncode == 0, result.stderr
-    assert sorted(name for name, ranged in shard_requests(hub_server) if not ranged) == sorted(order)
-    assert sorted(p.name for p in cache_repo(REPO).glob("snapshots/*/*.safetensors")) == sorted(order)
-
-
-def test_a_refused_output_dir_starts_no_download(hub_server: HubServer, tiny: Path, tmp_path: Path) -> None:
-    (tmp_path / "file").write_text("x")
-    result = run_cli("convert", REPO, str(tmp_path / "file"), "--device", "cpu")
-    assert result.returncode == 2, result.stderr
-    assert hub_server.request_log == []  # not even the repo's lookup
-
-
-def test_a_signal_during_the_import_stops_cleanly_and_the_early_download_resumes(
-    hub_server: HubServer, tiny: Path, tmp_path: Path
-) -> None:
-    """SIGINT while torch is imported and the first shard's head start is half sent: exit 130, the partial file
-    stays in the cache and nothing else is written; the next run continues that shard from its last byte."""
-    first = _shard_order(tmp_path)[0]
-    held = hub_server.fail(REPO, first, "hold", after_bytes=10_000, times=1, ranged=False)
-    out, trace_file = tmp_path / "out", tmp_path / "trace.json"
-    proc = start_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
-                     env={"PREQUANT_TRACE": str(trace_file)})
-    try:
-        assert held.arrived.wait(120), "the first shard's early download never started"
-        _wait_for(lambda: proc.poll() is not None or _partial_size(first, tiny) == 10_000)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        held.release.set()
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
-    assert "imported" not in _trace(trace_file)  # the signal came during the import
-    assert err.strip().splitlines()[-1] == "Error: interrupted by SIGINT"
-    assert _partial_size(first, tiny) == 10_000
-    assert not out.exists() or not any(out.iterdir())
-
-    hub_server.clear_log()
-    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards")
-    assert resumed.returncode == 0, resumed.stderr
-    assert _gets(hub_server, first) == [(206, "bytes=10000-")]
-    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
-    assert outputs(out) == outputs(tmp_path / "local")
