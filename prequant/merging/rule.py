@@ -104,7 +104,8 @@ def merged(w: torch.Tensor, target: Target, adapter: TensorReader) -> torch.Tens
             delta = delta.T
         x = _same_shape(delta.mul_(target.scaling), w, target.a).add(w.float())
         if target.magnitude is not None:
-            rows = x.T if target.fan_in_fan_out else x  # one row per output
+            # One row per output; laid out as peft lays it out, since the norm's summation order follows the layout.
+            rows = w.T + delta.T if target.fan_in_fan_out else x
             factor = read(target.magnitude).float() / torch.linalg.norm(rows, dim=1)
             x = x * (factor.view(1, -1) if target.fan_in_fan_out else factor.view(-1, 1))
         return x.to(dtype)

@@ -33,7 +33,7 @@ from ..conversion import output
 from ..conversion.journal import fingerprint
 from ..conversion.options import ConvertOptions
 from ..conversion.plan import OutTensor, Plan, Step, make_plan
-from ..conversion.record import Recorder, copy_side_files, side_files, source_identity, write_index
+from ..conversion.record import KeptCheck, Recorder, copy_side_files, side_files, source_identity, write_index
 from ..conversion.run import Job, _interruptible, _push, _stream, _summary
 from ..conversion.summary import Summary
 from ..errors import PrequantError, UsageError
@@ -86,6 +86,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
             with _interruptible(), Recorder(src, plan, stats=opts.stats and quantize, job=job.id,
                                             allow_nan=opts.allow_nan, options={"max_shard_size": opts.shard_limit,
                                                                                "quantize": quantize}) as record:
+                record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(four_out))
                 if not output.publishing(claim.staging):
                     device = starting.ready(quantizer).device
                     with float32_products(device):
@@ -127,6 +128,17 @@ class Merger:
                 tensor = tensor.T.contiguous()
         target = self.changed.get(name)
         return tensor if target is None else merged(tensor, target, self.data)
+
+
+class _KeptCheck(KeptCheck):
+    """The check of kept tensors, but for a 4-bit base's packed weights copied as stored: codes, not numbers."""
+
+    def __init__(self, allow_nan: bool, packed: set[str]) -> None:
+        super().__init__(allow_nan)
+        self.packed = packed
+
+    def __call__(self, name: str, tensor: Any) -> tuple[int, int] | None:
+        return None if name in self.packed else super().__call__(name, tensor)
 
 
 def open_adapter(spec: str) -> Adapter:
