@@ -100,6 +100,12 @@ def read(directory: Path, identity: dict) -> Adapter:
     return Adapter(directory, config, files, tensors, identity)
 
 
+def wanted(adapter: Adapter) -> list[str]:
+    """The base tensors the adapter's keys name, as the trained model named them."""
+    return [key if part is None else f"{module}.weight" for key in adapter.tensors
+            for module, part in [_split(key)]]
+
+
 def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
     """Each base tensor the adapter changes (by its key in the base checkpoint) and how. `base_keys` maps a tensor's
     name in the trained model to its key in the base checkpoint (`base_names`). Every adapter key must

@@ -41,7 +41,7 @@ from ..source.resolve import contents, resolve, scan
 from ..source.spec import Source, hub_spec
 from ..util.fsio import write_json
 from . import card
-from .adapter import CONFIG_NAME, WEIGHT_NAMES, Adapter, Target, base_names, read, targets
+from .adapter import CONFIG_NAME, WEIGHT_NAMES, Adapter, Target, base_names, read, targets, wanted
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
 
 
@@ -68,8 +68,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     data = TensorReader()  # the adapter's tensors and a 4-bit base's quant states and block scales
     try:
         four_bit = four_bit_weights(tensors, data) if four else {}
-        names = base_names([t.name for t in tensors], src.path,
-                           [f"{k.rpartition('.')[0]}.weight" for k in lora.tensors] + list(lora.tensors))
+        names = base_names([t.name for t in tensors], src.path, wanted(lora))
         changed = targets(lora, names)
         plan = _plan(tensors, config, src, changed, four_bit, quantize, opts)
         if opts.dry_run:
@@ -104,7 +103,9 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
                                                  "targets": sorted(changed)})
                 output.publish(out, claim.staging)
         hub_url = _push(out, opts) if opts.push_to_hub else None
-        return _summary(job, manifest.load(out), hub_url=hub_url, quantizer=quantizer)
+        note = (f"merged: {len(changed)} tensors changed by the adapter, written "
+                f"{'4-bit' if quantize else '16-bit'}")
+        return _summary(job, manifest.load(out), hub_url=hub_url, quantizer=quantizer, notes=[note])
     finally:
         data.close()
 
