@@ -151,12 +151,13 @@ def _split(key: str) -> tuple[str, str | None]:
     """(module, LoRA part) of an adapter key; part None for a modules_to_save tensor."""
     for part in _UNSUPPORTED_PARTS:
         if key.endswith("." + part):
-            raise PrequantError(f"adapter key {quote(key)} ({part}) is not supported; merge this adapter with peft")
+            raise PrequantError(f"adapter key {quote(PREFIX + key)} ({part}) is not supported; merge this adapter "
+                                "with peft")
     for part in _LORA_PARTS:
         if key.endswith("." + part):
             return key[: -len(part) - 1], part
     if re.search(r"\.(lora_|hada_|lokr_|vera_|ia3_|oft_|boft_)", key):
-        raise PrequantError(f"adapter key {quote(key)} is not one prequant merges (LoRA A/B, DoRA magnitude, "
+        raise PrequantError(f"adapter key {quote(PREFIX + key)} is not one prequant merges (LoRA A/B, DoRA magnitude, "
                             "modules_to_save); merge this adapter with peft")
     return key.rpartition(".")[0], None
 
