@@ -1,5 +1,6 @@
 """load_for_fsdp on MoE checkpoints with 4-bit experts (`--quantize-experts`): 2 gloo ranks train SFTTrainer steps
-with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model`.
+with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model` and
+merges (`prequant merge`) into a checkpoint transformers loads.
 
 The distributed part runs this very file under torchrun as a worker (`--worker CONFIG_JSON`).
 
@@ -71,6 +72,22 @@ def test_adapter_names_each_expert_and_reloads_with_the_same_logits(trained):
     model = prequant.load_model(trained["checkpoint"])
     with lora_targets_as_named(model):
         model = PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits.float()
+    sharded = trained["record"]["probe_logits"].float()
+    assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
+def test_trained_adapter_merged_into_the_4bit_base_loads_with_the_trained_logits(trained, tmp_path):
+    """`prequant merge` of what the ranks trained: a 16-bit checkpoint transformers loads as it is (experts fused
+    again), with the sharded model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    import prequant
+
+    prequant.merge(Path(trained["out"]) / "final", tmp_path / "merged", base=trained["checkpoint"], device="cpu",
+                   progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="auto").eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE)).logits.float()
     sharded = trained["record"]["probe_logits"].float()
