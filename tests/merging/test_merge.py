@@ -241,3 +241,43 @@ def test_adapter_from_the_hub(hub_server, checkpoints, tmp_path):
     assert recorded["repo_id"] == "org/lora" and recorded["commit"] == sha
     assert "org/lora" in (tmp_path / "out" / "README.md").read_text()
 
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_killed_merge_continues_to_the_same_files_and_a_changed_adapter_is_another_job(four_bit, tmp_path):
+    import signal
+
+    _, converted, adapter = four_bit
+    args = ("--base", str(converted), "--device", "cpu", "--max-shard-size", "100KB")
+    assert run_cli("merge", str(adapter), str(tmp_path / "clean"), *args).returncode == 0
+    killed = run_cli("merge", str(adapter), str(tmp_path / "out"), *args, env={"PREQUANT_FAILPOINT": "step-journaled:5"})
+    assert killed.returncode == -signal.SIGKILL
+    resumed = run_cli("merge", str(adapter), str(tmp_path / "out"), *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stderr
+    clean, out = _files(tmp_path / "clean"), _files(tmp_path / "out")
+    assert len([n for n in clean if n.endswith(".safetensors")]) > 1
+    assert {n: b for n, b in out.items() if n != "prequant.json"} == {n: b for n, b in clean.items() if n != "prequant.json"}
+    other = tmp_path / "other-adapter"
+    shutil.copytree(adapter, other)
+    config = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 16}))
+    refused = run_cli("merge", str(other), str(tmp_path / "out"), *args)
+    assert refused.returncode != 0 and "--overwrite" in refused.stderr
+
+
+def test_merge_push_to_hub_uploads_the_verified_output(hub_server, checkpoints, tmp_path, monkeypatch):
+    from hub_server import TOKEN
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"])
+    summary = prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False,
+                             push_to_hub="me/merged")
+    assert summary.hub_commit_url.endswith(hub_server.head("me/merged"))
+    uploaded = hub_server.files("me/merged")
+    assert uploaded["prequant.json"] == (tmp_path / "out" / "prequant.json").read_bytes()
+    assert uploaded["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()
