@@ -237,7 +237,7 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
             return (OutTensor(t.name, w.dtype, w.shape[::-1] if t.name in transposed else w.shape),)
 
         return make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
-                                      "the 4-bit base"), s, opts.shard_limit, outputs=outputs)
+                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs)
     if quantize:
         layout, settled = decide(config, src.path, tensors, list(opts.skip), opts.trust_remote_code)
         require_known(layout)
@@ -245,7 +245,8 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
                                             for k, d in layout.decisions.items()})
         return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip), settled=settled)
     decisions = {t.name: Decision(False, reason(t.name, "kept")) for t in tensors}
-    return make_plan(tensors, Layout(decisions, None, "the 16-bit base"), opts.settings, opts.shard_limit)
+    return make_plan(tensors, Layout(decisions, None, "merge, written 16-bit: nothing quantized"), opts.settings,
+                     opts.shard_limit)
 
 
 def _numel(w: FourBit) -> int:

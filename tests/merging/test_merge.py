@@ -281,3 +281,16 @@ def test_merge_push_to_hub_uploads_the_verified_output(hub_server, checkpoints, 
     uploaded = hub_server.files("me/merged")
     assert uploaded["prequant.json"] == (tmp_path / "out" / "prequant.json").read_bytes()
     assert uploaded["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_merge_into_an_fp8_base_equals_the_merge_into_its_16bit_reference(fmt, tmp_path):
+    from fp8_checkpoints import fp8_pair
+
+    fp8, reference = fp8_pair(tmp_path, fmt, torch.float32)
+    adapter = make_adapter(reference, tmp_path / "adapter", target_modules=["q_proj", "o_proj"])
+    prequant.merge(adapter, tmp_path / "from-fp8", base=fp8, device="cpu", progress=False)
+    prequant.merge(adapter, tmp_path / "from-ref", base=reference, device="cpu", progress=False)
+    ours, expected = read_checkpoint(tmp_path / "from-fp8"), read_checkpoint(tmp_path / "from-ref")
+    assert set(ours) == set(expected) and all(torch.equal(ours[k], expected[k]) for k in ours)
+    assert "quantization_config" not in json.loads((tmp_path / "from-fp8" / "config.json").read_text())
