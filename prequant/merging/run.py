@@ -63,8 +63,11 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
     out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
-    src = resolve(base_spec, stream=True)
+    src = resolve(base_spec, stream=True, delete=opts.delete_source_shards)
     tensors, config, four = _base(src)
+    if four and src.hub is not None:  # its quant states are read to plan: the shards on disk first (a quarter size)
+        src = resolve(base_spec, delete=opts.delete_source_shards)
+        tensors = scan(src)
     data = TensorReader()  # the adapter's tensors and a 4-bit base's quant states and block scales
     try:
         four_bit = four_bit_weights(tensors, data) if four else {}

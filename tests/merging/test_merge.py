@@ -294,3 +294,12 @@ def test_merge_into_an_fp8_base_equals_the_merge_into_its_16bit_reference(fmt, t
     ours, expected = read_checkpoint(tmp_path / "from-fp8"), read_checkpoint(tmp_path / "from-ref")
     assert set(ours) == set(expected) and all(torch.equal(ours[k], expected[k]) for k in ours)
     assert "quantization_config" not in json.loads((tmp_path / "from-fp8" / "config.json").read_text())
+
+
+def test_a_4bit_base_on_the_hub(hub_server, four_bit, tmp_path):
+    _, converted, adapter = four_bit
+    hub_server.add_repo("org/tiny-nf4", {p.name: p for p in converted.iterdir() if p.is_file()})
+    prequant.merge(adapter, tmp_path / "hub", base="org/tiny-nf4", device="cpu", progress=False)
+    prequant.merge(adapter, tmp_path / "local", base=converted, device="cpu", progress=False)
+    assert read_checkpoint(tmp_path / "hub").keys() == read_checkpoint(tmp_path / "local").keys()
+    assert (tmp_path / "hub" / "model.safetensors").read_bytes() == (tmp_path / "local" / "model.safetensors").read_bytes()
