@@ -45,6 +45,9 @@ from .adapter import CONFIG_NAME, WEIGHT_NAMES, Adapter, Target, base_names, rea
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
 
 
+MERGED = "merged with the adapter"  # the plan's reason for each tensor the adapter changes
+
+
 def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | None = None, quantize: bool = False,
           options: ConvertOptions | None = None, **changes: Any) -> Summary | Plan:
     """Merge the LoRA adapter `adapter` (a local folder or a Hub repo `org/name[@revision]`) into `base` (default:
@@ -63,22 +66,16 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
     out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
-    src = resolve(base_spec, stream=True, delete=opts.delete_source_shards)
-    tensors, config, four = _base(src)
-    if four and src.hub is not None:  # its quant states are read to plan: the shards on disk first (a quarter size)
-        src = resolve(base_spec, delete=opts.delete_source_shards)
-        tensors = scan(src)
-    data = TensorReader()  # the adapter's tensors and a 4-bit base's quant states and block scales
-    try:
+    src, tensors, config, four = _base(base_spec, opts)
+    with TensorReader() as data:  # the adapter's tensors, and a 4-bit base's quant states and block scales
         four_bit = four_bit_weights(tensors, data) if four else {}
-        names = base_names([t.name for t in tensors], src.path, wanted(lora))
-        changed = targets(lora, names)
+        changed = targets(lora, base_names([t.name for t in tensors], src.path, wanted(lora)))
         plan = _plan(tensors, config, src, changed, four_bit, quantize, opts)
         if opts.dry_run:
             return plan
         quantizer = starting.quantizer(plan.settings, opts.device, plan.input_bytes)
-        four_out = {k: w for k, w in four_bit.items() if not quantize or k in changed}
-        merger = Merger(changed, four_out, _transposed(src) if four else set(), data)
+        dequantized_too = {k: w for k, w in four_bit.items() if not quantize or k in changed}
+        merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
         job = Job(src, out, opts, tensors, config, plan,
                   fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
                   | {"adapter": lora.identity}, side_files(src.path), started)
@@ -88,29 +85,33 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
             with _interruptible(), Recorder(src, plan, stats=opts.stats and quantize, job=job.id,
                                             allow_nan=opts.allow_nan, options={"max_shard_size": opts.shard_limit,
                                                                                "quantize": quantize}) as record:
-                record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(four_out))
-                if not output.publishing(claim.staging):
+                record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
+                if not output.publishing(claim.staging):  # else an interrupted run had written everything
                     device = starting.ready(quantizer).device
                     with float32_products(device):
                         sizes = _stream(job, quantizer, record, claim.staging, transform=merger)
-                    copy_side_files(src.path, claim.staging, job.side_files)
-                    write_index(claim.staging, plan, sizes)
-                    _write_config(claim.staging, config, plan, four, quantize)
-                    identity = source_identity(src)
-                    card.write(claim.staging, src, identity, lora, plan, quantize, opts.push_to_hub)
-                    files = [*plan.shards, *(p.as_posix() for p in job.side_files), CONFIG, CARD]
-                    files += [n for n in INDEX_NAMES if (claim.staging / n).is_file()]
-                    record.write_manifest(claim.staging, files, identity, str(device), adapter=lora.identity,
-                                          merge={"base": "4-bit" if four else "16-bit",
-                                                 "output": "4-bit" if quantize else "16-bit",
-                                                 "targets": sorted(changed)})
+                    _record(job, record, claim.staging, sizes, lora, four, quantize, str(device))
                 output.publish(out, claim.staging)
-        hub_url = _push(out, opts) if opts.push_to_hub else None
-        note = (f"merged: {len(changed)} tensors changed by the adapter, written "
-                f"{'4-bit' if quantize else '16-bit'}")
-        return _summary(job, manifest.load(out), hub_url=hub_url, quantizer=quantizer, notes=[note])
-    finally:
-        data.close()
+    hub_url = _push(out, opts) if opts.push_to_hub else None
+    note = f"merged: {len(changed)} tensors changed by the adapter, written {'4-bit' if quantize else '16-bit'}"
+    return _summary(job, manifest.load(out), hub_url=hub_url, quantizer=quantizer, notes=[note])
+
+
+def _record(job: Job, record: Recorder, staging: Path, sizes: dict[str, int], lora: Adapter, four: bool,
+            quantize: bool, device: str) -> None:
+    """Side files, index, config.json, the card and prequant.json (the adapter, the bases and what changed)."""
+    plan, src = job.plan, job.source
+    copy_side_files(src.path, staging, job.side_files)
+    write_index(staging, plan, sizes)
+    _write_config(staging, job.config, plan, four, quantize)
+    identity = source_identity(src)
+    card.write(staging, src, identity, lora, plan, quantize, job.options.push_to_hub)
+    files = [*plan.shards, *(p.as_posix() for p in job.side_files), CONFIG, CARD]
+    files += [n for n in INDEX_NAMES if (staging / n).is_file()]
+    merged = sorted(s.source.name for s in plan.steps if s.decision.reason == MERGED)
+    record.write_manifest(staging, files, identity, device, adapter=lora.identity,
+                          merge={"base": "4-bit" if four else "16-bit", "output": "4-bit" if quantize else "16-bit",
+                                 "targets": merged})
 
 
 class Merger:
@@ -176,21 +177,25 @@ def _identity(ident: dict, directory: Path) -> dict:
     return {**ident, "sha256": {n: sha256_file(directory / n) for n in files}}
 
 
-def _base(src: Source) -> tuple[list[TensorRef], dict, bool]:
-    """The base's tensors, its config.json and whether it is a bitsandbytes 4-bit checkpoint (then read as it is
-    stored; any other is read as a conversion reads its source: FP8 as 16-bit)."""
+def _base(spec: str, opts: ConvertOptions) -> tuple[Source, list[TensorRef], dict, bool]:
+    """The base, its tensors, its config.json and whether it is a bitsandbytes 4-bit checkpoint (read as it is
+    stored; any other is read as a conversion reads its source: FP8 as 16-bit). A 4-bit base on the Hub is
+    downloaded first: its quant states, read to plan, give the output's shapes."""
+    src = resolve(spec, stream=True, delete=opts.delete_source_shards)
     try:
         config = json.loads((src.path / CONFIG).read_text())
     except (OSError, ValueError) as e:
         raise PrequantError(f"cannot read it ({e}); the base needs its config.json", where=src.path / CONFIG) from e
     qc = config.get("quantization_config") if isinstance(config, dict) else None
-    if isinstance(qc, dict) and qc.get("quant_method") == "bitsandbytes":
-        if not qc.get("load_in_4bit"):
-            raise PrequantError("the base is bitsandbytes 8-bit; prequant merges into 16-bit, FP8 or 4-bit bases",
-                                where=src.path / CONFIG)
-        return scan(src), config, True
-    held = contents(src)
-    return held.tensors, held.config, False
+    if not (isinstance(qc, dict) and qc.get("quant_method") == "bitsandbytes"):
+        held = contents(src)
+        return src, held.tensors, held.config, False
+    if not qc.get("load_in_4bit"):
+        raise PrequantError("the base is bitsandbytes 8-bit; prequant merges into 16-bit, FP8 or 4-bit bases",
+                            where=src.path / CONFIG)
+    if src.hub is not None:
+        src = resolve(spec, delete=opts.delete_source_shards)
+    return src, scan(src), config, True
 
 
 def _transposed(src: Source) -> set[str]:
@@ -217,7 +222,7 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
     """Every output: 16-bit (a 4-bit base's weights dequantized), or 4-bit with `quantize` (a 4-bit base's
     targets quantized again with its settings, the rest copied; a 16-bit base planned as `convert` plans it)."""
     def reason(name: str, default: str) -> str:
-        return "merged with the adapter" if name in changed else default
+        return MERGED if name in changed else default
 
     if four:
         s, transposed = _base_settings(config, four), _transposed(src)

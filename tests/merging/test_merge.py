@@ -303,3 +303,15 @@ def test_a_4bit_base_on_the_hub(hub_server, four_bit, tmp_path):
     prequant.merge(adapter, tmp_path / "local", base=converted, device="cpu", progress=False)
     assert read_checkpoint(tmp_path / "hub").keys() == read_checkpoint(tmp_path / "local").keys()
     assert (tmp_path / "hub" / "model.safetensors").read_bytes() == (tmp_path / "local" / "model.safetensors").read_bytes()
+
+
+def test_quantize_into_a_16bit_base_writes_what_converting_the_16bit_merge_writes(checkpoints, tmp_path):
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj", "gate_proj"])
+    prequant.merge(adapter, tmp_path / "merged16", base=base, device="cpu", progress=False)
+    prequant.convert(tmp_path / "merged16", tmp_path / "reference", device="cpu", progress=False, quant_type="fp4")
+    summary = prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False, quantize=True,
+                             quant_type="fp4")
+    assert summary.tensors_quantized > 0
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
