@@ -1,13 +1,13 @@
 """A merge's model card (README.md): what was merged into what, by which rule, and in which dtype or 4-bit settings.
-The base's own card is carried below it, as a conversion's card carries its source's."""
+The base's own card is carried below it (its licence metadata too), as a conversion's card carries its source's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..checkpoint.hf_files import CARD
 from ..conversion.card import _CARRIED, _original_card, base_model_id
 from ..conversion.plan import Plan
-from ..checkpoint.hf_files import CARD
 from ..source.spec import Source
 from .adapter import Adapter
 
@@ -34,11 +34,11 @@ def write(staging: Path, src: Source, identity: dict, adapter: Adapter, plan: Pl
     targets = sum(1 for st in plan.steps if st.decision.reason.startswith("merged"))
     lines = [
         f"# {repo_id or ad_name + '-merged'}", "",
-        f"{base_shown} with the LoRA adapter {adapter_shown}{revision} merged into it by "
-        f"[prequant](https://github.com/prequant/prequant) `merge`: {targets} tensors changed, stored {fmt}.", "",
-        "Each targeted weight is `W + (B @ A) * scaling` computed in float32 and rounded once to the output dtype "
-        "(DoRA: `(m / ||W + dW||) * (W + dW)`); modules_to_save replace their tensors whole.", "",
+        (f"{base_shown} with the LoRA adapter {adapter_shown}{revision} merged into it by "
+         f"`prequant merge`: {targets} tensors changed, stored {fmt}."), "",
+        ("Each targeted weight is `W + (B @ A) * scaling` computed in float32 and rounded once to the output dtype "
+         "(DoRA: `(m / ||W + dW||) * (W + dW)`); modules_to_save replace their tensors whole."), "",
     ]
     if original:
-        lines += ["## Original model card", "", original["text"]]
+        lines += ["## The base's model card", "", original["text"]]
     (staging / CARD).write_text(str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))))

@@ -44,7 +44,6 @@ from . import card
 from .adapter import CONFIG_NAME, WEIGHT_NAMES, Adapter, Target, base_names, read, targets, wanted
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
 
-
 MERGED = "merged with the adapter"  # the plan's reason for each tensor the adapter changes
 
 

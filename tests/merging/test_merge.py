@@ -35,12 +35,12 @@ def assert_same_as_peft(out: Path, base: Path, adapter: Path) -> dict[str, torch
 
 
 FLAVOURS = {
-    "lora": dict(target_modules="all-linear"),
-    "rslora": dict(target_modules=["q_proj", "v_proj"], use_rslora=True),
-    "patterns": dict(target_modules="all-linear", rank_pattern={"down_proj": 8},
-                     alpha_pattern={"layers.1.self_attn.q_proj": 3}),
-    "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
-    "dora": dict(target_modules=["q_proj", "down_proj"], use_dora=True),
+    "lora": {"target_modules": "all-linear"},
+    "rslora": {"target_modules": ["q_proj", "v_proj"], "use_rslora": True},
+    "patterns": {"target_modules": "all-linear", "rank_pattern": {"down_proj": 8},
+                 "alpha_pattern": {"layers.1.self_attn.q_proj": 3}},
+    "modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+    "dora": {"target_modules": ["q_proj", "down_proj"], "use_dora": True},
 }
 
 
@@ -141,7 +141,7 @@ def test_merge_into_a_4bit_base_merges_into_bitsandbytes_dequantized_weights(fou
 def test_quantize_writes_what_converting_the_16bit_merge_writes_and_copies_the_rest(four_bit, tmp_path):
     from prequant.verify.run import verify
 
-    base, converted, adapter = four_bit
+    _, converted, adapter = four_bit
     prequant.merge(adapter, tmp_path / "merged16", base=converted, device="cpu", progress=False)
     prequant.convert(tmp_path / "merged16", tmp_path / "reference", device="cpu", progress=False)
     prequant.merge(adapter, tmp_path / "out", base=converted, device="cpu", progress=False, quantize=True)
