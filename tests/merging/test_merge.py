@@ -315,3 +315,27 @@ def test_quantize_into_a_16bit_base_writes_what_converting_the_16bit_merge_write
     assert summary.tensors_quantized > 0
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+
+
+def test_gpt2_4bit_base_merges_in_the_stored_conv1d_layout(converted_gpt2, tmp_path):
+    """The 4-bit base holds each Conv1D weight quantized as its [out, in] transpose: dequantized, it goes back to the
+    [in, out] layout a 16-bit GPT-2 stores, where the fan_in_fan_out adapter applies; --quantize transposes it again."""
+    base, converted = converted_gpt2
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["c_attn"], fan_in_fan_out=True)
+    prequant.merge(adapter, tmp_path / "merged16", base=converted, device="cpu", progress=False)
+    ours, source, dequantized = read_checkpoint(tmp_path / "merged16"), read_checkpoint(base), _dequantized(converted)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in source.items()}
+    w = dequantized["transformer.h.0.attn.c_attn.weight"].T
+    from safetensors.torch import load_file
+
+    lora = load_file(adapter / "adapter_model.safetensors")
+    a, b = (lora[f"base_model.model.transformer.h.0.attn.c_attn.lora_{x}.weight"] for x in "AB")
+    assert torch.equal(ours["transformer.h.0.attn.c_attn.weight"], (w.float() + (b @ a).T * 2.0).to(w.dtype))
+    assert torch.equal(ours["transformer.h.0.mlp.c_fc.weight"], dequantized["transformer.h.0.mlp.c_fc.weight"].T)
+    prequant.convert(tmp_path / "merged16", tmp_path / "reference", device="cpu", progress=False)
+    prequant.merge(adapter, tmp_path / "out", base=converted, device="cpu", progress=False, quantize=True)
+    quantized, reference, stored = (read_checkpoint(p) for p in (tmp_path / "out", tmp_path / "reference", converted))
+    assert set(quantized) == set(stored)
+    for key, value in quantized.items():
+        expected = reference[key] if ".c_attn.weight" in key else stored[key]
+        assert torch.equal(value.view(torch.uint8), expected.view(torch.uint8)), key
