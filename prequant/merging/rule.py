@@ -74,7 +74,9 @@ def four_bit_weights(tensors: list[TensorRef], data: TensorReader) -> dict[str, 
 def dequantized(packed: torch.Tensor, weight: FourBit, data: TensorReader) -> torch.Tensor:
     """The 16-bit W bitsandbytes' CUDA kernel gives for `packed` (on its device), in the quant state's dtype."""
     device, s = packed.device, weight.state
-    parts = {name: data.view(ref).to(device) for name, ref in weight.companions.items()}
+    # The quant state's JSON stays on the host, where bitsandbytes reads it.
+    parts = {name: data.view(ref) if name.startswith("quant_state") else data.view(ref).to(device)
+             for name, ref in weight.companions.items()}
     codes = packed.reshape(-1).view(torch.uint8)
     if device.type == "cuda":
         from bitsandbytes.functional import QuantState, dequantize_4bit
