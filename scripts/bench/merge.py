@@ -142,19 +142,20 @@ def main() -> None:
         r["floor_seconds"] = floor["seconds"]
         r["ratio_to_floor"] = round(r["seconds"] / floor["seconds"], 3)
         report[name] = r
+        print(f"{name}: {r['seconds']:.1f} s, floor {r['floor_seconds']:.1f} s (x{r['ratio_to_floor']}), "
+              f"{r['output_bytes'] / 1e9:.2f} GB written, peak RssAnon {r['peak_rss_anon'] / 2**30:.2f} GiB",
+              file=sys.stderr)
+        if args.json:  # what is measured so far, should the rest run out of time
+            emit(report, args.json)
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(four, ignore_errors=True)
     if args.agreement:
         report["agreement"] = json.loads(subprocess.run(
             [sys.executable, __file__, "--agreement-of", str(base), str(adapter)], check=True, capture_output=True,
             text=True, env=run_env()).stdout)
-    if not args.keep:
-        shutil.rmtree(four, ignore_errors=True)
-    for name in ("merge16", "merge4"):
-        r = report[name]
-        print(f"{name}: {r['seconds']:.1f} s, floor {r['floor_seconds']:.1f} s (x{r['ratio_to_floor']}), "
-              f"{r['output_bytes'] / 1e9:.2f} GB written, peak RssAnon {r['peak_rss_anon'] / 2**30:.2f} GiB",
-              file=sys.stderr)
+        print(f"agreement: {report['agreement']}", file=sys.stderr)
     emit(report, args.json)
 
 
