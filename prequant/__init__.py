@@ -1,7 +1,7 @@
 """prequant: pre-quantize large checkpoints to bitsandbytes 4-bit, streaming one tensor at a time.
 
 The package, one subpackage per job, lower layers never importing upper ones:
-`util` < `checkpoint`, `hub` < `bnb` < `source` < `verify`, `fsdp` < `conversion` < `cli`.
+`util` < `checkpoint`, `hub` < `bnb` < `source` < `verify`, `fsdp` < `conversion` < `merging` < `cli`.
 """
 
 from __future__ import annotations
