@@ -85,6 +85,9 @@ def read(directory: Path, identity: dict) -> Adapter:
     if kind != "LORA":
         raise PrequantError(f"peft_type {kind!r} is not LoRA: prequant merges LoRA adapters (DoRA and rsLoRA "
                             "included) only; merge it with peft's merge_and_unload", where=path)
+    if config.get("target_parameters"):
+        raise PrequantError("target_parameters is set: LoRA on bare parameters (fused MoE experts) is not supported; "
+                            "merge it with peft, or train on per-expert linears (load_for_fsdp)", where=path)
     if config.get("lora_bias"):
         raise PrequantError("lora_bias is true: merging LoRA biases is not supported; merge it with peft", where=path)
     files = tuple(directory / n for n in WEIGHT_NAMES if (directory / n).is_file())[:1]
