@@ -187,6 +187,15 @@ def test_experts_adapter_in_transformers_5_names_merges_into_the_4bit_experts(tm
     with torch.no_grad():
         reference = adapted(TOKENS).logits.float()
     assert_logits_close(logits(tmp_path / "out", TOKENS), reference)
+    # The same adapter in transformers 4's names (the checkpoint's own): the same merge.
+    from safetensors.torch import load_file, save_file
+
+    tf4 = tmp_path / "adapter-tf4"
+    shutil.copytree(tmp_path / "adapter", tf4)
+    tensors = load_file(tf4 / "adapter_model.safetensors")
+    save_file({k.replace(".mlp.", ".block_sparse_moe."): v for k, v in tensors.items()}, tf4 / "adapter_model.safetensors")
+    prequant.merge(tf4, tmp_path / "out-tf4", base=converted, device="cpu", progress=False)
+    assert (tmp_path / "out-tf4" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
 
 
 def test_rerun_is_complete_and_the_cli_merges_with_an_honest_exit(checkpoints, tmp_path):
