@@ -7,9 +7,6 @@ from pathlib import Path
 
 import torch
 
-DTYPE = {"gpt2": torch.float32}
-
-
 def load_base(path: Path, dtype: torch.dtype | None = None):
     """The base as transformers loads it (its own dtype unless given)."""
     from transformers import AutoModelForCausalLM
