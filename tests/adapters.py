@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+
 def load_base(path: Path, dtype: torch.dtype | None = None):
     """The base as transformers loads it (its own dtype unless given)."""
     from transformers import AutoModelForCausalLM
