@@ -1,7 +1,7 @@
 """prequant: pre-quantize large checkpoints to bitsandbytes 4-bit, streaming one tensor at a time.
 
 The package, one subpackage per job, lower layers never importing upper ones:
-`util` < `checkpoint`, `hub` < `bnb` < `source` < `verify`, `fsdp` < `conversion` < `cli`.
+`util` < `checkpoint`, `hub` < `bnb` < `source` < `verify`, `fsdp` < `conversion` < `merging` < `cli`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ._version import __version__
 from .errors import PrequantError, UsageError
 
 __all__ = ["ConvertOptions", "Plan", "PrequantError", "Summary", "UsageError", "__version__", "change_storage",
-           "convert", "load_for_fsdp", "load_model", "quantize_tensor"]
+           "convert", "load_for_fsdp", "load_model", "merge", "quantize_tensor"]
 
 # Imported on first use: `import prequant` (and so the CLI, which starts reading the disk before it
 # pays for torch) must stay cheap.
@@ -26,6 +26,7 @@ _LAZY = {
     "load_for_fsdp": "fsdp.loader",
     "change_storage": "conversion.storage",
     "load_model": "bnb.moe",
+    "merge": "merging.run",
 }
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from .conversion.storage import change_storage
     from .conversion.summary import Summary
     from .fsdp.loader import load_for_fsdp
+    from .merging.run import merge
 
 
 # bitsandbytes, imported on a CPU with AVX512-BF16, tries to fetch an optional CPU inference kernel from the Hub and

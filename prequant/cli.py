@@ -200,6 +200,44 @@ def change_storage(
 
 @app.command(
     cls=_Command,
+    short_help='Merge a LoRA adapter into its base, streaming.',
+    epilog="The base is a 16-bit or FP8 checkpoint or a prequant 4-bit output. Each targeted weight becomes "
+    "W + (B @ A) * scaling in float32, rounded once (docs/merge.md); run again, it continues where it stopped.\n\n"
+    + _examples("prequant merge ./my-adapter ./llama3-8b-merged",
+                "prequant merge my-org/llama3-8b-lora ./merged --base ./llama3-8b-nf4",
+                "prequant merge ./my-adapter ./merged-nf4 --base ./llama3-8b-nf4 --quantize")
+)
+def merge(
+    adapter: Annotated[str, typer.Argument(metavar="ADAPTER", help="A peft LoRA adapter: local folder or Hub repo "
+                                           "(org/name[@revision]).")],
+    output_dir: Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="Where to write the merged checkpoint.")],
+    base: Annotated[str | None, typer.Option("--base", metavar="SOURCE", help="The base: local checkpoint, Hub repo "
+                    "or prequant 4-bit output (default: the adapter's base_model_name_or_path).")] = None,
+    quantize: Annotated[bool, typer.Option("--quantize", help="Write 4-bit: a 4-bit base's settings, else convert's "
+                        "defaults (default: 16-bit).")] = False,
+    max_shard_size: Annotated[str, typer.Option(
+        metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    device: DeviceOpt = "auto",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what a non-empty OUTPUT_DIR holds.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted merge, or fail if there is none.")
+                      ] = False,
+    push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload "
+                           "to this Hub repo (org/name[@branch]).")] = None,
+) -> None:
+    """Merge the LoRA adapter ADAPTER into its base and write the result to OUTPUT_DIR, one tensor at a time."""
+    arguments = dict(locals())
+    with signals.deferred():  # torch's imports (see convert)
+        from .conversion.options import ConvertOptions
+        from .merging.run import merge as run_merge
+
+    result = run_merge(adapter, output_dir, base=base, quantize=quantize, options=ConvertOptions.pick(arguments))
+    print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
+
+
+@app.command(
+    cls=_Command,
     short_help='Verify, then upload to the Hugging Face Hub.',
     epilog="The token comes from HF_TOKEN or `hf auth login`. Nothing is sent unless OUTPUT_DIR verifies.\n\n"
     + _examples("prequant upload ./llama3-8b-nf4 my-org/llama3-8b-bnb-nf4",

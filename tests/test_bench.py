@@ -400,3 +400,21 @@ def test_cold_start_reads_back_exactly_the_resident_runs_and_groups_them(tmp_pat
     assert d["groups"]["nvidia/cu13"] == {"files": 1, "resident": 3 * page, "size": 6 * page}
     assert cold_start.group("/x/site-packages/torch/lib/libtorch_cuda.so") == "torch/lib"
     assert cold_start.group("/tmp/pycache/x/torch/nn/functional.cpython-312.pyc") == "python"
+
+
+def test_merge_bench_merges_into_both_bases_against_the_floor(tmp_path):
+    report_file = tmp_path / "merge.json"
+    subprocess.run(
+        [sys.executable, str(BENCH / "merge.py"), "--size-gb", "0.05", "--shape", "uniform", "--device", "cpu",
+         "--rank", "4", "--dir", str(tmp_path / "work"), "--json", str(report_file)],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    report = json.loads(report_file.read_text())
+    assert report["rank"] == 4 and report["adapter_bytes"] > 0
+    for name in ("merge16", "merge4"):
+        m = report[name]
+        assert m["ratio_to_floor"] == round(m["seconds"] / m["floor_seconds"], 3)
+        assert 0 < m["peak_rss_anon"] <= m["peak_vm_rss"]
+        assert m["output_bytes"] > 0.9 * report["merge16"]["input_bytes"]  # 16-bit out from either base
+    assert report["merge4"]["input_bytes"] < report["merge16"]["input_bytes"] / 2  # the 4-bit base reads less
+    assert not (tmp_path / "work" / "out-merge16").exists()

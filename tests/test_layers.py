@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"prequant.source"},
     {"prequant.verify", "prequant.fsdp"},
     {"prequant.conversion"},
+    {"prequant.merging"},
     {"prequant.cli", "prequant"},
     {"prequant.__main__"},
 ]

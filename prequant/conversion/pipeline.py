@@ -50,6 +50,17 @@ READ_THREADS = 4
 Check = Callable[[str, torch.Tensor], "tuple[int, int] | None"]
 
 
+class Transform(Protocol):
+    """A change to some source tensors on the quantizing device before they are quantized or written (a merge's
+    `merging.run.Merger`): the result then takes the path a source tensor of its dtype takes."""
+
+    def applies(self, step: Step) -> bool:
+        """Whether `step`'s tensor is changed."""
+
+    def __call__(self, step: Step, tensor: torch.Tensor) -> torch.Tensor:
+        """The changed tensor, on `tensor`'s device."""
+
+
 class Stats(Protocol):
     """Where each quantized tensor's statistics go (`bnb.stats.Collector`)."""
 
@@ -68,6 +79,7 @@ def run(
     on_shard: Callable[[str, BinaryIO], None] = lambda name, file: file.close(),
     check: Check | None = None,
     on_follow: Callable[[str, FollowHash], None] | None = None,
+    transform: Transform | None = None,
 ) -> dict[str, int]:
     """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
@@ -78,7 +90,8 @@ def run(
     with the shard open for reading (the callee closes it), before its flush; `check(name, tensor)` on every kept
     tensor's values as written (its counts go into the journal); `on_follow(name, hash)` (writer thread) when a
     shard whose header is already known opens: `hash.run()` gives its sha256 as it is written (`follow_hash`), and
-    `on_shard` then only closes that shard's file.
+    `on_shard` then only closes that shard's file. `transform` changes the tensors it applies to on the quantizing
+    device, after any cast and before quantizing.
 
     A tensor transformers would load in another dtype (`Decision.dtype`) is cast on the quantizing device first,
     one tensor at a time; a kept tensor that needs no cast never enters this process: its mapped view is checked
@@ -126,7 +139,8 @@ def run(
             for step in todo:
                 source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
                 found = None
-                if step.quantize or step.decision.dtype:  # through the quantizing device, to be quantized or cast
+                changed = transform is not None and transform.applies(step)
+                if step.quantize or step.decision.dtype or changed:  # through the quantizing device
                     data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
                 else:
                     if checks is not None:
@@ -144,7 +158,7 @@ def run(
     def quantize_all() -> None:
         while (item := loaded.get()) is not END:
             step, (tensor, copied), found = item  # type: ignore[misc]
-            quantized.put(_transform(step, tensor, copied, found, quantizer, stats, check))
+            quantized.put(_transform(step, tensor, copied, found, quantizer, stats, check, transform))
             del item, tensor
         quantized.put(END)
 
@@ -189,16 +203,20 @@ def run(
 
 
 def _transform(step: Step, tensor: torch.Tensor, loaded: torch.cuda.Event | None, found: object,
-               quantizer: Quantizer, stats: Stats | None, check: Check | None) -> tuple:  # fmt: skip
+               quantizer: Quantizer, stats: Stats | None, check: Check | None,
+               transform: Transform | None = None) -> tuple:  # fmt: skip
     """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found)."""
     name = step.source.name
-    if not step.quantize and not step.decision.dtype:
+    changed = transform is not None and transform.applies(step)
+    if not step.quantize and not step.decision.dtype and not changed:
         return (step, {name: tensor}, None, found)
     if loaded is not None:
         torch.cuda.current_stream(quantizer.device).wait_event(loaded)
     if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
         with trace.busy("cast"):
             tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
+    if changed:
+        tensor = transform(step, tensor)  # type: ignore[misc]
     if step.quantize:
         x = tensor.t() if step.decision.transpose else tensor
         with trace.busy("quantize"):

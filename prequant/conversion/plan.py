@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..bnb import experts
@@ -195,11 +195,18 @@ class Plan:
         return "\n".join(lines)
 
 
+# outputs(tensor, decision) -> its outputs, or None for those the decision implies (a merge's 4-bit base: `merging`)
+Outputs = Callable[[TensorRef, Decision], "tuple[OutTensor, ...] | None"]
+
+
 def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
-              skip: Sequence[str] = (), quantize_experts: bool = False) -> Plan:
+              skip: Sequence[str] = (), quantize_experts: bool = False, outputs: Outputs | None = None) -> Plan:
     """Decide every output tensor and its shard. Pure: same inputs, same plan. `skip`: the user's skip patterns,
     each warned about when it matches no module of the checkpoint (a typo keeps nothing). `quantize_experts`: MoE
-    expert weights 4-bit too (`bnb.experts`; a layout it does not handle is refused)."""
+    expert weights 4-bit too (`bnb.experts`; a layout it does not handle is refused). `outputs`: a tensor's outputs
+    when they are not what its decision implies."""
+    if outputs is not None:
+        return _make_plan(tensors, layout, settings, max_shard_size, skip, outputs)
     if quantize_experts:
         return replace(_make_plan(tensors, experts.quantize_experts(layout, tensors), settings, max_shard_size, skip),
                        quantize_experts=True)
@@ -214,15 +221,16 @@ def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_
 
 
 def _make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
-               skip: Sequence[str]) -> Plan:
+               skip: Sequence[str], given: Outputs | None = None) -> Plan:
     if not tensors:
         raise PrequantError("the source holds no tensors; check that the weight files are not empty")
     groups: list[tuple[TensorRef, Decision, tuple[OutTensor, ...]]] = []
     for t in tensors:
         decision = layout.decisions[t.name]
-        if decision.quantize:
+        outputs = given(t, decision) if given is not None else None
+        if outputs is None and decision.quantize:
             outputs = quantized_outputs(t, decision, settings)
-        else:
+        elif outputs is None:
             outputs = (OutTensor(t.name, decision.dtype or t.dtype, t.shape),)  # as transformers loads it
         groups.append((t, decision, outputs))
     shard_of = _assign_shards([sum(o.nbytes for o in outs) for _, _, outs in groups], max_shard_size)

@@ -229,7 +229,11 @@ class Recorder:
                 x = src_data.view(step.source)
                 self.stats.inspect(step, x.t() if step.decision.transpose else x, entries)
 
-    def _write(self, staging: Path, files: list[str], source: dict, device: str) -> dict:
+    def write_manifest(self, staging: Path, files: list[str], source: dict, device: str, **extra: Any) -> dict:
+        """prequant.json alone, for a job that writes its own card (a merge); `extra`: its own top-level keys."""
+        return self._write(staging, files, source, device, extra)
+
+    def _write(self, staging: Path, files: list[str], source: dict, device: str, extra: dict | None = None) -> dict:
         entries = {}
         for name in sorted(set(files)):
             path = staging / name
@@ -258,6 +262,7 @@ class Recorder:
             "tensors": {name: tensors[name].to_dict() for name in quantized if name in tensors},
             # Kept tensors holding NaN (copied with --allow-nan) or Inf (attention masks use it): their counts.
             "non_finite": self.kept.record(),
+            **(extra or {}),
         }
         write_json(staging / MANIFEST, manifest, sort_keys=False)
         return manifest

@@ -130,10 +130,11 @@ def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: Conver
     return plan
 
 
-def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path) -> dict[str, int]:
+def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path,
+            transform: pipeline.Transform | None = None) -> dict[str, int]:
     """Read, quantize and write every tensor into the staging folder, journaled so that a rerun continues; return
     each shard's data bytes. The disk reads ahead of the pipeline (local files); a Hub source's shards are
-    downloaded as the pipeline reaches them."""
+    downloaded as the pipeline reaches them. `transform`: a merge's change to tensors before they are quantized."""
     src, plan, opts = job.source, job.plan, job.options
     journal = Journal(staging, job.fingerprint)
     record.kept.found.update(journal.done.non_finite)  # what the interrupted run found in the tensors it wrote
@@ -155,7 +156,8 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
 
             trace.mark("pipeline-start")
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=on_step, stats=record.stats,
-                                 on_shard=record.on_shard, check=record.kept, on_follow=record.on_follow)
+                                 on_shard=record.on_shard, check=record.kept, on_follow=record.on_follow,
+                                 transform=transform)
             trace.mark("pipeline-end")
             return sizes
     finally:

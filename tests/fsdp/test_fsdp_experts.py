@@ -1,6 +1,7 @@
 """load_for_fsdp on MoE checkpoints with 4-bit experts (`--quantize-experts`): 2 gloo ranks train SFTTrainer steps
-with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model`. With
-experts kept 16-bit, the model holds transformers 5's fused experts, each rank its own experts, LoRA on attention.
+with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model` and
+merges (`prequant merge`) into a checkpoint transformers loads. With experts kept 16-bit, the model holds
+transformers 5's fused experts, each rank its own experts, LoRA on attention.
 
 The distributed part runs this very file under torchrun as a worker (`--worker CONFIG_JSON`).
 
@@ -125,6 +126,22 @@ def test_adapter_of_16bit_experts_reloads_with_the_same_logits(kept):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE)).logits.float()
     sharded = kept["record"]["probe_logits"].float()
+    assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
+def test_trained_adapter_merged_into_the_4bit_base_loads_with_the_trained_logits(trained, tmp_path):
+    """`prequant merge` of what the ranks trained: a 16-bit checkpoint transformers loads as it is (experts fused
+    again), with the sharded model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    import prequant
+
+    prequant.merge(Path(trained["out"]) / "final", tmp_path / "merged", base=trained["checkpoint"], device="cpu",
+                   progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="auto").eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits.float()
+    sharded = trained["record"]["probe_logits"].float()
     assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
 
 

@@ -1,0 +1,274 @@
+"""`merge()`: a LoRA adapter merged into its base, streaming one tensor at a time: a conversion whose pipeline
+changes the adapter's targets on the device (`Merger`, the pipeline's transform) before writing or quantizing them.
+
+    open the adapter -> check OUTPUT_DIR -> resolve the base -> read its headers -> match the adapter's keys
+    -> plan -> claim OUTPUT_DIR -> stream (read, merge, [quantize,] write) -> config, index, side files, card,
+    manifest -> publish -> (verify and upload)
+
+The base is a 16-bit or FP8 checkpoint (local, Hub, `.bin`) or a prequant 4-bit output. The output is 16-bit: the
+base's dtypes, a 4-bit base's weights dequantized to their quant state's dtype; or with `quantize`, 4-bit: a 4-bit
+base's settings (untargeted 4-bit weights copied as stored), a 16-bit base's as `convert` would quantize it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..bnb import starting
+from ..bnb.format import Settings, settings_entries
+from ..bnb.layout import Decision, Layout, require_known
+from ..bnb.predict import decide
+from ..checkpoint import manifest
+from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES
+from ..checkpoint.manifest import sha256_file
+from ..checkpoint.reader import TensorReader
+from ..checkpoint.tensors import TensorRef
+from ..conversion import output
+from ..conversion.journal import fingerprint
+from ..conversion.options import ConvertOptions
+from ..conversion.plan import OutTensor, Plan, Step, make_plan
+from ..conversion.record import KeptCheck, Recorder, copy_side_files, side_files, source_identity, write_index
+from ..conversion.run import Job, _interruptible, _push, _stream, _summary
+from ..conversion.summary import Summary
+from ..errors import PrequantError, UsageError
+from ..source.resolve import contents, resolve, scan
+from ..source.spec import Source, hub_spec
+from ..util.fsio import write_json
+from . import card
+from .adapter import CONFIG_NAME, WEIGHT_NAMES, Adapter, Target, base_names, read, targets, wanted
+from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
+
+MERGED = "merged with the adapter"  # the plan's reason for each tensor the adapter changes
+
+
+def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | None = None, quantize: bool = False,
+          options: ConvertOptions | None = None, **changes: Any) -> Summary | Plan:
+    """Merge the LoRA adapter `adapter` (a local folder or a Hub repo `org/name[@revision]`) into `base` (default:
+    the adapter's `base_model_name_or_path`) and write the result to `output_dir`, one tensor at a time.
+
+    Each targeted weight becomes W + (B @ A) * scaling in float32, rounded once to W's dtype (DoRA, embeddings,
+    GPT-2 Conv1D, modules_to_save: docs/merge.md). A 4-bit base (a prequant output) is dequantized as bitsandbytes'
+    CUDA kernel does. The output is 16-bit, or 4-bit with `quantize`. Conversion options (device, max_shard_size,
+    overwrite, resume, push_to_hub, ...; with a 16-bit base and `quantize`, the 4-bit settings) come as a
+    `ConvertOptions` or by keyword. Returns the Summary (the Plan when `dry_run`); interrupted, the same call
+    continues; raises PrequantError naming the adapter key, tensor or file for anything it cannot merge."""
+    opts = replace(options or ConvertOptions(), **changes)
+    started = time.monotonic()
+    lora = open_adapter(str(adapter))
+    base_spec = str(base) if base is not None else lora.base_model
+    if not base_spec:
+        raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
+    out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
+    src, tensors, config, four = _base(base_spec, opts)
+    with TensorReader() as data:  # the adapter's tensors, and a 4-bit base's quant states and block scales
+        four_bit = four_bit_weights(tensors, data) if four else {}
+        changed = targets(lora, base_names([t.name for t in tensors], src.path, wanted(lora)))
+        plan = _plan(tensors, config, src, changed, four_bit, quantize, opts)
+        if opts.dry_run:
+            return plan
+        quantizer = starting.quantizer(plan.settings, opts.device, plan.input_bytes)
+        dequantized_too = {k: w for k, w in four_bit.items() if not quantize or k in changed}
+        merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
+        job = Job(src, out, opts, tensors, config, plan,
+                  fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
+                  | {"adapter": lora.identity}, side_files(src.path), started)
+        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
+            if claim.complete:
+                return _summary(job, manifest.load(out), complete=True)
+            with _interruptible(), Recorder(src, plan, stats=opts.stats and quantize, job=job.id,
+                                            allow_nan=opts.allow_nan, options={"max_shard_size": opts.shard_limit,
+                                                                               "quantize": quantize}) as record:
+                record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
+                if not output.publishing(claim.staging):  # else an interrupted run had written everything
+                    device = starting.ready(quantizer).device
+                    with float32_products(device):
+                        sizes = _stream(job, quantizer, record, claim.staging, transform=merger)
+                    _record(job, record, claim.staging, sizes, lora, four, quantize, str(device))
+                output.publish(out, claim.staging)
+    hub_url = _push(out, opts) if opts.push_to_hub else None
+    note = f"merged: {len(changed)} tensors changed by the adapter, written {'4-bit' if quantize else '16-bit'}"
+    return _summary(job, manifest.load(out), hub_url=hub_url, quantizer=quantizer, notes=[note])
+
+
+def _record(job: Job, record: Recorder, staging: Path, sizes: dict[str, int], lora: Adapter, four: bool,
+            quantize: bool, device: str) -> None:
+    """Side files, index, config.json, the card and prequant.json (the adapter, the bases and what changed)."""
+    plan, src = job.plan, job.source
+    copy_side_files(src.path, staging, job.side_files)
+    write_index(staging, plan, sizes)
+    _write_config(staging, job.config, plan, four, quantize)
+    identity = source_identity(src)
+    card.write(staging, src, identity, lora, plan, quantize, job.options.push_to_hub)
+    files = [*plan.shards, *(p.as_posix() for p in job.side_files), CONFIG, CARD]
+    files += [n for n in INDEX_NAMES if (staging / n).is_file()]
+    merged = sorted(s.source.name for s in plan.steps if s.decision.reason == MERGED)
+    record.write_manifest(staging, files, identity, device, adapter=lora.identity,
+                          merge={"base": "4-bit" if four else "16-bit", "output": "4-bit" if quantize else "16-bit",
+                                 "targets": merged})
+
+
+class Merger:
+    """The pipeline's transform: each targeted tensor merged (`rule.merged`), a 4-bit base's weights dequantized
+    first (`rule.dequantized`; back to their stored [in, out] layout for a GPT-2 Conv1D)."""
+
+    def __init__(self, changed: dict[str, Target], four: dict[str, FourBit], transposed: set[str],
+                 data: TensorReader) -> None:
+        self.changed, self.four, self.transposed, self.data = changed, four, transposed, data
+
+    def applies(self, step: Step) -> bool:
+        return step.source.name in self.changed or step.source.name in self.four
+
+    def __call__(self, step: Step, tensor: Any) -> Any:
+        name = step.source.name
+        if name in self.four:
+            tensor = dequantized(tensor, self.four[name], self.data)
+            if name in self.transposed:
+                tensor = tensor.T.contiguous()
+        target = self.changed.get(name)
+        return tensor if target is None else merged(tensor, target, self.data)
+
+
+class _KeptCheck(KeptCheck):
+    """The check of kept tensors, but for a 4-bit base's packed weights copied as stored: codes, not numbers."""
+
+    def __init__(self, allow_nan: bool, packed: set[str]) -> None:
+        super().__init__(allow_nan)
+        self.packed = packed
+
+    def __call__(self, name: str, tensor: Any) -> tuple[int, int] | None:
+        return None if name in self.packed else super().__call__(name, tensor)
+
+
+def open_adapter(spec: str) -> Adapter:
+    """The adapter at `spec`: a local folder, or a Hub repo `org/name[@revision]` (its config and weights
+    downloaded into the Hugging Face cache)."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"ADAPTER {spec!r} is a file; pass the folder peft's save_pretrained wrote")
+        return read(path, _identity({"spec": spec, "path": str(path)}, path))
+    repo = hub_spec(spec)
+    if repo is None:
+        raise UsageError(f"ADAPTER {spec!r} does not exist; pass a local adapter folder or a Hub repo as "
+                         "org/name[@revision]")
+    from ..hub import client
+
+    repo_id, revision = client.parse_repo_spec(repo[0])
+    commit = client.resolve(repo_id, revision)
+    names = [CONFIG_NAME, *[n for n in WEIGHT_NAMES if n in commit.files][:1]]
+    local = [client.download(commit, n, large=n != CONFIG_NAME) for n in names if n in commit.files]
+    if not local:
+        raise PrequantError(f"{repo_id}@{commit.sha[:12]} has no {CONFIG_NAME}; pass the repo of a peft adapter")
+    directory = local[0].parent
+    ident = {"spec": spec, "repo_id": repo_id, "revision": revision, "commit": commit.sha}
+    return read(directory, _identity(ident, directory))
+
+
+def _identity(ident: dict, directory: Path) -> dict:
+    """The adapter as the manifest records it: where it came from, and its files' sha256."""
+    files = [n for n in (CONFIG_NAME, *WEIGHT_NAMES) if (directory / n).is_file()]
+    return {**ident, "sha256": {n: sha256_file(directory / n) for n in files}}
+
+
+def _base(spec: str, opts: ConvertOptions) -> tuple[Source, list[TensorRef], dict, bool]:
+    """The base, its tensors, its config.json and whether it is a bitsandbytes 4-bit checkpoint (read as it is
+    stored; any other is read as a conversion reads its source: FP8 as 16-bit). A 4-bit base on the Hub is
+    downloaded first: its quant states, read to plan, give the output's shapes."""
+    src = resolve(spec, stream=True, delete=opts.delete_source_shards)
+    try:
+        config = json.loads((src.path / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise PrequantError(f"cannot read it ({e}); the base needs its config.json", where=src.path / CONFIG) from e
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not (isinstance(qc, dict) and qc.get("quant_method") == "bitsandbytes"):
+        held = contents(src)
+        return src, held.tensors, held.config, False
+    if not qc.get("load_in_4bit"):
+        raise PrequantError("the base is bitsandbytes 8-bit; prequant merges into 16-bit, FP8 or 4-bit bases",
+                            where=src.path / CONFIG)
+    if src.hub is not None:
+        src = resolve(spec, delete=opts.delete_source_shards)
+    return src, scan(src), config, True
+
+
+def _transposed(src: Source) -> set[str]:
+    """The weights a 4-bit base quantized as their transpose (GPT-2 Conv1D), from its prequant.json."""
+    try:
+        return set(manifest.load(src.path).get("transposed") or [])
+    except PrequantError:
+        return set()
+
+
+def _base_settings(config: dict, four: dict[str, FourBit]) -> Settings:
+    """The 4-bit settings of a bitsandbytes base: its quantization_config, and its quant states' block size."""
+    qc = config["quantization_config"]
+    blocksizes = {w.state.get("blocksize") for w in four.values()}
+    return Settings(quant_type=qc.get("bnb_4bit_quant_type", "fp4"),
+                    double_quant=bool(qc.get("bnb_4bit_use_double_quant")),
+                    blocksize=blocksizes.pop() if len(blocksizes) == 1 else 64,
+                    compute_dtype=qc.get("bnb_4bit_compute_dtype") or "float32",
+                    quant_storage=qc.get("bnb_4bit_quant_storage") or "uint8")
+
+
+def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str, Target],
+          four: dict[str, FourBit], quantize: bool, opts: ConvertOptions) -> Plan:
+    """Every output: 16-bit (a 4-bit base's weights dequantized), or 4-bit with `quantize` (a 4-bit base's
+    targets quantized again with its settings, the rest copied; a 16-bit base planned as `convert` plans it)."""
+    def reason(name: str, default: str) -> str:
+        return MERGED if name in changed else default
+
+    if four:
+        s, transposed = _base_settings(config, four), _transposed(src)
+        companions = {ref.name for w in four.values() for ref in w.companions.values()}
+        if quantize:  # targets' companions are written anew; everything else copied
+            companions = {ref.name for k, w in four.items() if k in changed for ref in w.companions.values()}
+        kept = [t for t in tensors if t.name not in companions]
+        decisions = {t.name: Decision(quantize and t.name in changed and t.name in four,
+                                      reason(t.name, "dequantized" if t.name in four else "kept"),
+                                      transpose=t.name in transposed) for t in kept}
+
+        def outputs(t: TensorRef, d: Decision) -> tuple[OutTensor, ...] | None:
+            if t.name not in four:
+                return None
+            w = four[t.name]
+            if d.quantize:
+                return tuple(OutTensor(e.key, e.dtype, e.shape) for e in settings_entries(t.name, _numel(w), s))
+            if quantize:
+                return None  # an untargeted 4-bit weight: copied as stored
+            return (OutTensor(t.name, w.dtype, w.shape[::-1] if t.name in transposed else w.shape),)
+
+        return make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
+                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs)
+    if quantize:
+        layout, settled = decide(config, src.path, tensors, list(opts.skip), opts.trust_remote_code)
+        require_known(layout)
+        layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason))
+                                            for k, d in layout.decisions.items()})
+        return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip), settled=settled)
+    decisions = {t.name: Decision(False, reason(t.name, "kept")) for t in tensors}
+    return make_plan(tensors, Layout(decisions, None, "merge, written 16-bit: nothing quantized"), opts.settings,
+                     opts.shard_limit)
+
+
+def _numel(w: FourBit) -> int:
+    return math.prod(w.shape)
+
+
+def _write_config(staging: Path, config: dict, plan: Plan, four: bool, quantize: bool) -> None:
+    """config.json: a 16-bit output's without quantization_config; a 4-bit output's with the one it loads with."""
+    from ..bnb.format import quantization_config
+
+    if not quantize:
+        write_json(staging / CONFIG, {k: v for k, v in config.items() if k != "quantization_config"})
+    elif four:
+        write_json(staging / CONFIG, config)
+    else:
+        write_json(staging / CONFIG, {**config, "quantization_config": quantization_config(plan.settings,
+                                                                                          plan.skip_modules)})
+

@@ -1,0 +1,350 @@
+"""`prequant merge` on tiny models, one adapter flavour per test (peft builds each adapter, every trained tensor
+random): the merged bytes equal peft's merge_and_unload (or the stated rule where peft rounds twice), and the merged
+model's logits equal PeftModel(base, adapter)'s within bf16 rounding. Into a 4-bit base: W is bitsandbytes'
+dequantization, the logits are the adapted 4-bit model's, and `--quantize` quantizes each merged tensor as a
+conversion of the 16-bit merge would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from adapters import TOKENS, logits, make_adapter, peft_logits, peft_merged
+from helpers import read_checkpoint, run_cli
+
+import prequant
+from prequant.errors import PrequantError
+
+
+def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    """Equal within bf16 rounding: the merged weights are rounded once to bf16, the adapted model adds the LoRA
+    path in its own precision."""
+    assert (ours - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
+
+
+def assert_same_as_peft(out: Path, base: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    ours, ref = read_checkpoint(out), peft_merged(base, adapter)
+    assert set(ours) == set(ref) - {k for k in ref if k not in read_checkpoint(base)}
+    different = [k for k in ours if not torch.equal(ours[k], ref[k])]
+    assert different == []
+    assert_logits_close(logits(out, TOKENS), peft_logits(base, adapter, TOKENS))
+    return ours
+
+
+FLAVOURS = {
+    "lora": {"target_modules": "all-linear"},
+    "rslora": {"target_modules": ["q_proj", "v_proj"], "use_rslora": True},
+    "patterns": {"target_modules": "all-linear", "rank_pattern": {"down_proj": 8},
+                 "alpha_pattern": {"layers.1.self_attn.q_proj": 3}},
+    "modules_to_save": {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+    "dora": {"target_modules": ["q_proj", "down_proj"], "use_dora": True},
+}
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_merge_into_a_16bit_base_equals_peft_merge_and_unload(flavour, checkpoints, tmp_path):
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", **FLAVOURS[flavour])
+    summary = prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False)
+    ours = assert_same_as_peft(tmp_path / "out", base, adapter)
+    source = read_checkpoint(base)
+    changed = {k for k in ours if not torch.equal(ours[k], source[k])}
+    assert changed and summary.tensors_quantized == 0
+    manifest = json.loads((tmp_path / "out" / "prequant.json").read_text())
+    assert set(manifest["merge"]["targets"]) == changed
+    assert manifest["adapter"]["sha256"]["adapter_config.json"]
+
+
+def test_gpt2_conv1d_fan_in_fan_out_and_dora_equal_peft(checkpoints, tmp_path):
+    base = checkpoints("gpt2")  # float32 Conv1D weights stored [in, out]
+    for name, extra in (("lora", {}), ("dora", {"use_dora": True})):
+        adapter = make_adapter(base, tmp_path / name, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, **extra)
+        prequant.merge(adapter, tmp_path / f"out-{name}", base=base, device="cpu", progress=False)
+        assert_same_as_peft(tmp_path / f"out-{name}", base, adapter)
+
+
+def test_embedding_lora_follows_the_rule_where_peft_rounds_the_delta_first(checkpoints, tmp_path):
+    from safetensors.torch import load_file
+
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["embed_tokens", "q_proj"])
+    prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False)
+    ours, ref = read_checkpoint(tmp_path / "out"), peft_merged(base, adapter)
+    lora = load_file(adapter / "adapter_model.safetensors")
+    key = "model.embed_tokens.weight"
+    a, b = (lora[f"base_model.model.model.embed_tokens.lora_embedding_{x}"] for x in "AB")
+    w, delta = read_checkpoint(base)[key], (b @ a).T * 2.0
+    assert torch.equal(ours[key], (w.float() + delta).to(torch.bfloat16))
+    # peft adds the delta rounded to bf16 first: apart by at most a bf16 step of the result and one of the delta
+    step = (ours[key].float().abs() + delta.abs()) * 2**-7 + 2**-133
+    assert ((ours[key].float() - ref[key].float()).abs() <= step).all() and not torch.equal(ours[key], ref[key])
+    assert all(torch.equal(ours[k], ref[k]) for k in ours if k != key)
+    assert_logits_close(logits(tmp_path / "out", TOKENS), peft_logits(base, adapter, TOKENS))
+
+
+def _dequantized(four_bit: Path) -> dict[str, torch.Tensor]:
+    """Every 4-bit weight of `four_bit` as bitsandbytes dequantizes it (its CPU path: right for these shapes, whose
+    rows are whole blocks)."""
+    from bitsandbytes.functional import QuantState, dequantize_4bit
+
+    tensors = read_checkpoint(four_bit)
+    out = {}
+    for key in [k.split(".quant_state.")[0] for k in tensors if ".quant_state." in k]:
+        parts = {k.removeprefix(key + "."): v for k, v in tensors.items() if k.startswith(key + ".")}
+        state = QuantState.from_dict(parts, torch.device("cpu"))
+        out[key] = dequantize_4bit(tensors[key].view(torch.uint8).view(-1, 1), state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_bit(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(16-bit base, its 4-bit conversion, an adapter on q_proj and down_proj)."""
+    from helpers import build_checkpoint
+
+    root = tmp_path_factory.mktemp("four-bit")
+    base = build_checkpoint("llama", root / "base")
+    converted = root / "nf4"
+    prequant.convert(base, converted, device="cpu", progress=False)
+    return base, converted, make_adapter(base, root / "adapter", target_modules=["q_proj", "down_proj"])
+
+
+def test_merge_into_a_4bit_base_merges_into_bitsandbytes_dequantized_weights(four_bit, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from prequant.verify.run import verify
+
+    base, converted, adapter = four_bit
+    prequant.merge(adapter, tmp_path / "out", base=converted, device="cpu", progress=False)
+    ours, dequantized = read_checkpoint(tmp_path / "out"), _dequantized(converted)
+    assert set(ours) == set(read_checkpoint(base))
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    lora = load_file(adapter / "adapter_model.safetensors")
+    for key, w in dequantized.items():
+        module = key.removesuffix(".weight")
+        if f"base_model.model.{module}.lora_A.weight" in lora:
+            a, b = (lora[f"base_model.model.{module}.lora_{x}.weight"] for x in "AB")
+            w = (w.float() + (b @ a) * 2.0).to(torch.bfloat16)
+        assert torch.equal(ours[key], w), key
+    model = AutoModelForCausalLM.from_pretrained(converted, device_map="cpu")
+    adapted = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        reference = adapted(TOKENS).logits.float()
+    assert_logits_close(logits(tmp_path / "out", TOKENS), reference)
+    assert verify(tmp_path / "out", progress=False).ok
+
+
+def test_quantize_writes_what_converting_the_16bit_merge_writes_and_copies_the_rest(four_bit, tmp_path):
+    from prequant.verify.run import verify
+
+    _, converted, adapter = four_bit
+    prequant.merge(adapter, tmp_path / "merged16", base=converted, device="cpu", progress=False)
+    prequant.convert(tmp_path / "merged16", tmp_path / "reference", device="cpu", progress=False)
+    prequant.merge(adapter, tmp_path / "out", base=converted, device="cpu", progress=False, quantize=True)
+    ours, reference, stored = (read_checkpoint(p) for p in (tmp_path / "out", tmp_path / "reference", converted))
+    assert set(ours) == set(stored)
+    merged = {k for k in ours if ".q_proj.weight" in k or ".down_proj.weight" in k}
+    for key in ours:
+        expected = reference[key] if key in merged else stored[key]
+        assert ours[key].dtype == expected.dtype and torch.equal(ours[key].view(torch.uint8),
+                                                                  expected.view(torch.uint8)), key
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((converted / "config.json").read_text())
+    assert verify(tmp_path / "out", progress=False).ok
+
+
+def test_experts_adapter_in_transformers_5_names_merges_into_the_4bit_experts(tmp_path):
+    """An adapter on every expert as load_for_fsdp trains it (prequant.load_model's per-expert linears, the
+    model's names: transformers 5 calls Mixtral's block_sparse_moe `mlp`), into the --quantize-experts base."""
+    from moe_checkpoints import build_moe
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from prequant.fsdp.experts import lora_targets_as_named
+
+    converted = tmp_path / "ckpt"
+    prequant.convert(build_moe("mixtral", tmp_path / "src"), converted, device="cpu", progress=False,
+                     quantize_experts=True)
+    model = prequant.load_model(converted)
+    with lora_targets_as_named(model):
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      init_lora_weights=False))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    keys = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert keys["peft_type"] == "LORA"
+    prequant.merge(tmp_path / "adapter", tmp_path / "out", base=converted, device="cpu", progress=False)
+    merged = json.loads((tmp_path / "out" / "prequant.json").read_text())["merge"]["targets"]
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in merged
+    with lora_targets_as_named(model := prequant.load_model(converted)):
+        adapted = PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        reference = adapted(TOKENS).logits.float()
+    assert_logits_close(logits(tmp_path / "out", TOKENS), reference)
+    # The same adapter in transformers 4's names (the checkpoint's own): the same merge.
+    from safetensors.torch import load_file, save_file
+
+    tf4 = tmp_path / "adapter-tf4"
+    shutil.copytree(tmp_path / "adapter", tf4)
+    tensors = load_file(tf4 / "adapter_model.safetensors")
+    save_file({k.replace(".mlp.", ".block_sparse_moe."): v for k, v in tensors.items()}, tf4 / "adapter_model.safetensors")
+    prequant.merge(tf4, tmp_path / "out-tf4", base=converted, device="cpu", progress=False)
+    assert (tmp_path / "out-tf4" / "model.safetensors").read_bytes() == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
+def test_rerun_is_complete_and_the_cli_merges_with_an_honest_exit(checkpoints, tmp_path):
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(base)}))
+    done = run_cli("merge", str(adapter), str(tmp_path / "out"), "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert "merged: 2 tensors changed" in done.stdout
+    again = prequant.merge(adapter, tmp_path / "out", device="cpu", progress=False)
+    assert again.already_complete
+    missing = run_cli("merge", str(tmp_path / "nothing"), str(tmp_path / "out2"))
+    assert missing.returncode == 2 and "ADAPTER" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind", ["LOHA", "VERA"])
+def test_other_peft_types_are_refused_naming_them(kind, checkpoints, tmp_path):
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "peft_type": kind}))
+    with pytest.raises(PrequantError, match=f"peft_type '{kind}' is not LoRA"):
+        prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_loha_keys_and_unmatched_keys_are_refused_naming_the_key(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"])
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    for extra, message in (("base_model.model.model.layers.0.self_attn.q_proj.hada_w1_a", "hada_w1_a"),
+                           ("base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight",
+                            "matches no tensor of the base model")):
+        broken = tmp_path / extra.split(".")[-2]
+        shutil.copytree(adapter, broken)
+        save_file({**tensors, extra: torch.zeros(4, 64)}, broken / "adapter_model.safetensors")
+        with pytest.raises(PrequantError, match=message) as e:
+            prequant.merge(broken, tmp_path / f"out-{broken.name}", base=base, device="cpu", progress=False)
+        assert extra in str(e.value) and "\n" not in str(e.value)
+
+
+def test_adapter_from_the_hub(hub_server, checkpoints, tmp_path):
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["v_proj"])
+    sha = hub_server.add_repo("org/lora", {p.name: p for p in adapter.iterdir() if p.is_file()})
+    prequant.merge("org/lora", tmp_path / "out", base=base, device="cpu", progress=False)
+    assert_same_as_peft(tmp_path / "out", base, adapter)
+    recorded = json.loads((tmp_path / "out" / "prequant.json").read_text())["adapter"]
+    assert recorded["repo_id"] == "org/lora" and recorded["commit"] == sha
+    assert "org/lora" in (tmp_path / "out" / "README.md").read_text()
+
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_killed_merge_continues_to_the_same_files_and_a_changed_adapter_is_another_job(four_bit, tmp_path):
+    import signal
+
+    _, converted, adapter = four_bit
+    args = ("--base", str(converted), "--device", "cpu", "--max-shard-size", "100KB")
+    assert run_cli("merge", str(adapter), str(tmp_path / "clean"), *args).returncode == 0
+    killed = run_cli("merge", str(adapter), str(tmp_path / "out"), *args, env={"PREQUANT_FAILPOINT": "step-journaled:5"})
+    assert killed.returncode == -signal.SIGKILL
+    resumed = run_cli("merge", str(adapter), str(tmp_path / "out"), *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stderr
+    clean, out = _files(tmp_path / "clean"), _files(tmp_path / "out")
+    assert len([n for n in clean if n.endswith(".safetensors")]) > 1
+    assert {n: b for n, b in out.items() if n != "prequant.json"} == {n: b for n, b in clean.items() if n != "prequant.json"}
+    other = tmp_path / "other-adapter"
+    shutil.copytree(adapter, other)
+    config = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 16}))
+    refused = run_cli("merge", str(other), str(tmp_path / "out"), *args)
+    assert refused.returncode != 0 and "--overwrite" in refused.stderr
+
+
+def test_merge_push_to_hub_uploads_the_verified_output(hub_server, checkpoints, tmp_path, monkeypatch):
+    from hub_server import TOKEN
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"])
+    summary = prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False,
+                             push_to_hub="me/merged")
+    assert summary.hub_commit_url.endswith(hub_server.head("me/merged"))
+    uploaded = hub_server.files("me/merged")
+    assert uploaded["prequant.json"] == (tmp_path / "out" / "prequant.json").read_bytes()
+    assert uploaded["model.safetensors"] == (tmp_path / "out" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_merge_into_an_fp8_base_equals_the_merge_into_its_16bit_reference(fmt, tmp_path):
+    from fp8_checkpoints import fp8_pair
+
+    fp8, reference = fp8_pair(tmp_path, fmt, torch.float32)
+    adapter = make_adapter(reference, tmp_path / "adapter", target_modules=["q_proj", "o_proj"])
+    prequant.merge(adapter, tmp_path / "from-fp8", base=fp8, device="cpu", progress=False)
+    prequant.merge(adapter, tmp_path / "from-ref", base=reference, device="cpu", progress=False)
+    ours, expected = read_checkpoint(tmp_path / "from-fp8"), read_checkpoint(tmp_path / "from-ref")
+    assert set(ours) == set(expected) and all(torch.equal(ours[k], expected[k]) for k in ours)
+    assert "quantization_config" not in json.loads((tmp_path / "from-fp8" / "config.json").read_text())
+
+
+def test_a_4bit_base_on_the_hub(hub_server, four_bit, tmp_path):
+    _, converted, adapter = four_bit
+    hub_server.add_repo("org/tiny-nf4", {p.name: p for p in converted.iterdir() if p.is_file()})
+    prequant.merge(adapter, tmp_path / "hub", base="org/tiny-nf4", device="cpu", progress=False)
+    prequant.merge(adapter, tmp_path / "local", base=converted, device="cpu", progress=False)
+    assert read_checkpoint(tmp_path / "hub").keys() == read_checkpoint(tmp_path / "local").keys()
+    assert (tmp_path / "hub" / "model.safetensors").read_bytes() == (tmp_path / "local" / "model.safetensors").read_bytes()
+
+
+def test_quantize_into_a_16bit_base_writes_what_converting_the_16bit_merge_writes(checkpoints, tmp_path):
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj", "gate_proj"])
+    prequant.merge(adapter, tmp_path / "merged16", base=base, device="cpu", progress=False)
+    prequant.convert(tmp_path / "merged16", tmp_path / "reference", device="cpu", progress=False, quant_type="fp4")
+    summary = prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False, quantize=True,
+                             quant_type="fp4")
+    assert summary.tensors_quantized > 0
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
+
+
+def test_gpt2_4bit_base_merges_in_the_stored_conv1d_layout(converted_gpt2, tmp_path):
+    """The 4-bit base holds each Conv1D weight quantized as its [out, in] transpose: dequantized, it goes back to the
+    [in, out] layout a 16-bit GPT-2 stores, where the fan_in_fan_out adapter applies; --quantize transposes it again."""
+    base, converted = converted_gpt2
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["c_attn"], fan_in_fan_out=True)
+    prequant.merge(adapter, tmp_path / "merged16", base=converted, device="cpu", progress=False)
+    ours, source, dequantized = read_checkpoint(tmp_path / "merged16"), read_checkpoint(base), _dequantized(converted)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in source.items()}
+    w = dequantized["transformer.h.0.attn.c_attn.weight"].T
+    from safetensors.torch import load_file
+
+    lora = load_file(adapter / "adapter_model.safetensors")
+    a, b = (lora[f"base_model.model.transformer.h.0.attn.c_attn.lora_{x}.weight"] for x in "AB")
+    assert torch.equal(ours["transformer.h.0.attn.c_attn.weight"], (w.float() + (b @ a).T * 2.0).to(w.dtype))
+    assert torch.equal(ours["transformer.h.0.mlp.c_fc.weight"], dequantized["transformer.h.0.mlp.c_fc.weight"].T)
+    prequant.convert(tmp_path / "merged16", tmp_path / "reference", device="cpu", progress=False)
+    prequant.merge(adapter, tmp_path / "out", base=converted, device="cpu", progress=False, quantize=True)
+    quantized, reference, stored = (read_checkpoint(p) for p in (tmp_path / "out", tmp_path / "reference", converted))
+    assert set(quantized) == set(stored)
+    for key, value in quantized.items():
+        expected = reference[key] if ".c_attn.weight" in key else stored[key]
+        assert torch.equal(value.view(torch.uint8), expected.view(torch.uint8)), key
