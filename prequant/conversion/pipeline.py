@@ -12,7 +12,9 @@ CPU the reader hands over zero-copy memory-mapped views, which the CPU kernel qu
 (`bnb.kernels._parallel`). Tensors kept as they are never enter the quantizing stage's memory: a thread of their own
 asks for their pages and checks their values on the mapped view while the reader goes on, then the writer, once the
 check has passed, has the kernel copy them file to file (copy_file_range). A tensor transformers loads in another
-dtype goes through the quantizing device like a quantized one and is cast there. The writer stage (`ShardSet`)
+dtype goes through the quantizing device like a quantized one and is cast there. So does an FP8 weight, quantized or
+kept: its float8 bytes and its scale travel to the device as stored (half the bytes of its 16-bit form) and are
+dequantized there (`checkpoint.fp8.dequantize`), on the CPU over the kernel's threads. The writer stage (`ShardSet`)
 opens each output shard on its first tensor, finalizes it when its last one is written, and journals both.
 """
 
@@ -29,8 +31,10 @@ from typing import BinaryIO, Protocol
 import torch
 
 from ..bnb.format import entry_key
+from ..bnb.kernels import _parallel as threads
 from ..bnb.quantize import Quantizer
 from ..bnb.starting import Starting, ready
+from ..checkpoint import fp8
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import BIN_OFFSET, TensorRef
@@ -121,13 +125,21 @@ def run(
                 pagecache.will_need(source.fd(ref.file), ref.offset, ref.nbytes)
             return check(ref.name, source.view(ref))
 
+    def load(ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A tensor on the quantizing device, and the event its copy there records (None on the CPU: a view)."""
+        return loader.load(ref) if loader is not None else (source.view(ref), None)
+
     def read_all() -> None:
         try:
             for step in todo:
                 source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
                 found = None
-                if step.quantize or step.decision.dtype:  # through the quantizing device, to be quantized or cast
-                    data = loader.load(step.source) if loader is not None else (source.view(step.source), None)
+                if isinstance(step.source, fp8.Fp8Weight):  # its float8 bytes and scale, dequantized on the device
+                    source.prepare(step.source.scale.file, failed)
+                    (weight, _), (scale, copied) = load(step.source.stored), load(step.source.scale)
+                    data = ((weight, scale), copied)  # the scale's copy follows the weight's on the loader's stream
+                elif step.quantize or step.decision.dtype:  # through the quantizing device, to be quantized or cast
+                    data = load(step.source)
                 else:
                     if checks is not None:
                         found = checks.submit(check_kept, step.source)
@@ -188,14 +200,18 @@ def run(
     return shards.sizes
 
 
-def _transform(step: Step, tensor: torch.Tensor, loaded: torch.cuda.Event | None, found: object,
-               quantizer: Quantizer, stats: Stats | None, check: Check | None) -> tuple:  # fmt: skip
-    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found)."""
-    name = step.source.name
-    if not step.quantize and not step.decision.dtype:
+def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], loaded: torch.cuda.Event | None,
+               found: object, quantizer: Quantizer, stats: Stats | None, check: Check | None) -> tuple:  # fmt: skip
+    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found). `tensor` is
+    an FP8 weight's (float8 weight, scale) pair, which becomes its 16-bit tensor here, on the quantizing device."""
+    name, fp8_weight = step.source.name, isinstance(step.source, fp8.Fp8Weight)
+    if not step.quantize and not step.decision.dtype and not fp8_weight:
         return (step, {name: tensor}, None, found)
     if loaded is not None:
         torch.cuda.current_stream(quantizer.device).wait_event(loaded)
+    if fp8_weight:  # on the CPU, its pieces on the CPU kernel's threads
+        with trace.busy("dequantize"):
+            tensor = fp8.dequantize(step.source, *tensor, each=threads.run if quantizer.device.type == "cpu" else None)
     if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
         with trace.busy("cast"):
             tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
