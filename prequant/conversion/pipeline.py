@@ -202,8 +202,9 @@ def run(
 
 def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], loaded: torch.cuda.Event | None,
                found: object, quantizer: Quantizer, stats: Stats | None, check: Check | None) -> tuple:  # fmt: skip
-    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found). `tensor` is
-    an FP8 weight's (float8 weight, scale) pair, which becomes its 16-bit tensor here, on the quantizing device."""
+    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found). For an FP8
+    weight, `tensor` is its (float8 weight, scale) pair, which becomes its 16-bit tensor here, on the quantizing
+    device."""
     name, fp8_weight = step.source.name, isinstance(step.source, fp8.Fp8Weight)
     if not step.quantize and not step.decision.dtype and not fp8_weight:
         return (step, {name: tensor}, None, found)
