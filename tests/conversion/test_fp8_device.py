@@ -1,20 +1,21 @@
 """FP8 sources converted on CUDA: float8 weights and their scales go to the GPU as stored and are dequantized there, and
 the output has the bytes of the CPU conversion and of the converted 16-bit checkpoint the reference dequantization
-writes (`tests/fp8_checkpoints.py`: both formats, edge blocks, a weight and its scale in different shards). Run them
-on a CUDA machine:
+writes (`tests/fp8_checkpoints.py`: both formats, edge blocks, a weight and its scale in different shards). Run the
+GPU ones on a CUDA machine:
 
     python -m pytest -q -m gpu tests/conversion/test_fp8_device.py
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from fp8_checkpoints import fp8_pair, outputs
-from helpers import gpu_only
+from helpers import GPU, gpu_only, run_cli
 
 import prequant
 from prequant.checkpoint import fp8
@@ -72,3 +73,14 @@ def test_real_size_weights_dequantize_on_cuda_to_the_cpu_bytes(shape, method):
     nan = cpu.isnan()  # NaN's bits are each device's choice; NaN where it is
     assert nan.any() and torch.equal(cuda.isnan(), nan)
     assert torch.equal(cuda[~nan].view(torch.int16), cpu[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_fp8_weights_are_dequantized_in_the_quantizing_stage(tmp_path, device):
+    """The reader hands over float8 bytes and scales as stored; the quantizing stage dequantizes them on `device`
+    (its own time in PREQUANT_TRACE, which the benchmarks read)."""
+    src, _ = fp8_pair(tmp_path, "block", torch.float32)
+    trace = tmp_path / "trace.json"
+    run_cli("convert", str(src), str(tmp_path / "out"), "--device", device, env={"PREQUANT_TRACE": str(trace)},
+            check=True)
+    assert json.loads(trace.read_text())["busy"]["dequantize"] > 0
