@@ -168,7 +168,7 @@ def dequantize(ref: Fp8Weight, weight: torch.Tensor, scale: torch.Tensor, each: 
     out = torch.empty(ref.shape, dtype=SAFETENSORS_DTYPES[ref.dtype], device=device)
     if out.numel() == 0:
         return out
-    values = torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(device)  # every code's value
     table = scale.reshape(-1, 1).float() * values  # [scales, 256]: one table per scale, in the scale's order
     if ref.method == CT and scale.dtype != torch.float32:
         table = table.to(scale.dtype)
