@@ -31,7 +31,7 @@ from typing import BinaryIO, Protocol
 import torch
 
 from ..bnb.format import entry_key
-from ..bnb.kernels import _parallel as threads
+from ..bnb.kernels import _parallel
 from ..bnb.quantize import Quantizer
 from ..bnb.starting import Starting, ready
 from ..checkpoint import fp8
@@ -211,8 +211,9 @@ def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tens
     if loaded is not None:
         torch.cuda.current_stream(quantizer.device).wait_event(loaded)
     if fp8_weight:  # on the CPU, its pieces on the CPU kernel's threads
+        each = _parallel.run if quantizer.device.type == "cpu" else None
         with trace.busy("dequantize"):
-            tensor = fp8.dequantize(step.source, *tensor, each=threads.run if quantizer.device.type == "cpu" else None)
+            tensor = fp8.dequantize(step.source, *tensor, each=each)
     if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
         with trace.busy("cast"):
             tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
