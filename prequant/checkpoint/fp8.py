@@ -1,4 +1,4 @@
-"""FP8 checkpoints read as 16-bit ones: each float8 weight dequantized with its scales as it is read.
+"""FP8 checkpoints read as 16-bit ones: each float8 weight dequantized with its scales, on the device that uses it.
 
 Two on-disk formats, declared by config.json's `quantization_config`:
 
@@ -15,8 +15,9 @@ Two on-disk formats, declared by config.json's `quantization_config`:
   scale's dtype for compressed-tensors, then to the model's dtype.
 
 An FP8 weight becomes an `Fp8Weight`: a TensorRef of the model's dtype (config.json's `dtype` or `torch_dtype`) and
-the weight's shape, with no byte range of its own (BIN_OFFSET: readers reach it through `TensorReader.view`, which
-calls `dequantize`). It carries the stored tensors it is made of: the float8 weight, its scale (possibly in another
+the weight's shape, with no byte range of its own (BIN_OFFSET). The conversion's pipeline moves its stored tensors to
+the quantizing device and calls `dequantize` there; other readers get it dequantized on the CPU through
+`TensorReader.view`. It carries the stored tensors it is made of: the float8 weight, its scale (possibly in another
 shard) and the activation parameters of its module (`input_scale` and the like), which the conversion drops. Scales
 and activation parameters never reach the plan or the output.
 
@@ -26,7 +27,7 @@ Standard library only at import: `hf_files` (read before torch is imported) asks
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,11 @@ ACTIVATION = ("input_scale", "input_zero_point", "output_scale", "output_zero_po
               "v_scale", "q_scale", "input_global_scale")
 _MODEL_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 _SCALE_DTYPES = ("F32", "BF16", "F16")
-_CHUNK = 1 << 22  # elements dequantized at a time: float32 temporaries stay at 16 MiB whatever the weight size
+# Elements dequantized at a time, whatever the weight size: on a CPU a piece's int32 indices stay in a core's cache;
+# on a GPU a piece is large enough that kernel launches cost nothing beside it.
+_CPU_PIECE = 1 << 18
+_CUDA_PIECE = 1 << 24
+Each = Callable[[int, Callable[[int], None]], None]  # each(count, work): work(i) for i in range(count)
 
 
 @dataclass(frozen=True)
@@ -146,29 +151,57 @@ def card_note(tensors: Iterable[TensorRef]) -> str | None:
             "(the product with its scale in float32, rounded once to the model's dtype), then quantized to 4-bit.")
 
 
-def dequantize(ref: Fp8Weight, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize(ref: Fp8Weight, weight: torch.Tensor, scale: torch.Tensor, each: Each | None = None) -> torch.Tensor:
     """The 16-bit tensor of `ref` from its float8 `weight` and `scale` (as stored), on the weight's device: the product
     in float32, rounded to a 16-bit compressed-tensors scale's dtype (as compressed-tensors computes), then to the
-    model's dtype. IEEE float32 products and round-to-nearest-even casts: the same bytes on any device."""
+    model's dtype. IEEE float32 products and round-to-nearest-even casts: the same bytes on any device.
+
+    A float8 code has 256 values and a scale covers a block, a row or the tensor, so every product is an entry of a
+    table of 256 per scale, computed once with those operations; the weight is then a lookup in that table
+    (`index_select`), several times faster on a CPU than converting each float8 element. `each(count, work)` runs
+    `work(i)` for every piece of rows i (default: one after the other; the pipeline passes its CPU threads)."""
     import torch
 
     from .dtypes import SAFETENSORS_DTYPES
 
-    out = torch.empty(ref.shape, dtype=SAFETENSORS_DTYPES[ref.dtype], device=weight.device)
-    rows, cols = ref.shape
-    inner = scale.dtype if ref.method == CT and scale.dtype != torch.float32 else None
-    step = ref.block[0] if ref.block else max(1, _CHUNK // max(cols, 1))
-    for r in range(0, rows, step):
-        x = weight[r : r + step].float()
-        if ref.block:
-            s = scale[r // ref.block[0]].float().repeat_interleave(ref.block[1])[:cols]
-        elif scale.numel() == 1:
-            s = scale.reshape(()).float()
-        else:
-            s = scale[r : r + step].float()
-        y = x.mul_(s)
-        out[r : r + step] = y if inner is None else y.to(inner)
+    device, (rows, cols) = weight.device, ref.shape
+    out = torch.empty(ref.shape, dtype=SAFETENSORS_DTYPES[ref.dtype], device=device)
+    if out.numel() == 0:
+        return out
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(device)  # every code's value
+    table = scale.reshape(-1, 1).float() * values  # [scales, 256]: one table per scale, in the scale's order
+    if ref.method == CT and scale.dtype != torch.float32:
+        table = table.to(scale.dtype)
+    table = table.to(out.dtype).reshape(-1)
+    # Where each element's table starts: its scale's index times 256 (float8 code added to it below).
+    row_start = col_start = None
+    if ref.block:
+        per_row = -(-cols // ref.block[1])
+        row_start = torch.arange(rows, dtype=torch.int32, device=device).div_(ref.block[0], rounding_mode="floor")
+        row_start = row_start.mul_(per_row * 256).unsqueeze(1)
+        col_start = torch.arange(cols, dtype=torch.int32, device=device).div_(ref.block[1], rounding_mode="floor")
+        col_start = col_start.mul_(256)
+    elif scale.numel() > 1:  # per output channel
+        row_start = torch.arange(rows, dtype=torch.int32, device=device).mul_(256).unsqueeze(1)
+    codes, flat = weight.view(torch.uint8), out.view(-1)
+    step = max(1, (_CUDA_PIECE if device.type == "cuda" else _CPU_PIECE) // cols)
+
+    def piece(i: int) -> None:
+        a, b = i * step, min(rows, (i + 1) * step)
+        index = codes[a:b].to(torch.int32)
+        if row_start is not None:
+            index += row_start[a:b]
+        if col_start is not None:
+            index += col_start
+        torch.index_select(table, 0, index.view(-1), out=flat[a * cols : b * cols])
+
+    (each or _one_by_one)(-(-rows // step), piece)
     return out
+
+
+def _one_by_one(count: int, work: Callable[[int], None]) -> None:
+    for i in range(count):
+        work(i)
 
 
 def _scheme(qc: dict, where: object) -> tuple[str, tuple[int, int] | None]:

@@ -87,8 +87,9 @@ class TensorReader:
         return self._bins[ref.file][ref.name]
 
     def view(self, ref: TensorRef) -> torch.Tensor:
-        """The tensor as a CPU view over the memory-mapped file (no copy)."""
-        if isinstance(ref, fp8.Fp8Weight):  # stored as float8 with its scale (each read through this reader)
+        """The tensor as a CPU view over the memory-mapped file (no copy); an FP8 weight as the 16-bit tensor it
+        dequantizes to (a copy: the conversion's pipeline reads its stored tensors instead, for its own device)."""
+        if isinstance(ref, fp8.Fp8Weight):
             return fp8.dequantize(ref, self.view(ref.stored), self.view(ref.scale))
         dtype = SAFETENSORS_DTYPES[ref.dtype]
         if ref.nbytes == 0:

@@ -24,7 +24,7 @@ from ..bnb.layout import require_known
 from ..bnb.predict import decide
 from ..bnb.quantize import Quantizer, check_device
 from ..bnb.starting import Starting
-from ..checkpoint import manifest
+from ..checkpoint import fp8, manifest
 from ..checkpoint.tensors import TensorRef
 from ..errors import Interrupted
 from ..source.resolve import contents, reader, resolve
@@ -150,8 +150,8 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
         with data, Progress(plan.input_bytes, enabled=opts.progress) as bar:
             def on_step(step: Step) -> None:
                 bar.advance(step.source.nbytes)
-                if ahead is not None:
-                    ahead.consumed(step.source.nbytes)
+                if ahead is not None:  # the bytes on disk: an FP8 weight's float8 tensor, scale and riders
+                    ahead.consumed(sum(piece.nbytes for piece in fp8.pieces(step.source)))
                 data.tensor_done(step.source)  # a Hub shard: evicted after its last tensor with --delete-source-shards
 
             trace.mark("pipeline-start")

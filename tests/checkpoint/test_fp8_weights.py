@@ -96,6 +96,45 @@ def test_a_16_bit_scale_of_another_dtype_is_rounded_as_compressed_tensors_rounds
     assert _same(got, ct_dequantize(q, s, torch.bfloat16)) and not _same(got, once)
 
 
+@pytest.mark.parametrize("fmt, scale_dtype", [("block", torch.float32), ("channel", torch.bfloat16),
+                                               ("tensor", torch.float32)])
+def test_a_weight_of_many_pieces_is_the_reference_on_threads_too(tmp_path, monkeypatch, fmt, scale_dtype):
+    """Every float8 code (NaN, -0 and subnormals among them) in a weight wide enough to be dequantized in several
+    pieces of rows, whose edges fall inside 128-row blocks: the same bytes one piece after another and on the CPU
+    kernel's threads (as the pipeline runs it)."""
+    from prequant.bnb.kernels import _parallel
+
+    rows, cols = 300, 4100
+    q = torch.arange(rows * cols).remainder(256).to(torch.uint8)[torch.randperm(rows * cols)]
+    q = q.view(torch.float8_e4m3fn).reshape(rows, cols)
+    g = torch.Generator().manual_seed(5)
+    if fmt == "block":
+        s = (torch.rand(3, 33, generator=g) + 0.01).to(scale_dtype)
+        tensors, qc, wanted = {"m.weight": q, "m.weight_scale_inv": s}, BLOCK_QC, deepseek_weight_dequant(
+            q, s, torch.bfloat16)
+    else:
+        s = (torch.rand(*((rows, 1) if fmt == "channel" else (1,)), generator=g) + 0.01).to(scale_dtype)
+        tensors, qc, wanted = {"m.weight": q, "m.weight_scale": s}, CT_QC, ct_dequantize(q, s, torch.bfloat16)
+    src = write_checkpoint(tmp_path / "src", [dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))],
+                           BF16_LLAMA | {"quantization_config": qc})
+    (ref,) = contents(resolve(str(src))).tensors
+    assert fp8._CPU_PIECE // cols < 128 and rows > fp8._CPU_PIECE // cols  # several pieces, edges inside blocks
+    monkeypatch.setattr(_parallel, "THREADS", 2)
+    pieces: list[int] = []
+
+    def on_threads(count, work):
+        pieces.append(count)
+        _parallel.run(count, work)
+
+    with TensorReader() as r:
+        for got in (r.view(ref), fp8.dequantize(ref, r.view(ref.stored), r.view(ref.scale), each=on_threads)):
+            # NaN's bits are torch's choice (even the reference's vector and scalar loops differ): NaN where it is
+            nan = wanted.isnan()
+            assert nan.sum() == 2 * rows * cols // 256 and torch.equal(got.isnan(), nan)
+            assert _same(got[~nan], wanted[~nan])
+    assert pieces and pieces[0] > 1
+
+
 def test_as_16bit_folds_scales_and_activation_parameters_into_their_weights(tmp_path):
     src, ref = fp8_pair(tmp_path, "channel", torch.bfloat16)
     fp8_held, ref_held = contents(resolve(str(src))), contents(resolve(str(ref)))
