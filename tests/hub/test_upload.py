@@ -166,3 +166,17 @@ def test_a_commit_that_landed_although_its_answer_failed_is_not_made_twice(
     assert url.endswith(commits[0].sha)
     assert _uploaded(hub_server, checkpoint) == {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     assert hub_server.requests.count(("POST", WRITES["commit"][1])) == 1  # the branch was read, not re-sent
+
+
+def test_a_failing_xet_service_is_named(hub_server: HubServer, checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Xet on and a Hub that has no Xet service, the error says Xet and how to upload without it (it used to
+    read as a network failure)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    with pytest.raises(PrequantError) as error:
+        upload(checkpoint, REPO)
+    message = str(error.value)
+    assert "\n" not in message and "Xet" in message and "HF_HUB_DISABLE_XET=1" in message
+    assert "check the network" not in message
