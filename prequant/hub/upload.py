@@ -177,8 +177,9 @@ class Publisher:
                 sent.path_or_fileobj = str(folder / name)  # where it is now (a regular file's content goes inline)
             additions.append(sent or _addition(name, folder / name, digest))
         pending = [op for op in additions if name_of(op) not in self._sent]
-        with Progress(sum(op.upload_info.size for op in pending), enabled=self.progress, label="uploading") as bar:
-            for op in pending:  # one at a time: progress per file; each resumes where an earlier run stopped
+        with Progress(sum(op.upload_info.size for op in additions), enabled=self.progress, label="uploading") as bar:
+            bar.advance(sum(op.upload_info.size for op in additions if name_of(op) in self._sent))  # sent already
+            for op in pending:  # one at a time: progress per file; what the Hub holds already is skipped
                 self._call(lambda op=op: self._hub.preupload_lfs_files(self.repo_id, additions=[op],
                                                                        revision=self.revision, free_memory=False),
                            f"{action} ({name_of(op)})")  # fmt: skip

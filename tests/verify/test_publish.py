@@ -136,6 +136,16 @@ def test_private_with_a_503_on_the_lookup_is_refused_and_the_public_repo_unchang
     assert not [r for r in logged_in.requests if r[0] in ("PUT", "POST")]
 
 
+def test_upload_progress_is_reported_like_the_conversions(logged_in: HubServer, out: Path, monkeypatch):
+    monkeypatch.setenv("PREQUANT_PROGRESS", "json")
+    code, _, stderr = run_main("upload", str(out), "me/tiny-nf4")
+    assert code == 0, stderr
+    records = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    done = [r for r in records if r["task"] == "uploading" and r["event"] == "done"]
+    assert len(done) == 1 and done[0]["done_bytes"] == done[0]["total_bytes"] == sum(
+        p.stat().st_size for p in out.iterdir())
+
+
 # ---------------------------------------------------------------------------------- convert --push-to-hub
 
 PUSHED = "me/pushed"
