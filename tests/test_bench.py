@@ -325,3 +325,19 @@ def test_cold_start_reads_back_exactly_the_resident_runs_and_groups_them(tmp_pat
     assert d["groups"]["nvidia/cu13"] == {"files": 1, "resident": 3 * page, "size": 6 * page}
     assert cold_start.group("/x/site-packages/torch/lib/libtorch_cuda.so") == "torch/lib"
     assert cold_start.group("/tmp/pycache/x/torch/nn/functional.cpython-312.pyc") == "python"
+
+
+def test_publish_bench_times_push_against_convert_then_upload(tmp_path):
+    """scripts/bench/publish.py end to end on a small checkpoint: both modes publish the output in one commit."""
+    report_file = tmp_path / "publish.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "publish.py"), "--size-gb", "0.1", "--max-shard-size", "10MB", "--device", "cpu",
+         "--dir", str(tmp_path / "work"), "--json", str(report_file)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(report_file.read_text())
+    assert report["push"]["seconds"] > 0 and report["sequential"]["seconds"] > 0
+    assert report["ratio"] == round(report["push"]["seconds"] / report["sequential"]["seconds"], 3)
+    assert report["push"]["weight_bytes"] == report["sequential"]["weight_bytes"] > 0
+    assert "ratio" in proc.stderr
