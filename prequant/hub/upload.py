@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Self, TypeVar
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
 from huggingface_hub.errors import RepositoryNotFoundError
@@ -134,8 +134,9 @@ class Publisher:
                 if not found:
                     return
                 op = _addition(name, found[0], digest)
-                self._call(lambda: self._hub.preupload_lfs_files(self.repo_id, additions=[op], revision=self.revision,
-                                                                 free_memory=False), f"upload {name} to {self.label}")
+                self._call(lambda op=op: self._hub.preupload_lfs_files(self.repo_id, additions=[op],
+                                                                       revision=self.revision, free_memory=False),
+                           f"upload {name} to {self.label}")  # fmt: skip
                 self._sent[name] = op
             except Exception as error:  # noqa: BLE001 - the commit sends it again, and says what fails then
                 log.warning("early upload of %s failed (%s); it is sent with the commit", name, short(error, self.token))
@@ -153,7 +154,7 @@ class Publisher:
         if self._thread is not None:
             self._queue.put(None)
 
-    def __enter__(self) -> Publisher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -176,13 +177,13 @@ class Publisher:
             if sent is not None:
                 sent.path_or_fileobj = str(folder / name)  # where it is now (a regular file's content goes inline)
             additions.append(sent or _addition(name, folder / name, digest))
-        pending = [op for op in additions if name_of(op) not in self._sent]
+        pending = [op for op in additions if op.path_in_repo not in self._sent]
         with Progress(sum(op.upload_info.size for op in additions), enabled=self.progress, label="uploading") as bar:
-            bar.advance(sum(op.upload_info.size for op in additions if name_of(op) in self._sent))  # sent already
+            bar.advance(sum(op.upload_info.size for op in additions if op.path_in_repo in self._sent))  # sent already
             for op in pending:  # one at a time: progress per file; what the Hub holds already is skipped
                 self._call(lambda op=op: self._hub.preupload_lfs_files(self.repo_id, additions=[op],
                                                                        revision=self.revision, free_memory=False),
-                           f"{action} ({name_of(op)})")  # fmt: skip
+                           f"{action} ({op.path_in_repo})")  # fmt: skip
                 bar.advance(op.upload_info.size)
         operations = [*additions, *(CommitOperationDelete(name) for name in deleted)]
         commit_url = self._commit_once(operations, message or "Upload bitsandbytes 4-bit checkpoint made with prequant",
@@ -214,16 +215,13 @@ class Publisher:
         remote = {s.rfilename: (s.lfs.sha256 if s.lfs else s.blob_id) for s in info.siblings or []}
         for op in operations:
             if isinstance(op, CommitOperationAdd):
+                # As the commit named it: LFS files by their sha256, regular ones by their git blob id.
                 oid = op.upload_info.sha256.hex() if op._upload_mode == "lfs" else _git_oid(op)
                 if remote.get(op.path_in_repo) != oid:
                     return False
             elif op.path_in_repo in remote:
                 return False
         return True
-
-
-def name_of(op: CommitOperationAdd) -> str:
-    return op.path_in_repo
 
 
 def _addition(name: str, path: Path, sha256: str | None) -> CommitOperationAdd:
