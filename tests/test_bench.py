@@ -340,4 +340,5 @@ def test_publish_bench_times_push_against_convert_then_upload(tmp_path):
     assert report["push"]["seconds"] > 0 and report["sequential"]["seconds"] > 0
     assert report["ratio"] == round(report["push"]["seconds"] / report["sequential"]["seconds"], 3)
     assert report["push"]["weight_bytes"] == report["sequential"]["weight_bytes"] > 0
+    assert report["push"]["objects_sent"] == report["sequential"]["objects_sent"] > 1  # each shard once
     assert "ratio" in proc.stderr

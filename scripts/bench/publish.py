@@ -44,13 +44,20 @@ def measure(src: Path, work: Path, device: str, shard: str) -> dict:
             env = run_env(HF_ENDPOINT=server.url, HF_HUB_DISABLE_XET="1", HF_TOKEN=TOKEN, HF_HOME=str(work / "hf-home"),
                           HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="0", PREQUANT_PROGRESS="none")  # fmt: skip
             if mode == "push":
+                started = time.time()
                 r = timed([*convert, str(out), *options, "--push-to-hub", "bench/pushed"], env=env)
-                report["push"] = {"seconds": r["seconds"], "peak_vm_rss": r["peak_vm_rss"]}
+                puts = [q.at - started for q in server.request_log if q.method == "PUT"]
+                written = [p.stat().st_mtime - started for p in out.glob("*.safetensors")]
+                report["push"] = {"seconds": r["seconds"], "peak_vm_rss": r["peak_vm_rss"],
+                                  # the overlap: objects sent while shards were still being written
+                                  "first_object_sent_s": round(min(puts), 2), "last_object_sent_s": round(max(puts), 2),
+                                  "last_shard_written_s": round(max(written), 2), "objects_sent": len(puts)}
             else:
                 c = timed([*convert, str(out), *options], env=env)
                 u = timed([sys.executable, "-m", "prequant", "upload", str(out), "bench/pushed"], env=env)
                 report["sequential"] = {"seconds": round(c["seconds"] + u["seconds"], 2), "convert_seconds": c["seconds"],
-                                        "upload_seconds": u["seconds"]}  # fmt: skip
+                                        "upload_seconds": u["seconds"],
+                                        "objects_sent": sum(q.method == "PUT" for q in server.request_log)}  # fmt: skip
             uploaded = server.files("bench/pushed")
             local = {p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")}
             if set(uploaded) - {".gitattributes"} != local or len(server.commits("bench/pushed")) != 2:

@@ -192,6 +192,8 @@ def test_push_uploads_shards_while_converting(logged_in: HubServer, checkpoints,
     assert len(written) >= 3 and first_upload < written[-1]
     assert json.loads(stdout)["hub_commit_url"].endswith(logged_in.head(PUSHED))
     _assert_published(logged_in, out)
+    sent = _object_uploads(logged_in)
+    assert len(sent) == len(set(sent)) == len(written)  # each shard once, none again with the commit
 
 
 def test_a_killed_push_is_finished_by_the_same_command_with_nothing_sent_twice(
