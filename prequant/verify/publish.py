@@ -24,7 +24,7 @@ def upload(
     progress: bool = True,
     publisher: hub_upload.Publisher | None = None,
 ) -> dict:
-    """Verify OUTPUT_DIR, then upload it to the Hub (create_repo + upload_folder); return what was sent.
+    """Verify OUTPUT_DIR, then upload it to the Hub in one commit (`hub.upload`); return what was sent.
 
     Refuses (VerificationFailed, nothing sent) when verification finds a problem, and when OUTPUT_DIR
     holds files that are not part of the conversion (they would be published too). Into an existing repo, the
