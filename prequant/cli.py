@@ -109,7 +109,8 @@ def convert(
     ] = None,
     push_to_hub: Annotated[
         str | None,
-        typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload to this Hub repo (org/name[@branch])."),
+        typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload to this Hub repo (org/name[@branch]): each shard "
+                     "once written, all in one commit once the output verifies; run again, it continues."),
     ] = None,
     delete_source_shards: Annotated[
         bool,

@@ -24,7 +24,9 @@ Faults for tests: ``server.requests`` / ``server.request_log`` record every requ
 ``server.fail(repo_id, filename, ...)`` makes serving a file answer an HTTP error, close the connection
 mid-body, reset it (a TCP RST) mid-body, or hold it (``ranged=True``/``False``: only ranged requests, e.g. header
 reads, or only whole-file ones), ``server.fail_request(method, path, ...)`` makes any request (a repo lookup, a
-file's metadata, a ranged read) answer an HTTP error or have its connection reset before any answer,
+file's metadata, a ranged read, a commit) answer an HTTP error, have its connection reset before any answer, or
+answer an error after doing what it asked ("applied": a commit that lands although its answer is a 5xx),
+``server.stall(route, skip=N)`` holds the requests to a route after the first N,
 ``server.require_token = True`` (or ``add_repo(..., private=True)``) answers 401 without
 ``Authorization: Bearer <server.token>``.
 
@@ -145,12 +147,13 @@ class Fault:
 class RequestFault:
     """An injected failure of any request whose method is ``method`` and whose path (percent-decoded, without the
     query) matches the glob ``path``: kind "reset" resets the connection (a TCP RST) once the request is read,
-    before any answer; kind "status" answers ``status``. ``times``: how many matching requests it hits (None: all);
-    ``ranged``: as `Fault`'s."""
+    before any answer; kind "status" answers ``status``; kind "applied" does what the request asks (e.g. a commit
+    lands) and then answers ``status``, as a Hub whose answer is lost behind a failing proxy. ``times``: how many
+    matching requests it hits (None: all); ``ranged``: as `Fault`'s."""
 
     method: str
     path: str
-    kind: Literal["status", "reset"] = "reset"
+    kind: Literal["status", "reset", "applied"] = "reset"
     status: int = 503
     times: int | None = 1
     ranged: bool | None = None
@@ -162,10 +165,11 @@ class _Reset(Exception):
 
 @dataclass
 class Stall:
-    """Requests held by `HubServer.stall` until ``release`` is set."""
+    """Requests held by `HubServer.stall` until ``release`` is set; the first ``skip`` pass unheld."""
 
     arrived: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
+    skip: int = 0
 
 
 @dataclass
@@ -175,6 +179,7 @@ class RequestRecord:
     query: dict[str, list[str]]
     headers: dict[str, str]  # lower-cased names
     status: int | None = None
+    at: float = field(default_factory=time.time)  # when it arrived (wall clock, comparable with file times)
 
     @property
     def authorized(self) -> bool:
@@ -368,17 +373,19 @@ class HubServer:
             self._made.append(fault)
         return fault
 
-    def fail_request(self, method: str, path: str, kind: Literal["status", "reset"] = "reset", **options: Any) -> RequestFault:
+    def fail_request(self, method: str, path: str, kind: Literal["status", "reset", "applied"] = "reset",
+                     **options: Any) -> RequestFault:
         """Inject a failure of any request matching ``method`` and the path glob ``path`` (see `RequestFault`)."""
         fault = RequestFault(method, path, kind, **options)
         with self._lock:
             self._request_faults.append(fault)
         return fault
 
-    def stall(self, route: str) -> Stall:
-        """Hold every request to ``route`` (a handler's name, e.g. "preupload" or "commit") until the returned
-        stall is released (or 60 s pass); its ``arrived`` event is set when the first one comes in."""
-        stall = Stall()
+    def stall(self, route: str, *, skip: int = 0) -> Stall:
+        """Hold every request to ``route`` (a handler's name, e.g. "preupload" or "commit") after the first
+        ``skip`` until the returned stall is released (or 60 s pass); its ``arrived`` event is set when the first
+        held one comes in."""
+        stall = Stall(skip=skip)
         with self._lock:
             self._stalls[route] = stall
         return stall
@@ -614,24 +621,34 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.hub._take_request_fault(method, self.record.path, self.headers.get("Range"))
         if fault is not None and fault.kind == "reset":
             self._reset()
-        if fault is not None:
+        if fault is not None and fault.kind == "status":
             self._send_error(HubError(fault.status, None, f"injected failure of {method} {self.record.path}"))
             return
+        self._swallow = fault is not None  # "applied": the handler's answer is replaced by the error
         for route_method, pattern, name in self.routes:
             match = pattern.fullmatch(split.path)
             if match and (route_method == method or (route_method == "GET" and method == "HEAD")):
                 with self.hub._lock:
                     stall = self.hub._stalls.get(name)
-                if stall is not None:
+                    held = stall is not None and stall.skip <= 0
+                    if stall is not None:
+                        stall.skip -= 1
+                if held:
                     stall.arrived.set()
                     stall.release.wait(60)
                 try:
                     getattr(self, name)(**{k: unquote(v) for k, v in match.groupdict().items() if v is not None})
+                    if self._swallow:
+                        self._swallow = False
+                        message = f"injected failure after {method} {self.record.path}"
+                        self._send_error(HubError(fault.status if fault is not None else 500, None, message))
                 except HubError as error:
+                    self._swallow = False
                     self._send_error(error)
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True
                 return
+        self._swallow = False
         self._send_error(HubError(404, None, f"no route for {method} {split.path}"))
 
     def _read_body(self) -> bytes:
@@ -649,6 +666,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def _send(self, status: int, body: bytes = b"", headers: Mapping[str, str] | None = None) -> None:
+        if getattr(self, "_swallow", False):
+            return
         self.record.status = status
         self.send_response(status)
         for key, value in (headers or {}).items():

@@ -418,3 +418,20 @@ def test_merge_bench_merges_into_both_bases_against_the_floor(tmp_path):
         assert m["output_bytes"] > 0.9 * report["merge16"]["input_bytes"]  # 16-bit out from either base
     assert report["merge4"]["input_bytes"] < report["merge16"]["input_bytes"] / 2  # the 4-bit base reads less
     assert not (tmp_path / "work" / "out-merge16").exists()
+
+
+def test_publish_bench_times_push_against_convert_then_upload(tmp_path):
+    """scripts/bench/publish.py end to end on a small checkpoint: both modes publish the output in one commit."""
+    report_file = tmp_path / "publish.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "publish.py"), "--size-gb", "0.1", "--max-shard-size", "10MB", "--device", "cpu",
+         "--dir", str(tmp_path / "work"), "--json", str(report_file)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(report_file.read_text())
+    assert report["push"]["seconds"] > 0 and report["sequential"]["seconds"] > 0
+    assert report["ratio"] == round(report["push"]["seconds"] / report["sequential"]["seconds"], 3)
+    assert report["push"]["weight_bytes"] == report["sequential"]["weight_bytes"] > 0
+    assert report["push"]["objects_sent"] == report["sequential"]["objects_sent"] > 1  # each shard once
+    assert "ratio" in proc.stderr

@@ -180,6 +180,10 @@ class Recorder:
         else:
             self._hash(name, file)
 
+    def digest(self, name: str) -> str:
+        """Sealed shard `name`'s sha256 (waits for its hash)."""
+        return self._hashes[name].result()
+
     def on_follow(self, name: str, follow: FollowHash) -> None:
         """Pipeline hook: shard `name` has just opened and its header is known: hash it as it is written."""
         self._hash(name, follow)

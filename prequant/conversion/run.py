@@ -12,10 +12,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .. import settings
 from .._version import __version__
@@ -37,6 +37,9 @@ from .options import ConvertOptions
 from .plan import Plan, Step, make_plan
 from .record import Recorder, copy_side_files, side_files, write_config, write_index
 from .summary import Summary
+
+if TYPE_CHECKING:
+    from ..hub.upload import Publisher
 
 
 @dataclass(frozen=True)
@@ -89,27 +92,36 @@ def convert(
     job = Job(src, out, opts, held.tensors, held.config, plan,
               fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin(),
               side_files(src.path), started)
-    with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
-        if claim.complete:
-            return _summary(job, manifest.load(out), complete=True)
-        with _interruptible(), Recorder(src, plan, stats=opts.stats, job=job.id, allow_nan=opts.allow_nan,
-                                        options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit}) as record:
-            if not output.publishing(claim.staging):  # else an interrupted run had written everything
-                shard_sizes = _stream(job, quantizer, record, claim.staging)
-                copy_side_files(src.path, claim.staging, job.side_files)
-                write_index(claim.staging, plan, shard_sizes)
-                write_config(claim.staging, held.config, plan)
-                record.finish(claim.staging, job.side_files, device=str(quantizer.device), repo_id=opts.push_to_hub,
-                              base=opts.base_model)
-                trace.mark("manifest-written")
-            output.publish(out, claim.staging)
-            trace.mark("published")
-    hub_url = _push(out, opts) if opts.push_to_hub else None
+    publisher = _publisher(opts)  # the repo created (or refused) before any work
+    with publisher or nullcontext():
+        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
+            if not claim.complete:  # else finished before; an interrupted push goes on below
+                _convert(job, quantizer, claim.staging, publisher)
+        hub_url = _push(out, opts, publisher)  # what the Hub lacks is sent, in one commit
+    if claim.complete:
+        return _summary(job, manifest.load(out), complete=True, hub_url=hub_url)
     written = manifest.load(out)
     hint = card.base_model_note(written, opts.said("base_model", "org/name"))
     if hint and opts.progress and settings.progress() != "json":  # JSON progress: in the summary's notes
         print(f"prequant: note: {hint}", file=sys.stderr)
     return _summary(job, written, hub_url=hub_url, quantizer=quantizer, notes=[hint] if hint else [])
+
+
+def _convert(job: Job, quantizer: Quantizer | Starting, staging: Path, publisher: Publisher | None) -> None:
+    """Stream the shards, write config, index, side files, manifest and card, and publish them to OUTPUT_DIR."""
+    src, plan, opts, out = job.source, job.plan, job.options, job.output_dir
+    with _interruptible(), Recorder(src, plan, stats=opts.stats, job=job.id, allow_nan=opts.allow_nan,
+                                    options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit}) as record:
+        if not output.publishing(staging):  # else an interrupted run had written everything
+            shard_sizes = _stream(job, quantizer, record, staging, publisher)
+            copy_side_files(src.path, staging, job.side_files)
+            write_index(staging, plan, shard_sizes)
+            write_config(staging, job.config, plan)
+            record.finish(staging, job.side_files, device=str(quantizer.device), repo_id=opts.push_to_hub,
+                          base=opts.base_model)
+            trace.mark("manifest-written")
+        output.publish(out, staging)
+        trace.mark("published")
 
 
 def _weight_bytes(tensors: list[TensorRef]) -> int:
@@ -131,10 +143,11 @@ def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: Conver
 
 
 def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path,
-            transform: pipeline.Transform | None = None) -> dict[str, int]:
+            publisher: Publisher | None = None, transform: pipeline.Transform | None = None) -> dict[str, int]:  # fmt: skip
     """Read, quantize and write every tensor into the staging folder, journaled so that a rerun continues; return
     each shard's data bytes. The disk reads ahead of the pipeline (local files); a Hub source's shards are
-    downloaded as the pipeline reaches them. `transform`: a merge's change to tensors before they are quantized."""
+    downloaded as the pipeline reaches them; with --push-to-hub each shard is uploaded once sealed. `transform`: a
+    merge's change to tensors before they are quantized."""
     src, plan, opts = job.source, job.plan, job.options
     journal = Journal(staging, job.fingerprint)
     record.kept.found.update(journal.done.non_finite)  # what the interrupted run found in the tensors it wrote
@@ -154,9 +167,14 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
                     ahead.consumed(sum(piece.nbytes for piece in fp8.pieces(step.source)))
                 data.tensor_done(step.source)  # a Hub shard: evicted after its last tensor with --delete-source-shards
 
+            def on_shard(name: str, file: BinaryIO) -> None:
+                record.on_shard(name, file)
+                if publisher is not None:  # sealed in staging, or already moved to OUTPUT_DIR
+                    publisher.send(name, (staging / name, job.output_dir / name), lambda: record.digest(name))
+
             trace.mark("pipeline-start")
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=on_step, stats=record.stats,
-                                 on_shard=record.on_shard, check=record.kept, on_follow=record.on_follow,
+                                 on_shard=on_shard, check=record.kept, on_follow=record.on_follow,
                                  transform=transform)
             trace.mark("pipeline-end")
             return sizes
@@ -166,11 +184,22 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
         journal.close()
 
 
-def _push(out: Path, opts: ConvertOptions) -> str:
-    """Verify and upload (huggingface_hub is imported only then)."""
+def _publisher(opts: ConvertOptions) -> Publisher | None:
+    """--push-to-hub's upload, opened (huggingface_hub is imported only then); else nothing."""
+    if not opts.push_to_hub:
+        return None
+    from ..verify.publish import publisher
+
+    return publisher(opts.push_to_hub, progress=opts.progress)
+
+
+def _push(out: Path, opts: ConvertOptions, publisher: Publisher | None) -> str | None:
+    """Verify and commit the output (with --push-to-hub)."""
+    if publisher is None:
+        return None
     from ..verify.publish import push_converted
 
-    return push_converted(out, opts.push_to_hub, progress=opts.progress)
+    return push_converted(out, opts.push_to_hub, progress=opts.progress, publisher=publisher)
 
 
 def _summary(job: Job, written: dict, *, complete: bool = False, hub_url: str | None = None,

@@ -165,9 +165,11 @@ def retry_waits(budget_s: float | None = None) -> list[float]:
     return waits
 
 
-def retrying(attempt: Callable[[], T], action: str, repo_id: str, revision: str | None, token: str | None) -> T:
+def retrying(attempt: Callable[[], T], action: str, repo_id: str, revision: str | None, token: str | None, *,
+             writing: bool = False) -> T:
     """`attempt()`, tried again after each of `retry_waits()` while it fails transiently; a PrequantError as it
-    is, any other failure explained as one line that names `action` (and, after retries, how long they went on)."""
+    is, any other failure explained as one line that names `action` (and, after retries, how long they went on).
+    ``writing``: the call changes the repo (a refusal then asks for write access)."""
     waits = retry_waits()
     started = time.monotonic()
     for tried, wait in enumerate((*waits, None), start=1):
@@ -177,7 +179,7 @@ def retrying(attempt: Callable[[], T], action: str, repo_id: str, revision: str 
             raise
         except Exception as error:
             if wait is None or not is_transient(error):
-                message = explain(error, action, repo_id, revision, token, endpoint=cache.endpoint())
+                message = explain(error, action, repo_id, revision, token, endpoint=cache.endpoint(), writing=writing)
                 raise PrequantError(message + tried_for(tried, time.monotonic() - started)) from error
             log.warning("%s failed (%s); retrying in %.0fs", action, short(error, token), wait)
             time.sleep(wait)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import sys
+import traceback
 import urllib.error
 from pathlib import Path
 
@@ -54,6 +56,8 @@ def is_transient(error: BaseException) -> bool:
     for e in _chain(error):
         if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, OfflineModeIsEnabled)):
             return False
+        if _from_xet(e) and (status := _xet_status(e)) is not None:
+            return status in RETRY_STATUSES
         if isinstance(e, RemoteEntryNotFound) and not isinstance(e, LocalEntryNotFoundError):
             return False
         status = _status(e)
@@ -119,6 +123,9 @@ def explain(
     if status == 403:
         need = "write access to" if writing else "access to"
         return f"cannot {action}: the token lacks {need} {repo_id} (403); use a token with that permission"
+    if any(_from_xet(e) for e in _chain(error)):
+        return (f"cannot {action}: the Hub's Xet storage failed ({reason}); try again later, or set "
+                "HF_HUB_DISABLE_XET=1 to send the files through LFS instead")
     if isinstance(error, HfHubHTTPError):
         return f"cannot {action}: the Hub at {endpoint} answered {status or 'an error'} ({reason}); try again later"
     if isinstance(error, urllib.error.HTTPError):
@@ -131,6 +138,21 @@ def explain(
         fix = "check the network or HF_ENDPOINT" if writing else _NETWORK_FIX
         return f"cannot reach the Hugging Face Hub at {endpoint} to {action}: {short(_root(error), token)}; {fix}"
     return f"cannot {action}: {type(error).__name__}: {reason}"
+
+
+def _from_xet(error: BaseException) -> bool:
+    """Whether `error` came out of huggingface_hub's Xet transfer (hf_xet raises plain ConnectionErrors and
+    RuntimeErrors, so where it was raised says it)."""
+    return type(error).__module__.startswith("hf_xet") or any(
+        "xet" in frame.f_code.co_name or "hf_xet" in frame.f_code.co_filename
+        for frame, _ in traceback.walk_tb(error.__traceback__)
+    )
+
+
+def _xet_status(error: BaseException) -> int | None:
+    """The HTTP status an Xet error's message names ("... (501 Not Implemented) ..."), else None."""
+    match = re.search(r"\((\d{3}) [A-Z][^)]*\)", str(error))
+    return int(match.group(1)) if match else None
 
 
 def _network_error_types() -> tuple[type[BaseException], ...]:

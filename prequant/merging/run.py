@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from ..conversion.journal import fingerprint
 from ..conversion.options import ConvertOptions
 from ..conversion.plan import OutTensor, Plan, Step, make_plan
 from ..conversion.record import KeptCheck, Recorder, copy_side_files, side_files, source_identity, write_index
-from ..conversion.run import Job, _interruptible, _push, _stream, _summary
+from ..conversion.run import Job, _interruptible, _publisher, _push, _stream, _summary
 from ..conversion.summary import Summary
 from ..errors import PrequantError, UsageError
 from ..source.resolve import contents, resolve, scan
@@ -78,20 +79,24 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
         job = Job(src, out, opts, tensors, config, plan,
                   fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
                   | {"adapter": lora.identity}, side_files(src.path), started)
-        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
-            if claim.complete:
-                return _summary(job, manifest.load(out), complete=True)
-            with _interruptible(), Recorder(src, plan, stats=opts.stats and quantize, job=job.id,
-                                            allow_nan=opts.allow_nan, options={"max_shard_size": opts.shard_limit,
-                                                                               "quantize": quantize}) as record:
-                record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
-                if not output.publishing(claim.staging):  # else an interrupted run had written everything
-                    device = starting.ready(quantizer).device
-                    with float32_products(device):
-                        sizes = _stream(job, quantizer, record, claim.staging, transform=merger)
-                    _record(job, record, claim.staging, sizes, lora, four, quantize, str(device))
-                output.publish(out, claim.staging)
-    hub_url = _push(out, opts) if opts.push_to_hub else None
+        publisher = _publisher(opts)  # the repo created (or refused) before any work
+        with publisher or nullcontext():
+            with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
+                if not claim.complete:  # else finished before; an interrupted push goes on below
+                    with _interruptible(), Recorder(src, plan, stats=opts.stats and quantize, job=job.id,
+                                                    allow_nan=opts.allow_nan,
+                                                    options={"max_shard_size": opts.shard_limit,
+                                                             "quantize": quantize}) as record:
+                        record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
+                        if not output.publishing(claim.staging):  # else an interrupted run had written everything
+                            device = starting.ready(quantizer).device
+                            with float32_products(device):
+                                sizes = _stream(job, quantizer, record, claim.staging, publisher, transform=merger)
+                            _record(job, record, claim.staging, sizes, lora, four, quantize, str(device))
+                        output.publish(out, claim.staging)
+            hub_url = _push(out, opts, publisher)  # what the Hub lacks is sent, in one commit
+    if claim.complete:
+        return _summary(job, manifest.load(out), complete=True, hub_url=hub_url)
     note = f"merged: {len(changed)} tensors changed by the adapter, written {'4-bit' if quantize else '16-bit'}"
     return _summary(job, manifest.load(out), hub_url=hub_url, quantizer=quantizer, notes=[note])
 

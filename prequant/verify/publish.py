@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ..checkpoint import manifest
 from ..checkpoint.manifest import MANIFEST
 from ..errors import PrequantError
 from ..hub import upload as hub_upload
@@ -21,13 +22,15 @@ def upload(
     commit_message: str | None = None,
     token: str | None = None,
     progress: bool = True,
+    publisher: hub_upload.Publisher | None = None,
 ) -> dict:
-    """Verify OUTPUT_DIR, then upload it to the Hub (create_repo + upload_folder); return what was sent.
+    """Verify OUTPUT_DIR, then upload it to the Hub in one commit (`hub.upload`); return what was sent.
 
     Refuses (VerificationFailed, nothing sent) when verification finds a problem, and when OUTPUT_DIR
     holds files that are not part of the conversion (they would be published too). Into an existing repo, the
     checkpoint files the new one does not have (an earlier conversion's shards and index) are deleted in the
-    same commit; `private` on an existing public repo is refused."""
+    same commit; `private` on an existing public repo is refused. `publisher`: one already open, that sent the
+    shards while they were written (convert --push-to-hub)."""
     out = Path(output_dir)
     report = verify(out, progress=progress)
     if not report.ok:
@@ -40,8 +43,11 @@ def upload(
             "would be published too; move it out of OUTPUT_DIR"
         )
     files = report.listed_files + [MANIFEST]  # as verify just read them
+    listed = manifest.load(out)["files"]
+    digests = {name: listed.get(name, {}).get("sha256") for name in files}  # verified: not hashed again
     done = hub_upload.upload(out, repo_id, revision=revision, private=private, commit_message=commit_message,
-                             token=token, stale=_replaced_by(files))
+                             token=token, files=digests, stale=_replaced_by(files), publisher=publisher,
+                             progress=progress)
     return {
         "repo_id": repo_id,
         "revision": revision,
@@ -64,13 +70,21 @@ def _replaced_by(files: list[str]) -> Callable[[list[str]], list[str]]:
         f.endswith(loadable) or (f.startswith("pytorch_model") and f.endswith(".bin")))]
 
 
-def push_converted(output_dir: Path, repo_id: str, *, progress: bool = True) -> str:
-    """convert --push-to-hub: verify and upload a fresh output; return the commit URL. A failure says the
-    conversion itself is complete, so only the upload needs redoing."""
+def push_converted(output_dir: Path, repo_id: str, *, progress: bool = True,
+                   publisher: hub_upload.Publisher | None = None) -> str:
+    """convert --push-to-hub: verify and upload a finished output in one commit; return the commit URL. A failure
+    says the conversion itself is complete, and that the same command (or `prequant upload`) sends what is
+    missing."""
     try:
-        return upload(output_dir, repo_id, progress=progress)["commit_url"]
+        return upload(output_dir, repo_id, progress=progress, publisher=publisher)["commit_url"]
     except PrequantError as e:
         raise e.noted(
-            f" (the conversion itself is complete in {output_dir}; once fixed, run `prequant upload {output_dir} "
-            f"{repo_id}`)"
+            f" (the conversion itself is complete in {output_dir}; once fixed, run the same command again, or "
+            f"`prequant upload {output_dir} {repo_id}`: what the Hub holds already is not sent again)"
         ) from e
+
+
+def publisher(repo_id: str, *, progress: bool = True) -> hub_upload.Publisher:
+    """convert --push-to-hub's upload, opened before the conversion: the repo is created (or refused) first, and
+    each shard is sent once it is sealed."""
+    return hub_upload.Publisher(repo_id, progress=progress).open()

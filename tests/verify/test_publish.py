@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ROOT, run_cli, run_main
+from helpers import ROOT, run_cli, run_main, start_cli
 from hub_server import TOKEN, HubServer, hub_server  # noqa: F401 - the fixture
 from huggingface_hub import ModelCard
 
@@ -120,6 +121,105 @@ def test_convert_push_to_hub(logged_in: HubServer, carded_source: Path, tmp_path
     uploaded = logged_in.files("me/pushed")
     assert uploaded["prequant.json"] == (tmp_path / "out" / "prequant.json").read_bytes()
     assert b'from_pretrained("me/pushed"' in uploaded["README.md"]  # the card names the repo it lives in
+
+
+def test_private_with_a_503_on_the_lookup_is_refused_and_the_public_repo_unchanged(logged_in: HubServer, out: Path):
+    """One 503 on the repo's lookup used to read as "no such repo": the upload then went into the public repo."""
+    logged_in.add_repo("me/public", {"README.md": b"public"}, private=False)
+    before = logged_in.head("me/public")
+    logged_in.fail_request("GET", "/api/models/me/public", "status", status=503, times=1)
+    code, stdout, stderr = run_main("upload", str(out), "me/public", "--private", "--json")
+    assert code == 1 and stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "refusing to upload to me/public: it exists and is public" in lines[0], stderr
+    assert logged_in.head("me/public") == before and logged_in.files("me/public") == {"README.md": b"public"}
+    assert not [r for r in logged_in.requests if r[0] in ("PUT", "POST")]
+
+
+def test_upload_progress_is_reported_like_the_conversions(logged_in: HubServer, out: Path, monkeypatch):
+    monkeypatch.setenv("PREQUANT_PROGRESS", "json")
+    code, _, stderr = run_main("upload", str(out), "me/tiny-nf4")
+    assert code == 0, stderr
+    records = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    done = [r for r in records if r["task"] == "uploading" and r["event"] == "done"]
+    assert len(done) == 1 and done[0]["done_bytes"] == done[0]["total_bytes"] == sum(
+        p.stat().st_size for p in out.iterdir())
+
+
+# ---------------------------------------------------------------------------------- convert --push-to-hub
+
+PUSHED = "me/pushed"
+UPLOAD = "/lfs-upload/*"
+
+
+def _object_uploads(server: HubServer) -> list[str]:
+    """The oid of every object body sent (PUT /lfs-upload/<oid>), in order."""
+    return [path.rsplit("/", 1)[1] for method, path in server.requests if (method, path[:12]) == ("PUT", "/lfs-upload/")]
+
+
+def _assert_published(server: HubServer, out: Path) -> None:
+    """The repo holds the output as it is on disk, committed once; no commit ever showed config.json before every
+    shard (each commit is a state a reader polling the revision could see)."""
+    local = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and not p.name.startswith(".")}
+    assert {k: v for k, v in server.files(PUSHED).items() if k != ".gitattributes"} == local
+    commits = server.commits(PUSHED)
+    assert [c.message for c in commits][1:] == ["initial commit"]
+    shards = {name for name in local if name.endswith(".safetensors")}
+    for commit in commits:
+        assert "config.json" not in commit.files or shards <= set(commit.files)
+
+
+def test_push_uploads_shards_while_converting(logged_in: HubServer, checkpoints, tmp_path: Path):
+    """The first shard's object goes up before the last shard is written: the source's last shard (a Hub source,
+    downloaded as the conversion reaches it) is held until an object upload has arrived. Uploads that waited
+    for the conversion's end would never arrive (the hold gives up after 60 s, and the order is checked)."""
+    source = checkpoints("llama", "60KB")
+    shards = sorted(source.glob("*.safetensors"))
+    logged_in.add_repo("org/tiny", {p.name: p for p in source.iterdir() if p.is_file()})
+    held = logged_in.fail(("org/tiny"), shards[-1].name, "hold", after_bytes=1000, times=1, ranged=False)
+    out = tmp_path / "out"
+    proc = start_cli("convert", "org/tiny", str(out), "--device", "cpu", "--max-shard-size", "30KB",
+                     "--push-to-hub", PUSHED, "--json")
+    try:
+        while not _object_uploads(logged_in) and proc.poll() is None and not held.release.is_set():
+            time.sleep(0.01)
+        first_upload = min(r.at for r in logged_in.request_log if r.method == "PUT")
+    finally:
+        held.release.set()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    written = sorted(p.stat().st_mtime for p in out.glob("*.safetensors"))
+    assert len(written) >= 3 and first_upload < written[-1]
+    assert json.loads(stdout)["hub_commit_url"].endswith(logged_in.head(PUSHED))
+    _assert_published(logged_in, out)
+    sent = _object_uploads(logged_in)
+    assert len(sent) == len(set(sent)) == len(written)  # each shard once, none again with the commit
+
+
+def test_a_killed_push_is_finished_by_the_same_command_with_nothing_sent_twice(
+    logged_in: HubServer, carded_source: Path, tmp_path: Path
+):
+    out = tmp_path / "out"
+    command = ("convert", str(carded_source), str(out), "--device", "cpu", "--max-shard-size", "100KB",
+               "--push-to-hub", PUSHED)
+    stall = logged_in.stall("lfs_upload", skip=1)  # the first object arrives; the second is caught mid-push
+    proc = start_cli(*command)
+    try:
+        assert stall.arrived.wait(120), proc.communicate()[1] if proc.poll() is not None else "no second upload"
+        proc.kill()
+        proc.wait()
+    finally:
+        stall.release.set()  # its body had arrived: the Hub keeps that object
+    sent = _object_uploads(logged_in)
+    assert len(sent) == 2 and logged_in.commits(PUSHED)[0].message == "initial commit"
+    logged_in._stalls.clear()
+
+    again = run_cli(*command)
+    assert again.returncode == 0, again.stderr
+    everything = _object_uploads(logged_in)
+    assert len(everything) == len(set(everything)), "an object was sent twice"
+    _assert_published(logged_in, out)
+    assert len(set(everything)) == len(list(out.glob("*.safetensors")))
 
 
 # ------------------------------------------------------------------------------------------- CI
