@@ -70,7 +70,8 @@ _MIXTRAL = Rules(
 )
 _QWEN3_MOE = Rules(  # routed experts in the layers `params` finds sparse, dense MLPs in the others
     params=re.compile(rf"^(lm_head\.weight|model\.(embed_tokens\.weight|{_NORMS}|{_ATTENTION}\.(weight|bias)|"
-                      r"layers\.\d+\.mlp\.((gate|up|down)_proj|gate)\.weight|layers\.\d+\.mlp\.experts\.(gate_up|down)_proj))$"),
+                      r"layers\.\d+\.mlp\.((gate|up|down)_proj|gate)\.weight|"
+                      r"layers\.\d+\.mlp\.experts\.(gate_up|down)_proj))$"),
     linear=_DECODER.linear,
     fused=(
         (re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up)_proj\.weight$"),
@@ -101,7 +102,8 @@ KNOWN = {
 }
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "MixtralForCausalLM": "mixtral",
-               "Qwen3MoeForCausalLM": "qwen3_moe", "GPT2LMHeadModel": "gpt2"}  # config.json's model_type for each (its config class)
+               "Qwen3MoeForCausalLM": "qwen3_moe",
+               "GPT2LMHeadModel": "gpt2"}  # config.json's model_type for each (its config class)
 OUTPUT_EMBEDDING = "lm_head"  # what transformers' get_keys_to_not_convert keeps in these models, tied or not
 
 
