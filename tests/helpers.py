@@ -51,6 +51,9 @@ def model_config(kind: str):
         return tf.MistralConfig(**SMALL, num_key_value_heads=2)
     if kind == "mixtral":  # native MoE: transformers 5 fuses the experts into 3-D parameters
         return tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "qwen3_moe":  # routed experts in layer 1, a dense MLP in layer 0
+        return tf.Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32,
+                                 num_experts_per_tok=2, mlp_only_layers=[0])
     raise ValueError(kind)
 
 

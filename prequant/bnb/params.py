@@ -30,6 +30,8 @@ _DECODERS: dict[str, dict] = {
     "Qwen3ForCausalLM": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "qk_norm": True},
     "GemmaForCausalLM": {"qkv_bias": "attention_bias", "o_bias": "attention_bias"},
     "MixtralForCausalLM": {"qkv_bias": False, "o_bias": False, "head_dim_default": True, "experts": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "head_dim_default": True,
+                            "qk_norm": True, "routed": True},
 }
 
 
@@ -98,12 +100,37 @@ def _decoder(rules: dict, config: dict) -> Shapes | None:
                 shapes[f"{q}w1.weight"] = shapes[f"{q}w3.weight"] = (inter, hidden)
                 shapes[f"{q}w2.weight"] = (hidden, inter)
             continue
+        sparse = _sparse(config, i) if rules.get("routed") else False  # Qwen3-MoE: (experts, expert size)
+        if sparse is None:
+            return None
+        if sparse:
+            experts, size = sparse
+            shapes[f"{p}mlp.gate.weight"] = (experts, hidden)
+            for e in range(experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes[f"{q}gate_proj.weight"] = shapes[f"{q}up_proj.weight"] = (size, hidden)
+                shapes[f"{q}down_proj.weight"] = (hidden, size)
+            continue
         mlp = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
         for name, shape in mlp.items():
             shapes[f"{p}mlp.{name}.weight"] = shape
             if mlp_bias:
                 shapes[f"{p}mlp.{name}.bias"] = shape[:1]
     return shapes
+
+
+def _sparse(config: dict, layer: int) -> tuple[int, int] | bool | None:
+    """Whether Qwen3-MoE's layer `layer` routes to experts, as its decoder layer decides: (experts, each one's
+    intermediate size), False for a dense MLP, None where config.json does not say (the class default would)."""
+    named = [config[k] for k in ("num_experts", "num_local_experts") if k in config]  # the Hub's, transformers 5's
+    experts = named[0] if named and named.count(named[0]) == len(named) else None
+    step, dense = config.get("decoder_sparse_step"), config.get("mlp_only_layers")
+    if not _positive(step) or not isinstance(dense, list) or not _positive(experts):
+        return None
+    if layer in dense or (layer + 1) % step:
+        return False
+    size = _ints(config, "moe_intermediate_size")
+    return (experts, size[0]) if size else None
 
 
 def _gpt2(config: dict) -> Shapes | None:

@@ -68,6 +68,18 @@ _MIXTRAL = Rules(
         (re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$"), r"model.layers.\1.mlp.gate.weight"),
     ),
 )
+_QWEN3_MOE = Rules(  # routed experts in the layers `params` finds sparse, dense MLPs in the others
+    params=re.compile(rf"^(lm_head\.weight|model\.(embed_tokens\.weight|{_NORMS}|{_ATTENTION}\.(weight|bias)|"
+                      r"layers\.\d+\.mlp\.((gate|up|down)_proj|gate)\.weight|"
+                      r"layers\.\d+\.mlp\.experts\.(gate_up|down)_proj))$"),
+    linear=_DECODER.linear,
+    fused=(
+        (re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up)_proj\.weight$"),
+         r"model.layers.\1.mlp.experts.gate_up_proj"),
+        (re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.down_proj\.weight$"),
+         r"model.layers.\1.mlp.experts.down_proj"),
+    ),
+)
 _GPT2 = Rules(
     params=re.compile(r"^(lm_head\.weight|transformer\.(wte|wpe|ln_f)\.(weight|bias)|"
                       r"transformer\.h\.\d+\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias))$"),
@@ -85,10 +97,12 @@ KNOWN = {
     "Qwen3ForCausalLM": _DECODER,
     "GemmaForCausalLM": replace(_DECODER, tied_default=True),
     "MixtralForCausalLM": _MIXTRAL,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
     "GPT2LMHeadModel": _GPT2,
 }
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "MixtralForCausalLM": "mixtral",
+               "Qwen3MoeForCausalLM": "qwen3_moe",
                "GPT2LMHeadModel": "gpt2"}  # config.json's model_type for each (its config class)
 OUTPUT_EMBEDDING = "lm_head"  # what transformers' get_keys_to_not_convert keeps in these models, tied or not
 

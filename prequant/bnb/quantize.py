@@ -103,8 +103,9 @@ class Quantizer:
         """The entries that follow `name` in a checkpoint: weight, absmax, quant_map, ... quant_state."""
         s = self.settings
         shape, dtype = tuple(x.shape), x.dtype
+        finite: torch.Tensor | bool = True  # the CPU kernel refuses non-finite values itself
         if self.device.type == "cuda":
-            packed, absmax, code = self._cuda_4bit(x, name)
+            packed, absmax, code, finite = self._cuda_4bit(x)
         else:
             try:
                 packed, absmax = self._cpu.quantize_4bit(x, quant_type=s.quant_type, blocksize=s.blocksize)
@@ -115,23 +116,28 @@ class Quantizer:
         offset = None
         if s.double_quant:
             codes, nested_absmax, nested_map, offset = self._nested(absmax)
-            if not math.isfinite(offset):  # float32's sum of block scales near its maximum overflows
-                raise PrequantError(
-                    f"tensor {name!r}: its block scales (up to {float(absmax.max()):.3g}) are too large for double "
-                    "quantization (their mean overflows float32, and the weight would load as NaN); pass "
-                    f"--no-double-quant, or keep it unquantized with --skip {name.removesuffix('.weight')}"
-                )
             out.update(absmax=codes, nested_absmax=nested_absmax, nested_quant_map=nested_map)
+        if isinstance(finite, torch.Tensor):  # the one wait for the GPU per tensor: both scalars at once
+            finite, offset = _on_host(finite, offset)
+        if not finite:
+            raise _non_finite(name)
+        if offset is not None and not math.isfinite(offset):  # float32's sum of block scales near its maximum
+            raise PrequantError(
+                f"tensor {name!r}: its block scales (up to {float(absmax.max()):.3g}) are too large for double "
+                "quantization (their mean overflows float32, and the weight would load as NaN); pass "
+                f"--no-double-quant, or keep it unquantized with --skip {name.removesuffix('.weight')}"
+            )
         state = quant_state(s.quant_type, s.blocksize, torch_name(dtype), list(shape), offset)
         out[s.state_entry] = torch.tensor(list(encode_quant_state(state)), dtype=torch.uint8)
         return out
 
-    def _cuda_4bit(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _cuda_4bit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed codes, absmax and code table, and whether every value is finite (a flag on the GPU, read with
+        the double quant's offset: bitsandbytes' kernel ignores NaN in its absmax (fmaxf), so it is checked
+        explicitly, in one cheap GPU pass)."""
         s, F = self.settings, self._bnb
         x = x.to(self.device, non_blocking=True).contiguous().view(-1)
-        # bitsandbytes' kernel ignores NaN in its absmax (fmaxf): check explicitly, it is one cheap GPU pass.
-        if not bool(torch.isfinite(x).all()):
-            raise _non_finite(name)
+        finite = torch.isfinite(x).all()
         # Pieces are whole blocks and an even element count, so bytes and absmax simply concatenate.
         step = MAX_KERNEL_ELEMENTS - MAX_KERNEL_ELEMENTS % (2 * s.blocksize)
         packed, absmax, code = [], [], None
@@ -147,15 +153,16 @@ class Quantizer:
             absmax.append(st.absmax)
             code = st.code
         if len(packed) == 1:
-            return packed[0], absmax[0], code
-        return torch.cat(packed), torch.cat(absmax), code
+            return packed[0], absmax[0], code, finite
+        return torch.cat(packed), torch.cat(absmax), code, finite
 
-    def _nested(self, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """Double quantization: 8-bit blockwise codes of absmax minus its mean, over the whole tensor."""
+    def _nested(self, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | torch.Tensor]:
+        """Double quantization: 8-bit blockwise codes of absmax minus its mean, over the whole tensor (on a GPU
+        the mean stays there, a float32 scalar that `__call__` reads)."""
         if self.device.type == "cuda":
             offset = absmax.mean()
             codes, st2 = self._bnb.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
-            return codes, st2.absmax, st2.code.clone(), offset.item()
+            return codes, st2.absmax, st2.code.clone(), offset
         codes, nested_absmax, offset = self._cpu.quantize_nested(absmax, blocksize=NESTED_BLOCKSIZE)
         return codes, nested_absmax, self._cpu.dynamic_map(), offset
 
@@ -177,6 +184,15 @@ def _limit_cuda_memory(device: torch.device) -> None:
         raise UsageError(f"{env.CUDA_MEMORY_LIMIT}={text!r} is not a size; use e.g. 8GiB, 8000MB or bytes") from None
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+
+
+def _on_host(finite: torch.Tensor, offset: float | torch.Tensor | None) -> tuple[bool, float | None]:
+    """A GPU flag and the double quant's float32 offset (a tensor there) as Python values, in one copy: each
+    copy waits for the GPU, which then idles until this thread queues the next tensor's kernels."""
+    if not isinstance(offset, torch.Tensor):
+        return bool(finite), offset
+    flag, value = torch.stack([finite.to(offset.dtype), offset]).tolist()
+    return flag != 0, value
 
 
 def _as_storage(packed: torch.Tensor, storage: torch.dtype, n: int) -> torch.Tensor:

@@ -101,7 +101,8 @@ def compare(
     the largest error is scaled back in float64. On the CPU the chunks go to the kernels' thread pool
     (`kernels._compare`); on a GPU they are a few large torch operations on the quantizer's own tensors."""
     n = source.numel()
-    exponent = _exponent(absmax)
+    lo, hi = torch.stack(torch.aminmax(absmax)).tolist() if absmax.numel() else (0.0, 0.0)
+    exponent = _exponent(hi)
     if not packed.is_cuda:
         raw = packed.reshape(-1).view(torch.uint8)
         pairs = _pair_table(quant_map).view(torch.float64).view(-1)
@@ -109,18 +110,19 @@ def compare(
         err2, ref2, max_err = _compare.error_sums(
             source, raw, absmax, pairs, blocksize, min(n, 2 * raw.numel()), exponent
         )
-    else:
-        err2 = ref2 = 0.0
-        max_gpu = torch.zeros((), device=source.device)
+    else:  # the sums stay on the GPU until the end: one wait for it per tensor, not two per chunk
+        sums, max_gpu = [], torch.zeros((), device=source.device)
         for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
             x = _flat_chunk(source, start, end).to(torch.float32, copy=bool(exponent))  # scaled in place
             diff = _scaled(values, exponent).sub_(_scaled(x, exponent))
-            err2 += float(torch.dot(diff, diff))
-            ref2 += float(torch.dot(x, x))
+            sums += [torch.dot(diff, diff), torch.dot(x, x)]
             max_gpu = torch.maximum(max_gpu, _absmax(diff))
-        max_err = float(max_gpu)
+        *chunks, max_err = torch.stack([*sums, max_gpu]).tolist()
+        err2 = ref2 = 0.0
+        for e, r in zip(chunks[::2], chunks[1::2]):  # in float64, chunk by chunk
+            err2 += e
+            ref2 += r
     rel = math.sqrt(err2 / ref2) if ref2 > 0 else (0.0 if err2 == 0 else math.inf)
-    lo, hi = (float(absmax.min()), float(absmax.max())) if absmax.numel() else (0.0, 0.0)
     return TensorStats(n, lo, hi, rel, math.ldexp(max_err, exponent))
 
 
@@ -129,9 +131,9 @@ def compare(
 SCALE_FREE_EXPONENT = 32
 
 
-def _exponent(absmax: torch.Tensor) -> int:
+def _exponent(largest: float) -> int:
     """The power of two to scale values by before comparing them: 0 unless the largest block scale is far from 1."""
-    exponent = math.frexp(float(absmax.max()))[1] if absmax.numel() else 0
+    exponent = math.frexp(largest)[1]
     return exponent if abs(exponent) > SCALE_FREE_EXPONENT else 0
 
 

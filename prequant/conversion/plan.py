@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from ..bnb import experts
 from ..bnb.format import QUANTIZABLE, Settings, loses_codes, settings_entries
@@ -90,6 +91,12 @@ class Plan:
     def shard_bytes(self) -> dict[str, int]:
         """Each shard's predicted file size: its header, exact (the writer's layout is fixed by the plan: 400 KB
         for 5,000 small tensors), plus its tensors, exact but for the quant-state JSON (estimated)."""
+        return dict(self._shard_bytes)
+
+    @cached_property
+    def _shard_bytes(self) -> dict[str, int]:
+        """`shard_bytes`, laid out once per plan: a layout is a pass over every output tensor (tens of thousands
+        in a large MoE model), and the fingerprint, the text and the summary each ask."""
         outputs: dict[str, list[OutTensor]] = {name: [] for name in self.shards}
         for s in self.steps:
             outputs[s.shard] += s.outputs

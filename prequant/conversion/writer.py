@@ -29,6 +29,9 @@ from ..util.fsio import FULL, disk_full, write_error
 from .follow_hash import FollowHash
 
 _PLACEHOLDER_LEN = 9_999_999  # longer than any quant-state JSON: makes the reserved header big enough
+# Writeback is started once this much has been written since the last start, over the whole file (only its dirty
+# pages are written): one system call per step of this size, not one per tensor (a MoE layer has hundreds).
+WRITEBACK_BYTES = 32 * 1024 * 1024
 
 
 class Entry(Protocol):
@@ -93,6 +96,7 @@ class ShardWriter:
         self._follow: FollowHash | None = None
         self._runs: dict[int, int] = {}  # data written and not yet contiguous: start -> end (data offsets)
         self._contiguous = 0  # data bytes written, contiguous from the first
+        self._unwritten = 0  # bytes written since writeback was last started
         # Resuming keeps the bytes already written; the layout is the same, since the plan is.
         self._fd = _open_for_write(self.partial, truncate=not (resume and self.partial.exists()))
         try:
@@ -117,7 +121,7 @@ class ShardWriter:
             raise PrequantError(f"internal: {key} has {nbytes} bytes, the plan says {end - begin}")
         _copy_all(src_fd, src_offset, self._fd, self.layout.data_start + begin, nbytes, self.partial,
                   lambda lo, hi: self._written(begin + lo, begin + hi))  # fmt: skip
-        _start_writeback(self._fd, self.layout.data_start + begin, nbytes)
+        self._writeback(nbytes)
         with self._lock:
             self._pending.discard(key)
 
@@ -145,11 +149,20 @@ class ShardWriter:
                 raise PrequantError(f"internal: {key} has {raw.numel()} bytes, the plan says {end - begin}")
             _pwrite_all(self._fd, memoryview(raw.numpy()), self.layout.data_start + begin, self.partial)
             self._written(begin, end)
-            _start_writeback(self._fd, self.layout.data_start + begin, end - begin)
+            self._writeback(end - begin)
         else:
             self._blobs[key] = raw.numpy().tobytes()
         with self._lock:
             self._pending.discard(key)
+
+    def _writeback(self, nbytes: int) -> None:
+        """`nbytes` more are in the file: start their writeback once WRITEBACK_BYTES have gathered."""
+        with self._lock:
+            self._unwritten += nbytes
+            if self._unwritten < WRITEBACK_BYTES:
+                return
+            self._unwritten = 0
+        _start_writeback(self._fd)
 
     def _written(self, begin: int, end: int) -> None:
         """Data [begin, end) is in the file: tell the following hash how far the data is written without a gap."""
@@ -231,13 +244,13 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing these bytes to disk now, without waiting. Otherwise the kernel holds them dirty (up to
-    a tenth of RAM) and the shard's fsync then writes gigabytes at once while the pipeline stands still.
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to disk now, without waiting. Otherwise the kernel holds them dirty (up
+    to a tenth of RAM) and the shard's fsync then writes gigabytes at once while the pipeline stands still.
     Advisory: errors are left to that fsync, which still runs and is what makes the shard durable."""
-    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+    if _SYNC_FILE_RANGE is not None:
         with trace.busy("writeback-start"):
-            _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+            _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # offset 0, length 0: the whole file
 
 
 def _open_for_write(path: Path, truncate: bool = True) -> int:

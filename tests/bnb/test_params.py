@@ -22,7 +22,7 @@ tf = pytest.importorskip("transformers")
 
 
 @st.composite
-def decoder_configs(draw, cls, *, head_dim_optional, biases=("attention_bias",), experts=False):
+def decoder_configs(draw, cls, *, head_dim_optional, biases=("attention_bias",), experts=None):
     heads = draw(st.sampled_from([1, 2, 4]))
     kv = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
     head_dim = draw(st.sampled_from([4, 8]))
@@ -34,9 +34,16 @@ def decoder_configs(draw, cls, *, head_dim_optional, biases=("attention_bias",),
     if given_dim:
         kwargs["head_dim"] = head_dim
     kwargs |= {flag: draw(st.booleans()) for flag in biases}
-    if experts:
+    if experts == "mixtral":
         kwargs |= dict(num_local_experts=draw(st.integers(1, 3)), num_experts_per_tok=1)
-    droppable = [*biases, "num_key_value_heads", "head_dim", "tie_word_embeddings"]
+    routed = ["num_experts", "num_local_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"]
+    if experts == "qwen3_moe":  # sparse layers by step, dense ones listed
+        kwargs |= dict(num_experts=draw(st.integers(1, 3)), num_experts_per_tok=1,
+                       moe_intermediate_size=draw(st.sampled_from([8, 12])),
+                       decoder_sparse_step=draw(st.integers(1, 2)),
+                       mlp_only_layers=draw(st.sampled_from([[], [0], [1]])))
+    droppable = [*biases, "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                 *(routed if experts == "qwen3_moe" else ())]
     dropped = draw(st.one_of(st.just(set()), st.sets(st.sampled_from(droppable), min_size=1)))
     return cls(**kwargs), dropped
 
@@ -57,7 +64,8 @@ ARCHITECTURES = {
     "qwen2": decoder_configs(tf.Qwen2Config, head_dim_optional=True, biases=()),
     "qwen3": decoder_configs(tf.Qwen3Config, head_dim_optional=False),
     "gemma": decoder_configs(tf.GemmaConfig, head_dim_optional=False),
-    "mixtral": decoder_configs(tf.MixtralConfig, head_dim_optional=True, biases=(), experts=True),
+    "mixtral": decoder_configs(tf.MixtralConfig, head_dim_optional=True, biases=(), experts="mixtral"),
+    "qwen3_moe": decoder_configs(tf.Qwen3MoeConfig, head_dim_optional=True, experts="qwen3_moe"),
     "gpt2": _gpt2_configs(),
 }
 
@@ -116,6 +124,13 @@ def test_what_expected_cannot_tell_is_none():
     assert params.expected("LlamaForCausalLM", base | {"mlp_bias": None}) is None
     assert params.expected("LlamaForCausalLM", base | {"num_hidden_layers": True}) is None
     assert params.expected("MixtralForCausalLM", base) is None, "no num_local_experts"
+    routed = base | dict(num_key_value_heads=2, num_experts=2, moe_intermediate_size=4, decoder_sparse_step=1,
+                         mlp_only_layers=[])
+    assert params.expected("Qwen3MoeForCausalLM", routed) is not None
+    for key in ("num_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
+        without = {k: v for k, v in routed.items() if k != key}
+        assert params.expected("Qwen3MoeForCausalLM", without) is None, key
+    assert params.expected("Qwen3MoeForCausalLM", routed | {"num_local_experts": 3}) is None, "two expert counts"
     assert params.expected("GPT2LMHeadModel", dict(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8,
                                                    add_cross_attention=True)) is None
     assert params.expected("FalconForCausalLM", base) is None

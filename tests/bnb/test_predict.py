@@ -11,7 +11,7 @@ from prequant.source import resolve as sources
 from helpers import build_grok
 
 SKIPS = [[], ["mlp.down_proj"], ["lm_head"], ["model.layers.0"], ["h.0.mlp"]]
-KINDS = ["llama", "llama_tied", "gpt2", "qwen2", "qwen3", "gemma", "mistral", "mixtral"]
+KINDS = ["llama", "llama_tied", "gpt2", "qwen2", "qwen3", "gemma", "mistral", "mixtral", "qwen3_moe"]
 VERIFIED_LOW, VERIFIED_HIGH = ("{}.{}.0".format(*v) for v in predict.VERIFIED)
 
 

@@ -129,3 +129,20 @@ def test_lossy_storage_is_what_bitsandbytes_allocates(n, storage):
     packed, _ = F.quantize_4bit(torch.randn(n, device="cuda"), blocksize=64, quant_storage=storage)
     assert packed.numel() == fmt.packed_length(n, code)
     assert fmt.loses_codes(n, code) == (packed.numel() * storage.itemsize < fmt.packed_bytes(n))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU), "cpu"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_a_non_finite_value_is_refused_on_either_device(device, bad, double_quant):
+    """On CUDA the check is read with the double quant's offset, after the kernels ran: still refused, by name."""
+    x = torch.randn(64, 256)
+    x[3, 17] = bad
+    with pytest.raises(prequant.PrequantError, match="'blk.w' contains NaN or Inf"):
+        quantize_mod.quantize_tensor(x, device=device, double_quant=double_quant, name="blk.w")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU), "cpu"])
+def test_block_scales_whose_mean_overflows_are_refused_on_either_device(device):
+    with pytest.raises(prequant.PrequantError, match="'blk.w': its block scales .* too large for double quant"):
+        quantize_mod.quantize_tensor(torch.full((300, 64), 3e38), device=device, name="blk.w")

@@ -30,6 +30,25 @@ def test_dry_run_predicts_shard_sizes_headers_included(tmp_path):
     assert plan.to_dict()["output_bytes"] == predicted
 
 
+def test_a_plan_lays_its_shards_out_once(checkpoints, tmp_path, monkeypatch):
+    """A layout is a pass over every output tensor (tens of thousands in a large MoE model): the fingerprint, the
+    text and the summary share one."""
+    plan = prequant.convert(checkpoints("llama"), tmp_path / "unused", dry_run=True)
+    built = []
+
+    class Counted(plan_module.ShardLayout):
+        def __init__(self, *args, **kwargs) -> None:
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "ShardLayout", Counted)
+    sizes = plan.shard_bytes()
+    sizes.clear()  # the caller's copy
+    assert plan.to_dict()["shards"] == plan.shard_bytes() and plan.output_bytes == sum(plan.shard_bytes().values())
+    plan.to_text()
+    assert len(built) == len(plan.shards)
+
+
 # --- shards: one when everything fits, else tapering towards the end (their hashes end with the writes) ---------
 
 GB = 10**9
