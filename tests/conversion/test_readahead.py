@@ -66,9 +66,12 @@ def test_start_reads_the_files_ahead_in_full_within_a_window_that_holds_them(two
     assert r is not None and r.window == 4 * readahead._STEP
     r._thread.join()
     assert _advised(advice) == 3 * readahead._STEP  # each byte once
+    # without a window: a quarter of the memory available as it starts, which other processes move meanwhile
+    before = readahead.default_window()
     default = readahead.start(two_files)
+    after = readahead.default_window()
     default.stop()
-    assert default.window == readahead.default_window()
+    assert min(before, after) <= default.window <= max(before, after)
 
 
 def test_stop_asks_nothing_more(two_files, advice):
