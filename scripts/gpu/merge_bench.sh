@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# prequant merge on the GPU machine in one command (issue 49), within PREQUANT_BUDGET_S (default 470 s), JSON under $OUT:
+# prequant merge on the GPU machine in one command (issue 49), within PREQUANT_DEADLINE (default 470 s), JSON under $OUT:
 #   OUT=/some/dir bash scripts/gpu/merge_bench.sh      # from the repository root
 # Steps, each under its own timeout (cut to the time left):
 #   merge16/merge4  bench/merge.py: a 16 GB Llama-shaped base and a rank-64 adapter on every linear layer; the base
@@ -10,34 +10,28 @@
 # Disk: the 16 GB base, its 5.6 GB conversion, one 16 GB output at a time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-START=$(date +%s)
-BUDGET=${PREQUANT_BUDGET_S:-470}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_TELEMETRY=1
-export PYTHONPYCACHEPREFIX=/tmp/pycache
+export PYTHONPYCACHEPREFIX=/tmp/pycache   # the GPU image keeps no bytecode between processes
 unset PYTHONDONTWRITEBYTECODE
 OUT=${OUT:-/tmp/prequant-gpu-out}
 WORK=${PREQUANT_WORK:-/tmp/prequant-bench}
+DEADLINE=${PREQUANT_DEADLINE:-470}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee -a "$OUT/merge-log.txt") 2>&1
-if ! python3 -c "import bitsandbytes" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
-python3 -c "import torch, transformers, bitsandbytes, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'bnb', bitsandbytes.__version__, 'peft', peft.__version__)"
+TEE_PID=$!
+START=$(date +%s)
+FAILED=()
+# shellcheck source=scripts/gpu/gpu_steps.sh
+source "$(dirname "$0")/gpu_steps.sh"  # step, install_wheels, finish
+trap finish EXIT
+python3 -c "import bitsandbytes" 2>/dev/null || install_wheels /tmp/site
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
+python3 -c "import torch, transformers, bitsandbytes, peft; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'bnb', bitsandbytes.__version__, 'peft', peft.__version__)"
 
-run_step() {  # run_step NAME SECONDS COMMAND...: under min(SECONDS, time left), in its own process group
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  (( limit > left )) && limit=$left
-  if (( limit < 15 )); then echo "== $name skipped (no time left)"; return; fi
-  echo "== $name (limit ${limit}s, $(( $(date +%s) - START ))s elapsed)"
-  timeout -k 10 "$limit" setsid "$@"
-  echo "== $name: rc $? in $(( $(date +%s) - START ))s total"
-}
-
-run_step merge 380 python3 scripts/bench/merge.py --size-gb 16 --shape llama --device cuda --rank 64 --agreement \
+step merge 380 python3 scripts/bench/merge.py --size-gb 16 --shape llama --device cuda --rank 64 --agreement \
   --dir "$WORK" --json "$OUT/bench-merge.json"
-run_step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/merging
+step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/merging
 rm -rf "$WORK"/*gb "$WORK"/adapter-r* "$WORK"/base-nf4 "$WORK"/out-*
-echo "total $(( $(date +%s) - START ))s"
