@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, emit, run_env, timed
-from synthetic import generate
+from synthetic import generated
 
 
 def measure(src: Path, work: Path, device: str, shard: str) -> dict:
@@ -77,11 +77,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/prequant-bench-publish"))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    src = args.dir / f"{args.shape}-{args.size_gb:g}gb"
-    if not (src / "config.json").exists():
-        t = time.monotonic()
-        generate(args.shape, args.size_gb, src, shard_gb=max(0.05, args.size_gb / 4))
-        print(f"generated {src} in {time.monotonic() - t:.0f}s", file=sys.stderr)
+    src = generated(args.shape, args.size_gb, args.dir, shard_gb=max(0.05, args.size_gb / 4))
     report = measure(src, args.dir, args.device, args.max_shard_size)
     print(f"push-to-hub {report['push']['seconds']:.1f}s, convert then upload {report['sequential']['seconds']:.1f}s "
           f"(convert {report['sequential']['convert_seconds']:.1f}s + upload "

@@ -260,11 +260,12 @@ def source_arguments(ap: argparse.ArgumentParser) -> None:
                     help="entries of the shape's dimensions to override (smoke runs at reduced size)")
 
 
-def generated(shape: str, size_gb: float, work: Path, layers: int | None = None, dims: dict | None = None) -> Path:
+def generated(shape: str, size_gb: float, work: Path, layers: int | None = None, dims: dict | None = None,
+              shard_gb: float = 5.0) -> Path:
     """work/SHAPE-SIZEgb (or -Nlayers), generated unless a checkpoint is already there (the benchmarks' source)."""
     src = work / (f"{shape}-{layers}layers" if layers else f"{shape}-{size_gb:g}gb")
     if not (src / "config.json").exists():
-        _generate_timed(shape, size_gb, src, layers=layers, dims=dims)
+        _generate_timed(shape, size_gb, src, layers=layers, dims=dims, shard_gb=shard_gb)
     return src
 
 
