@@ -16,7 +16,7 @@ from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from .. import settings as env
 from ..errors import PrequantError, UsageError
 from ..util import signals
-from . import importing
+from . import cuda, importing
 from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
 
 # `--device auto` quantizes checkpoints lighter than this on the CPU even where there is a GPU: CUDA and
@@ -81,13 +81,14 @@ class Quantizer:
         if self.device.type == "cuda":
             try:
                 with signals.deferred():  # a compiled library's import (see util.signals)
-                    self._bnb = importing.functional()
+                    importing.functional()
             except ImportError as e:
                 raise no_bitsandbytes(e) from e
             _limit_cuda_memory(self.device)
-            # The first call of bitsandbytes' kernels imports torch._dynamo (torch.library wraps each custom op's
-            # kernel so that it does) and loads them onto the device: paid here, where the quantizer is built (on
-            # a thread of its own: `bnb.starting`), rather than by the pipeline's first tensor.
+            self._code = cuda.code_4bit(self.settings.quant_type, self.device)
+            self._dynamic = cuda.dynamic_code(self.device)
+            # The kernels' first call loads them onto the device: paid here, where the quantizer is built (on a
+            # thread of its own: `bnb.starting`), rather than by the pipeline's first tensor.
             self(torch.ones(4, 2 * self.settings.blocksize, dtype=torch.bfloat16, device=self.device), "warm-up")
         else:
             from .kernels import cpu
@@ -135,34 +136,24 @@ class Quantizer:
         """Packed codes, absmax and code table, and whether every value is finite (a flag on the GPU, read with
         the double quant's offset: bitsandbytes' kernel ignores NaN in its absmax (fmaxf), so it is checked
         explicitly, in one cheap GPU pass)."""
-        s, F = self.settings, self._bnb
+        s = self.settings
         x = x.to(self.device, non_blocking=True).contiguous().view(-1)
         finite = torch.isfinite(x).all()
         # Pieces are whole blocks and an even element count, so bytes and absmax simply concatenate.
         step = MAX_KERNEL_ELEMENTS - MAX_KERNEL_ELEMENTS % (2 * s.blocksize)
-        packed, absmax, code = [], [], None
-        for start in range(0, max(x.numel(), 1), step):
-            p, st = F.quantize_4bit(
-                x[start : start + step],
-                blocksize=s.blocksize,
-                compress_statistics=False,
-                quant_type=s.quant_type,
-                quant_storage=torch.uint8,
-            )
-            packed.append(p.view(-1))
-            absmax.append(st.absmax)
-            code = st.code
-        if len(packed) == 1:
-            return packed[0], absmax[0], code, finite
-        return torch.cat(packed), torch.cat(absmax), code, finite
+        pieces = [cuda.quantize_4bit(x[start : start + step], s.blocksize, s.quant_type)
+                  for start in range(0, max(x.numel(), 1), step)]
+        if len(pieces) == 1:
+            return *pieces[0], self._code, finite
+        return torch.cat([p for p, _ in pieces]), torch.cat([a for _, a in pieces]), self._code, finite
 
     def _nested(self, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | torch.Tensor]:
         """Double quantization: 8-bit blockwise codes of absmax minus its mean, over the whole tensor (on a GPU
         the mean stays there, a float32 scalar that `__call__` reads)."""
         if self.device.type == "cuda":
             offset = absmax.mean()
-            codes, st2 = self._bnb.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
-            return codes, st2.absmax, st2.code.clone(), offset
+            codes, nested_absmax = cuda.quantize_blockwise(absmax - offset, self._dynamic, NESTED_BLOCKSIZE)
+            return codes, nested_absmax, self._dynamic, offset
         codes, nested_absmax, offset = self._cpu.quantize_nested(absmax, blocksize=NESTED_BLOCKSIZE)
         return codes, nested_absmax, self._cpu.dynamic_map(), offset
 

@@ -87,7 +87,8 @@ def run(
 ) -> dict[str, int]:
     """Convert every step of the plan into shards under `staging`; return each shard's tensor bytes.
 
-    A quantizer still starting (`bnb.starting.Starting`) is waited for first. With a journal, finished work is
+    A quantizer still starting (`bnb.starting.Starting`) is waited for by the first tensor that needs it: the kept
+    tensors before it are written meanwhile. With a journal, finished work is
     recorded as it lands and work a previous run finished is skipped. `on_step` is called (from the writer thread)
     after each step's outputs are written, or at start for each step already done; `stats` measures each quantized
     tensor on the quantizing device; `on_shard(name, file)` (writer thread) when a shard's bytes are all written,
@@ -101,7 +102,6 @@ def run(
     one tensor at a time; a kept tensor that needs no cast never enters this process: its mapped view is checked
     in place, then the kernel copies its bytes.
     """
-    quantizer = ready(quantizer)
     failed = threading.Event()
     errors: list[BaseException] = []
     loaded, quantized = Stage(failed, "loaded"), Stage(failed, "quantized")
@@ -123,7 +123,7 @@ def run(
 
         return body
 
-    loader = GpuLoader(source, quantizer.device) if quantizer.device.type == "cuda" else None
+    loader: GpuLoader | None = None  # made by the reader's first tensor for a CUDA quantizer
     # Kept tensors are checked on a thread of their own, in order, and the writer waits for each one's result
     # before writing it: a check reads its tensor cold when the read-ahead has not reached it, and done on the
     # reader it would hold up the tensors to quantize behind it.
@@ -140,6 +140,9 @@ def run(
 
     def load(ref: TensorRef) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A tensor on the quantizing device, and the event its copy there records (None on the CPU: a view)."""
+        nonlocal loader
+        if loader is None and ready(quantizer).device.type == "cuda":
+            loader = GpuLoader(source, ready(quantizer).device)
         return loader.load(ref) if loader is not None else (source.view(ref), None)
 
     def read_all() -> None:
@@ -215,7 +218,7 @@ def run(
 
 
 def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], loaded: torch.cuda.Event | None,
-               found: object, quantizer: Quantizer, stats: Stats | None, check: Check | None,
+               found: object, quantizer: Quantizer | Starting, stats: Stats | None, check: Check | None,
                transform: Transform | None = None) -> tuple:  # fmt: skip
     """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found). For an FP8
     weight, `tensor` is its (float8 weight, scale) pair, which becomes its 16-bit tensor here, on the quantizing
@@ -224,6 +227,7 @@ def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tens
     changed = transform is not None and transform.applies(step)
     if not step.quantize and not step.decision.dtype and not fp8_weight and not changed:
         return (step, {name: tensor}, None, found)
+    quantizer = ready(quantizer)
     if loaded is not None:
         torch.cuda.current_stream(quantizer.device).wait_event(loaded)
     if fp8_weight:  # on the CPU, its pieces on the CPU kernel's threads

@@ -7,9 +7,9 @@
 That is peft's `merge_and_unload` for Linear layers with the adapter in float32 (peft's default); peft rounds an
 embedding's delta to the weight's dtype before adding it, and with `safe_merge` the sum before DoRA: prequant
 rounds once (docs/merge.md). Into a 4-bit base, W is what bitsandbytes' CUDA kernel dequantizes (code times block
-scale in float32, rounded once to the quant state's dtype): bitsandbytes' own `dequantize_4bit` on a GPU, prequant's
-reproduction of it on the CPU (`bnb.stats.dequantize`; bitsandbytes' CPU path differs for rows that are not a whole
-number of blocks). Products are float32 with TF32 off on a GPU (`float32_products`).
+scale in float32, rounded once to the quant state's dtype): that kernel itself on a GPU (`bnb.cuda`, called as
+bitsandbytes' `dequantize_4bit` calls it), prequant's reproduction of it on the CPU (`bnb.stats.dequantize`;
+bitsandbytes' CPU path differs for rows that are not a whole number of blocks). Products are float32 with TF32 off on a GPU (`float32_products`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..bnb import cuda
 from ..bnb.format import decode_quant_state, entry_name
 from ..bnb.stats import dequantize, dequantize_absmax
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
@@ -78,11 +79,15 @@ def dequantized(packed: torch.Tensor, weight: FourBit, data: TensorReader) -> to
     parts = {name: data.view(ref) if name.startswith("quant_state") else data.view(ref).to(device)
              for name, ref in weight.companions.items()}
     codes = packed.reshape(-1).view(torch.uint8)
-    if device.type == "cuda":
-        from bitsandbytes.functional import QuantState, dequantize_4bit
-
-        state = QuantState.from_dict(parts, device)
-        return dequantize_4bit(codes.view(-1, 1), state)
+    if device.type == "cuda":  # bitsandbytes' `dequantize_4bit` of the `QuantState` its `from_dict` makes of these
+        absmax = parts["absmax"]
+        if "nested_absmax" in parts:
+            absmax = cuda.dequantize_blockwise(absmax, parts["nested_absmax"], parts["nested_quant_map"],
+                                               s["nested_blocksize"])
+            absmax += torch.tensor(float(s["nested_offset"])).to(device)
+        flat = cuda.dequantize_4bit(codes, absmax, s["blocksize"], s["quant_type"],
+                                    SAFETENSORS_DTYPES[weight.dtype], math.prod(s["shape"]))
+        return flat.view(weight.shape)
     absmax = dequantize_absmax(parts["absmax"], parts.get("nested_absmax"), parts.get("nested_quant_map"),
                                s.get("nested_offset", 0.0))
     flat = dequantize(codes, absmax, parts["quant_map"], s["blocksize"], math.prod(s["shape"]))

@@ -4,8 +4,8 @@ Each case runs in a fresh interpreter (what has been imported is the point). Wha
 first call) leaves the compiler (inductor's compile_fx) unimported and torch.compile as it was; bitsandbytes' kernels give the results of a normal import,
 including a fallback kernel that a normal import compiles; torch.compile called from anywhere but bitsandbytes is
 torch's own, even during the import; a process not marked lean (a library caller's) imports bitsandbytes as it
-is; and a CUDA conversion by the `prequant` command (on the GPU machine) imports no compiler and writes
-transformers' bytes.
+is; and a CUDA conversion by the `prequant` command (on the GPU machine) imports neither the compiler nor
+torch._dynamo and writes transformers' bytes.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def test_only_bitsandbytes_calls_are_answered():
 
 @gpu_only
 def test_a_cuda_conversion_by_the_command_imports_no_compiler_and_writes_transformers_bytes(tmp_path):
-    """The `prequant` command's process is lean: its CUDA conversion never imports inductor's compile_fx (`-X
-    importtime` lists every module a process imports), and the bytes are transformers' own."""
+    """The `prequant` command's process is lean: its CUDA conversion never imports inductor's compile_fx, nor
+    torch._dynamo, which torch's dispatch of bitsandbytes' kernels would import (`-X importtime` lists every module a
+    process imports), and the bytes are transformers' own."""
     src = build_checkpoint("llama", tmp_path / "src")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "prequant", "convert", str(src), str(out),
@@ -92,6 +93,7 @@ def test_a_cuda_conversion_by_the_command_imports_no_compiler_and_writes_transfo
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "bitsandbytes.functional" in imported, "the conversion quantized with bitsandbytes"
     assert "torch._inductor.compile_fx" not in imported
+    assert "torch._dynamo" not in imported, "a kernel was called through torch's dispatch (see bnb.cuda)"
     ours, want = read_checkpoint(out), read_checkpoint(transformers_reference(src, tmp_path / "ref", device="cuda"))
     assert ours.keys() == want.keys()
     for key, tensor in want.items():

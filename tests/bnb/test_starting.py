@@ -1,4 +1,5 @@
-"""bnb.starting: the quantizer is built on a thread while the caller goes on; the pipeline waits for it.
+"""bnb.starting: the quantizer is built on a thread while the caller goes on; the pipeline writes the kept tensors
+that come first meanwhile, and its first tensor to quantize waits for it.
 
 Driven through the real pipeline (`conversion.pipeline.run`) on a real checkpoint. Without a GPU the quantizer
 that "starts" is a CPU quantizer held back by the test; on a GPU it is bitsandbytes' CUDA quantizer, started in a
@@ -29,8 +30,8 @@ def llama(tmp_path_factory) -> Path:
     return build_checkpoint("llama", tmp_path_factory.mktemp("starting-src"))
 
 
-def test_the_pipeline_writes_nothing_before_its_quantizer_is_built_and_then_a_plain_conversions_bytes(llama,
-                                                                                                      tmp_path):
+def test_the_pipeline_writes_only_kept_tensors_before_its_quantizer_is_built_and_then_a_plain_conversions_bytes(
+        llama, tmp_path):
     plan = prequant.convert(llama, tmp_path / "never-written", dry_run=True, progress=False)
     events: list[str] = []
     release = threading.Timer(0.5, lambda: None)
@@ -46,7 +47,12 @@ def test_the_pipeline_writes_nothing_before_its_quantizer_is_built_and_then_a_pl
     staging.mkdir()
     with reader(resolve(str(llama), stream=True), [s.source for s in plan.steps]) as data:
         pipeline.run(plan, data, quantizer, staging, on_step=lambda step: events.append(step.source.name))
-    assert events[0] == "built" and len(events) == len(plan.steps) + 1
+    assert len(events) == len(plan.steps) + 1
+    before = events[: events.index("built")]
+    assert before, "the kept tensors that come first were not written while the quantizer started"
+    needs = {s.source.name for s in plan.steps if s.quantize or s.decision.dtype}
+    assert not needs & set(before), "a tensor that needs the quantizer was written before it was built"
+    assert len(before) < len(plan.steps)
     prequant.convert(llama, tmp_path / "plain", device="cpu", progress=False)
     names = sorted(p.name for p in (tmp_path / "plain").glob("*.safetensors"))
     assert names and names == sorted(p.name for p in staging.glob("*.safetensors"))
