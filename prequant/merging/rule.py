@@ -126,9 +126,10 @@ def _same_shape(t: torch.Tensor, w: torch.Tensor, ref: TensorRef) -> torch.Tenso
 
 
 @contextmanager
-def float32_products(device: torch.device) -> Iterator[None]:
-    """Float32 matrix products in full precision on a GPU (TF32 off) for the span of a merge."""
-    if device.type != "cuda":
+def float32_products(device_type: str) -> Iterator[None]:
+    """Float32 matrix products in full precision on a GPU (TF32 off) for the span of a merge (`device_type`: the
+    pipeline's, 'cuda' or 'cpu'; the flag needs no started device)."""
+    if device_type != "cuda":
         yield
         return
     before = torch.backends.cuda.matmul.allow_tf32

@@ -89,10 +89,9 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
                                                              "quantize": quantize}) as record:
                         record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
                         if not output.publishing(claim.staging):  # else an interrupted run had written everything
-                            device = starting.ready(quantizer).device
-                            with float32_products(device):
+                            with float32_products(quantizer.device_type):  # CUDA may still be starting
                                 sizes = _stream(job, quantizer, record, claim.staging, publisher, transform=merger)
-                            _record(job, record, claim.staging, sizes, lora, four, quantize, str(device))
+                            _record(job, record, claim.staging, sizes, lora, four, quantize, str(quantizer.device))
                         output.publish(out, claim.staging)
             hub_url = _push(out, opts, publisher)  # what the Hub lacks is sent, in one commit
     if claim.complete:
