@@ -29,7 +29,7 @@ WORK=${PREQUANT_WORK:-/tmp/prequant-moe}
 DEADLINE=${PREQUANT_DEADLINE:-540}
 STEPS=${PREQUANT_STEPS:-mixtral memory qwen3 deepseek gpu-tests}
 DEVICE=cuda
-LAYERS_MIXTRAL=4 LAYERS_QWEN3=4 LAYERS_DEEPSEEK=2
+LAYERS_MIXTRAL=4 LAYERS_QWEN3=${QWEN3_LAYERS:-4} LAYERS_DEEPSEEK=2  # QWEN3_LAYERS=16: the per-tensor work at scale
 DIMS_MIXTRAL= DIMS_QWEN3= DIMS_DEEPSEEK=
 if [ -n "${TINY:-}" ]; then  # the same steps at reduced dimensions, on the CPU
   DEVICE=cpu
@@ -72,9 +72,9 @@ if want mixtral || want memory; then
 fi
 if want qwen3; then
   bench qwen3_moe "$LAYERS_QWEN3" "$DIMS_QWEN3" qwen3-experts.json
-  step qwen3-experts 120 python3 "${ARGS[@]}" --prequant-arg=--quantize-experts
+  step qwen3-experts 200 python3 "${ARGS[@]}" --prequant-arg=--quantize-experts
   bench qwen3_moe "$LAYERS_QWEN3" "$DIMS_QWEN3" qwen3-kept.json
-  step qwen3-kept 60 python3 "${ARGS[@]}"
+  step qwen3-kept 120 python3 "${ARGS[@]}"
   rm -rf "$WORK"/qwen3_moe-* "$WORK"/out-*
 fi
 if want deepseek; then
