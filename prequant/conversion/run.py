@@ -109,14 +109,15 @@ def convert(
 
 
 def run_job(job: Job, quantizer: Quantizer | Starting,
-            write: Callable[[Recorder, Path, Callable[..., dict[str, int]]], None], *, stats: bool,
-            record_options: dict, notes: Callable[[dict], list[str]]) -> Summary:
-    """Claim OUTPUT_DIR for `job`, write the output into the claim's staging folder unless a previous run finished
-    it, and publish it; with --push-to-hub the repo is created (or refused) before any work, and what the Hub lacks
-    is sent in one commit at the end. SIGINT and SIGTERM stop it as Interrupted; the same job run again continues.
-    `write(record, staging, stream)` writes the output: `stream(transform=None)` reads, [transforms,] quantizes and
-    writes every tensor and returns each shard's data bytes; config, index, side files, card and, through `record`,
-    the manifest follow (`stats`, `record_options`: its options). Returns the Summary, with `notes(manifest)`."""
+            write: Callable[[Recorder, Path, Callable], None], *, stats: bool, record_options: dict,
+            notes: Callable[[dict], list[str]]) -> Summary:
+    """A planned job from the claim on: OUTPUT_DIR claimed, the output written into the claim's staging folder
+    (unless a previous run finished it) and published; with --push-to-hub the repo is created (or refused) before
+    any work and what the Hub lacks is sent in one commit at the end. SIGINT and SIGTERM stop it as Interrupted;
+    the same job run again continues. `write(record, staging, stream)` is the caller's writing step: `stream(
+    transform=None)` reads, [transforms,] quantizes and writes every tensor, the index and the side files; then
+    config.json, the card and, through `record` (options: `stats`, `record_options`), the manifest.
+    Returns the Summary, with `notes(manifest)` when this run wrote the output."""
     opts, out = job.options, job.output_dir
     publisher = None
     if opts.push_to_hub:  # the repo created (or refused) before any work; huggingface_hub is imported only then
@@ -129,8 +130,7 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
                 with _interruptible(), Recorder(job.source, job.plan, stats=stats, job=job.id,
                                                 allow_nan=opts.allow_nan, options=record_options) as record:
                     if not output.publishing(claim.staging):  # else an interrupted run had written everything
-                        write(record, claim.staging,
-                              partial(_stream, job, quantizer, record, claim.staging, publisher))
+                        write(record, claim.staging, partial(_stream, job, quantizer, record, claim.staging, publisher))
                         trace.mark("manifest-written")
                     output.publish(out, claim.staging)
                     trace.mark("published")
@@ -143,12 +143,9 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
     return _summary(job, written, hub_url=hub_url, quantizer=quantizer, notes=notes(written))
 
 
-def _write(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path,
-           stream: Callable[..., dict[str, int]]) -> None:
-    """Stream the shards, then write side files, index, config, card and manifest."""
-    shard_sizes = stream()
-    copy_side_files(job.source.path, staging, job.side_files)
-    write_index(staging, job.plan, shard_sizes)
+def _write(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path, stream: Callable) -> None:
+    """Stream the shards (with their index and the side files), then write config, card and manifest."""
+    stream()
     write_config(staging, job.config, job.plan)
     record.finish(staging, job.side_files, device=str(quantizer.device), repo_id=job.options.push_to_hub,
                   base=job.options.base_model)
@@ -177,9 +174,9 @@ def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: Conver
 
 
 def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path,
-            publisher: Publisher | None = None, transform: pipeline.Transform | None = None) -> dict[str, int]:  # fmt: skip
-    """Read, quantize and write every tensor into the staging folder, journaled so that a rerun continues; return
-    each shard's data bytes. The disk reads ahead of the pipeline (local files); a Hub source's shards are
+            publisher: Publisher | None = None, transform: pipeline.Transform | None = None) -> None:
+    """Read, quantize and write every tensor into the staging folder, journaled so that a rerun continues, then the
+    index and the side files. The disk reads ahead of the pipeline (local files); a Hub source's shards are
     downloaded as the pipeline reaches them; with --push-to-hub each shard is uploaded once sealed. `transform`: a
     merge's change to tensors before they are quantized."""
     src, plan, opts = job.source, job.plan, job.options
@@ -211,11 +208,12 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
                                  on_shard=on_shard, check=record.kept, on_follow=record.on_follow,
                                  transform=transform)
             trace.mark("pipeline-end")
-            return sizes
     finally:
         if ahead is not None:
             ahead.stop()
         journal.close()
+    copy_side_files(src.path, staging, job.side_files)
+    write_index(staging, plan, sizes)
 
 
 def _summary(job: Job, written: dict, *, complete: bool = False, hub_url: str | None = None,

@@ -32,7 +32,7 @@ from ..checkpoint.tensors import TensorRef
 from ..conversion import output
 from ..conversion.options import ConvertOptions
 from ..conversion.plan import OutTensor, Plan, Step, make_plan
-from ..conversion.record import KeptCheck, Recorder, copy_side_files, source_identity, write_config, write_index
+from ..conversion.record import KeptCheck, Recorder, source_identity, write_config
 from ..conversion.run import Job, run_job
 from ..conversion.summary import Summary
 from ..errors import PrequantError, UsageError
@@ -76,13 +76,13 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
         merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
         job = Job.planned(src, out, opts, tensors, config, plan, started, adapter=lora.identity)
 
-        def write(record: Recorder, staging: Path, stream: Callable[..., dict[str, int]]) -> None:
+        def write(record: Recorder, staging: Path, stream: Callable) -> None:
             """The base streamed through the merger (float32 products in full precision), then the rest."""
             record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
             device = starting.ready(quantizer).device
             with float32_products(device):
-                sizes = stream(merger)
-            _record(job, record, staging, sizes, lora, four, quantize, str(device))
+                stream(merger)
+            _record(job, record, staging, lora, four, quantize, str(device))
 
         note = f"merged: {len(changed)} tensors changed by the adapter, written {'4-bit' if quantize else '16-bit'}"
         return run_job(job, quantizer, write, stats=opts.stats and quantize,
@@ -90,12 +90,9 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
                        notes=lambda written: [note])
 
 
-def _record(job: Job, record: Recorder, staging: Path, sizes: dict[str, int], lora: Adapter, four: bool,
-            quantize: bool, device: str) -> None:
-    """Side files, index, config.json, the card and prequant.json (the adapter, the bases and what changed)."""
+def _record(job: Job, record: Recorder, staging: Path, lora: Adapter, four: bool, quantize: bool, device: str) -> None:
+    """config.json, the card and prequant.json (the adapter, the bases and what changed)."""
     plan, src = job.plan, job.source
-    copy_side_files(src.path, staging, job.side_files)
-    write_index(staging, plan, sizes)
     _write_config(staging, job.config, plan, four, quantize)
     identity = source_identity(src)
     card.write(staging, src, identity, lora, plan, quantize, job.options.push_to_hub)
