@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Job:
-    """One conversion, as `convert()` hands it from step to step once it is planned."""
+    """One planned conversion (or merge), as `convert()` (or `merge()`) hands it to `run_job` and on."""
 
     source: Source
     output_dir: Path
