@@ -3,6 +3,8 @@
     check OUTPUT_DIR -> resolve SOURCE -> read its headers -> decide the layout -> plan -> claim OUTPUT_DIR
     -> stream the shards (read, quantize, write) -> config, index, side files, manifest and card -> publish
     -> (verify and upload)
+
+From the claim on, `run_job`: the frame `convert()` and `merging.run.merge()` share, each with its own writing step.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Job:
-    """One conversion, as `convert()` hands it from step to step once it is planned."""
+    """One planned conversion (or merge), as `convert()` (or `merge()`) hands it to `run_job` and on."""
 
     source: Source
     output_dir: Path
@@ -55,6 +58,15 @@ class Job:
     fingerprint: dict  # what an interrupted run and the run continuing it share (the journal's job.json)
     side_files: list[Path]  # the source's other files to carry over, relative
     started: float  # time.monotonic() at the call
+
+    @classmethod
+    def planned(cls, source: Source, output_dir: Path, options: ConvertOptions, tensors: list[TensorRef],
+                config: dict, plan: Plan, started: float, **also: Any) -> Job:
+        """The job of `plan`: its fingerprint (the plan, a local source's files, prequant's version, a Hub source's
+        commit, and `also`: what else a rerun must share, such as a merge's adapter) and the side files to carry."""
+        files = () if source.hub else source.weight_files
+        return cls(source, output_dir, options, tensors, config, plan,
+                   fingerprint(plan, files, __version__) | source.pin() | also, side_files(source.path), started)
 
     @property
     def id(self) -> str:
@@ -84,49 +96,68 @@ def convert(
     held = contents(src)
     check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
-    quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, _weight_bytes(held.tensors))
+    weight_bytes = sum(t.nbytes for t in held.tensors)  # what `--device auto` weighs
+    quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, weight_bytes)
     trace.mark("quantizer-started")  # on a GPU, "cuda-ready" follows once it is built
     plan = _plan(held.config, src.path, held.tensors, opts)
     if opts.dry_run:
         return plan
-    job = Job(src, out, opts, held.tensors, held.config, plan,
-              fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin(),
-              side_files(src.path), started)
-    publisher = _publisher(opts)  # the repo created (or refused) before any work
+    job = Job.planned(src, out, opts, held.tensors, held.config, plan, started)
+    return run_job(job, quantizer, partial(_write, job, quantizer), stats=opts.stats,
+                   record_options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit},
+                   notes=partial(_base_model_hint, opts))
+
+
+def run_job(job: Job, quantizer: Quantizer | Starting,
+            write: Callable[[Recorder, Path, Callable], None], *, stats: bool, record_options: dict,
+            notes: Callable[[dict], list[str]]) -> Summary:
+    """A planned job from the claim on: OUTPUT_DIR claimed, the output written into the claim's staging folder
+    (unless a previous run finished it) and published; with --push-to-hub the repo is created (or refused) before
+    any work and what the Hub lacks is sent in one commit at the end. SIGINT and SIGTERM stop it as Interrupted;
+    the same job run again continues. `write(record, staging, stream)` is the caller's writing step: `stream(
+    transform=None)` reads, [transforms,] quantizes and writes every tensor, the index and the side files; then
+    config.json, the card and, through `record` (options: `stats`, `record_options`), the manifest.
+    Returns the Summary, with `notes(manifest)` when this run wrote the output."""
+    opts, out = job.options, job.output_dir
+    publisher = None
+    if opts.push_to_hub:  # the repo created (or refused) before any work; huggingface_hub is imported only then
+        from ..verify import publish
+
+        publisher = publish.publisher(opts.push_to_hub, progress=opts.progress)
     with publisher or nullcontext():
         with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
             if not claim.complete:  # else finished before; an interrupted push goes on below
-                _convert(job, quantizer, claim.staging, publisher)
-        hub_url = _push(out, opts, publisher)  # what the Hub lacks is sent, in one commit
-    if claim.complete:
-        return _summary(job, manifest.load(out), complete=True, hub_url=hub_url)
+                with _interruptible(), Recorder(job.source, job.plan, stats=stats, job=job.id,
+                                                allow_nan=opts.allow_nan, options=record_options) as record:
+                    if not output.publishing(claim.staging):  # else an interrupted run had written everything
+                        write(record, claim.staging, partial(_stream, job, quantizer, record, claim.staging, publisher))
+                        trace.mark("manifest-written")
+                    output.publish(out, claim.staging)
+                    trace.mark("published")
+        hub_url = None
+        if publisher is not None:  # verified, then what the Hub lacks is sent, in one commit
+            hub_url = publish.push_converted(out, opts.push_to_hub, progress=opts.progress, publisher=publisher)
     written = manifest.load(out)
+    if claim.complete:
+        return _summary(job, written, complete=True, hub_url=hub_url)
+    return _summary(job, written, hub_url=hub_url, quantizer=quantizer, notes=notes(written))
+
+
+def _write(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path, stream: Callable) -> None:
+    """Stream the shards (with their index and the side files), then write config, card and manifest."""
+    stream()
+    write_config(staging, job.config, job.plan)
+    record.finish(staging, job.side_files, device=str(quantizer.device), repo_id=job.options.push_to_hub,
+                  base=job.options.base_model)
+
+
+def _base_model_hint(opts: ConvertOptions, written: dict) -> list[str]:
+    """The note for a card that names no base model: in the summary's notes, and on stderr unless progress is
+    JSON (the summary carries it then)."""
     hint = card.base_model_note(written, opts.said("base_model", "org/name"))
-    if hint and opts.progress and settings.progress() != "json":  # JSON progress: in the summary's notes
+    if hint and opts.progress and settings.progress() != "json":
         print(f"prequant: note: {hint}", file=sys.stderr)
-    return _summary(job, written, hub_url=hub_url, quantizer=quantizer, notes=[hint] if hint else [])
-
-
-def _convert(job: Job, quantizer: Quantizer | Starting, staging: Path, publisher: Publisher | None) -> None:
-    """Stream the shards, write config, index, side files, manifest and card, and publish them to OUTPUT_DIR."""
-    src, plan, opts, out = job.source, job.plan, job.options, job.output_dir
-    with _interruptible(), Recorder(src, plan, stats=opts.stats, job=job.id, allow_nan=opts.allow_nan,
-                                    options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit}) as record:
-        if not output.publishing(staging):  # else an interrupted run had written everything
-            shard_sizes = _stream(job, quantizer, record, staging, publisher)
-            copy_side_files(src.path, staging, job.side_files)
-            write_index(staging, plan, shard_sizes)
-            write_config(staging, job.config, plan)
-            record.finish(staging, job.side_files, device=str(quantizer.device), repo_id=opts.push_to_hub,
-                          base=opts.base_model)
-            trace.mark("manifest-written")
-        output.publish(out, staging)
-        trace.mark("published")
-
-
-def _weight_bytes(tensors: list[TensorRef]) -> int:
-    """The source's weights in bytes (what `--device auto` weighs)."""
-    return sum(t.nbytes for t in tensors)
+    return [hint] if hint else []
 
 
 def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: ConvertOptions) -> Plan:
@@ -143,9 +174,9 @@ def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: Conver
 
 
 def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging: Path,
-            publisher: Publisher | None = None, transform: pipeline.Transform | None = None) -> dict[str, int]:  # fmt: skip
-    """Read, quantize and write every tensor into the staging folder, journaled so that a rerun continues; return
-    each shard's data bytes. The disk reads ahead of the pipeline (local files); a Hub source's shards are
+            publisher: Publisher | None = None, transform: pipeline.Transform | None = None) -> None:
+    """Read, quantize and write every tensor into the staging folder, journaled so that a rerun continues, then the
+    index and the side files. The disk reads ahead of the pipeline (local files); a Hub source's shards are
     downloaded as the pipeline reaches them; with --push-to-hub each shard is uploaded once sealed. `transform`: a
     merge's change to tensors before they are quantized."""
     src, plan, opts = job.source, job.plan, job.options
@@ -177,29 +208,12 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
                                  on_shard=on_shard, check=record.kept, on_follow=record.on_follow,
                                  transform=transform)
             trace.mark("pipeline-end")
-            return sizes
     finally:
         if ahead is not None:
             ahead.stop()
         journal.close()
-
-
-def _publisher(opts: ConvertOptions) -> Publisher | None:
-    """--push-to-hub's upload, opened (huggingface_hub is imported only then); else nothing."""
-    if not opts.push_to_hub:
-        return None
-    from ..verify.publish import publisher
-
-    return publisher(opts.push_to_hub, progress=opts.progress)
-
-
-def _push(out: Path, opts: ConvertOptions, publisher: Publisher | None) -> str | None:
-    """Verify and commit the output (with --push-to-hub)."""
-    if publisher is None:
-        return None
-    from ..verify.publish import push_converted
-
-    return push_converted(out, opts.push_to_hub, progress=opts.progress, publisher=publisher)
+    copy_side_files(src.path, staging, job.side_files)
+    write_index(staging, plan, sizes)
 
 
 def _summary(job: Job, written: dict, *, complete: bool = False, hub_url: str | None = None,

@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .._version import __version__
 from ..bnb import starting
 from ..bnb.format import Settings, settings_entries
 from ..bnb.layout import Decision, Layout, require_known
@@ -31,11 +30,10 @@ from ..checkpoint.manifest import sha256_file
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import TensorRef
 from ..conversion import output
-from ..conversion.journal import fingerprint
 from ..conversion.options import ConvertOptions
 from ..conversion.plan import OutTensor, Plan, Step, make_plan
-from ..conversion.record import KeptCheck, Recorder, copy_side_files, side_files, source_identity, write_index
-from ..conversion.run import Job, _interruptible, _publisher, _push, _stream, _summary
+from ..conversion.record import KeptCheck, Recorder, source_identity, write_config
+from ..conversion.run import Job, run_job
 from ..conversion.summary import Summary
 from ..errors import PrequantError, UsageError
 from ..source.resolve import contents, resolve, scan
@@ -76,36 +74,24 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
         quantizer = starting.quantizer(plan.settings, opts.device, plan.input_bytes)
         dequantized_too = {k: w for k, w in four_bit.items() if not quantize or k in changed}
         merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
-        job = Job(src, out, opts, tensors, config, plan,
-                  fingerprint(plan, () if src.hub else src.weight_files, __version__) | src.pin()
-                  | {"adapter": lora.identity}, side_files(src.path), started)
-        publisher = _publisher(opts)  # the repo created (or refused) before any work
-        with publisher or nullcontext():
-            with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
-                if not claim.complete:  # else finished before; an interrupted push goes on below
-                    with _interruptible(), Recorder(src, plan, stats=opts.stats and quantize, job=job.id,
-                                                    allow_nan=opts.allow_nan,
-                                                    options={"max_shard_size": opts.shard_limit,
-                                                             "quantize": quantize}) as record:
-                        record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
-                        if not output.publishing(claim.staging):  # else an interrupted run had written everything
-                            with float32_products(quantizer.device_type):  # CUDA may still be starting
-                                sizes = _stream(job, quantizer, record, claim.staging, publisher, transform=merger)
-                            _record(job, record, claim.staging, sizes, lora, four, quantize, str(quantizer.device))
-                        output.publish(out, claim.staging)
-            hub_url = _push(out, opts, publisher)  # what the Hub lacks is sent, in one commit
-    if claim.complete:
-        return _summary(job, manifest.load(out), complete=True, hub_url=hub_url)
-    note = f"merged: {len(changed)} tensors changed by the adapter, written {'4-bit' if quantize else '16-bit'}"
-    return _summary(job, manifest.load(out), hub_url=hub_url, quantizer=quantizer, notes=[note])
+        job = Job.planned(src, out, opts, tensors, config, plan, started, adapter=lora.identity)
+
+        def write(record: Recorder, staging: Path, stream: Callable) -> None:
+            """The base streamed through the merger (float32 products in full precision), then the rest."""
+            record.kept = _KeptCheck(opts.allow_nan, set(four_bit) - set(dequantized_too))
+            with float32_products(quantizer.device_type):  # CUDA may still be starting
+                stream(merger)
+            _record(job, record, staging, lora, four, quantize, str(quantizer.device))
+
+        note = f"merged: {len(changed)} tensors changed by the adapter, written {'4-bit' if quantize else '16-bit'}"
+        return run_job(job, quantizer, write, stats=opts.stats and quantize,
+                       record_options={"max_shard_size": opts.shard_limit, "quantize": quantize},
+                       notes=lambda written: [note])
 
 
-def _record(job: Job, record: Recorder, staging: Path, sizes: dict[str, int], lora: Adapter, four: bool,
-            quantize: bool, device: str) -> None:
-    """Side files, index, config.json, the card and prequant.json (the adapter, the bases and what changed)."""
+def _record(job: Job, record: Recorder, staging: Path, lora: Adapter, four: bool, quantize: bool, device: str) -> None:
+    """config.json, the card and prequant.json (the adapter, the bases and what changed)."""
     plan, src = job.plan, job.source
-    copy_side_files(src.path, staging, job.side_files)
-    write_index(staging, plan, sizes)
     _write_config(staging, job.config, plan, four, quantize)
     identity = source_identity(src)
     card.write(staging, src, identity, lora, plan, quantize, job.options.push_to_hub)
@@ -266,13 +252,9 @@ def _numel(w: FourBit) -> int:
 
 def _write_config(staging: Path, config: dict, plan: Plan, four: bool, quantize: bool) -> None:
     """config.json: a 16-bit output's without quantization_config; a 4-bit output's with the one it loads with."""
-    from ..bnb.format import quantization_config
-
     if not quantize:
         write_json(staging / CONFIG, {k: v for k, v in config.items() if k != "quantization_config"})
-    elif four:
+    elif four:  # a 4-bit base's, quantized again with its settings
         write_json(staging / CONFIG, config)
     else:
-        write_json(staging / CONFIG, {**config, "quantization_config": quantization_config(plan.settings,
-                                                                                          plan.skip_modules)})
-
+        write_config(staging, config, plan)
