@@ -201,6 +201,32 @@ def test_adapter_of_4bit_and_kept_experts_reloads_with_the_same_logits(mixed):
     assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
 
 
+def test_lora_on_kept_experts_follows_the_targets_and_refuses_gate_without_up(tmp_path):
+    """The kept layer's fused parameters get LoRA for the projections targeted; gate without up (one parameter
+    there) is refused in one line naming the layer."""
+    from moe_checkpoints import build_moe
+
+    import prequant
+    from prequant.errors import PrequantError
+    from prequant.fsdp.experts import lora_on_fused
+    from prequant.fsdp.loader import lora_config
+
+    src = build_moe("mixtral", tmp_path / "src")
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False, quantize_experts=True,
+                     skip=[MIXED["mixtral"]])
+    model = prequant.load_model(tmp_path / "out")
+    config = lora_config(4, 8, 0.0, ["q_proj", "w2"])
+    lora_on_fused(model, config)
+    assert config.target_parameters == ["model.layers.0.mlp.experts.down_proj"]
+    config = lora_config(4, 8, 0.0, "all-linear")
+    lora_on_fused(model, config)
+    assert config.target_parameters == [f"model.layers.0.mlp.experts.{p}" for p in ("down_proj", "gate_up_proj")]
+    assert config.rank_pattern == {r".*\.gate_up_proj": 8} and config.alpha_pattern == {r".*\.gate_up_proj": 16}
+    with pytest.raises(PrequantError, match=r"^model\.layers\.0\.mlp\.experts: LoRA on w1 alone .* target w1 and w3 "
+                                            r"together, or neither$"):
+        lora_on_fused(model, lora_config(4, 8, 0.0, ["w1", "w2"]))
+
+
 # ----------------------------------------------------------------------------------------- the worker
 
 
