@@ -46,9 +46,9 @@ def per_expert(model: nn.Module, ckpt: Any) -> bool:
 def lora_on_fused(model: nn.Module, config: Any) -> None:
     """In a model with both per-expert (4-bit) and fused (16-bit) experts, give `config` (a peft LoraConfig) the fused
     experts' parameters as `target_parameters` where its targets name their projections, with the rank and alpha
-    peft gives them on a fused model (gate and up are one parameter: twice each). peft would rewrite per-expert
-    targets into fused parameters on its own, which `lora_targets_as_named` stops for the per-expert layers; these
-    layers are what it would have covered. Targeting gate without up (or up without gate) is refused."""
+    peft gives them on a fused model (gate and up are one parameter: twice each). On an all-fused model peft makes
+    that rewrite itself; `lora_targets_as_named`, which the per-expert layers need, stops it for the whole model, so
+    the fused layers get it here. Targeting gate without up (or up without gate) is refused."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     fused = fused_experts(model)
@@ -67,8 +67,9 @@ def lora_on_fused(model: nn.Module, config: Any) -> None:
     if not params:
         return
     config.target_parameters = sorted(set(config.target_parameters or []) | set(params))
-    config.rank_pattern = {**(config.rank_pattern or {}), r".*\.gate_up_proj": 2 * config.r}
-    config.alpha_pattern = {**(config.alpha_pattern or {}), r".*\.gate_up_proj": 2 * config.lora_alpha}
+    if any(p.endswith(".gate_up_proj") for p in params):
+        config.rank_pattern = {**(config.rank_pattern or {}), r".*\.gate_up_proj": 2 * config.r}
+        config.alpha_pattern = {**(config.alpha_pattern or {}), r".*\.gate_up_proj": 2 * config.lora_alpha}
 
 
 @contextmanager

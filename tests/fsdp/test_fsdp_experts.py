@@ -217,7 +217,7 @@ def test_lora_on_kept_experts_follows_the_targets_and_refuses_gate_without_up(tm
     model = prequant.load_model(tmp_path / "out")
     config = lora_config(4, 8, 0.0, ["q_proj", "w2"])
     lora_on_fused(model, config)
-    assert config.target_parameters == ["model.layers.0.mlp.experts.down_proj"]
+    assert config.target_parameters == ["model.layers.0.mlp.experts.down_proj"] and not config.rank_pattern
     config = lora_config(4, 8, 0.0, "all-linear")
     lora_on_fused(model, config)
     assert config.target_parameters == [f"model.layers.0.mlp.experts.{p}" for p in ("down_proj", "gate_up_proj")]
