@@ -101,3 +101,45 @@ def entries_of(tensors: dict[str, torch.Tensor], weight: str) -> dict[str, torch
     """A 4-bit weight's entries by short name."""
     return {k[len(weight) + 1:] if k != weight else "weight": v for k, v in tensors.items()
             if k == weight or k.startswith(weight + ".")}
+
+
+# Token ids every load_model logits test feeds.
+IDS = (torch.arange(0, 224, 7).view(2, -1) * 5) % 256
+
+
+def dequantized_reference(src: Path, out: Path):
+    """The source in transformers 5 with every weight that `out` holds in 4-bit replaced by its dequantized value
+    (experts placed in transformers' fused parameters: gate rows, then up rows); kept weights keep the source's."""
+    from transformers import AutoModelForCausalLM
+
+    from prequant.bnb.experts import expert_match
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    output = read_all(out)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key in output:
+            if not key.endswith(".weight") or f"{key}.absmax" not in output:
+                continue
+            w = dequantized(entries_of(output, key))
+            m = expert_match(key)
+            if m is None:
+                params[key].copy_(w)
+                continue
+            block = m["block"].replace(".block_sparse_moe", ".mlp")
+            e, proj = int(m["index"]), m["proj"]
+            if proj in ("down_proj", "w2"):
+                params[f"{block}.experts.down_proj"][e].copy_(w)
+            else:
+                rows = w.shape[0]
+                part = slice(0, rows) if proj in ("gate_proj", "w1") else slice(rows, 2 * rows)
+                params[f"{block}.experts.gate_up_proj"][e, part].copy_(w)
+    return model
+
+
+def logits_of(model, implementation: str | None = None) -> torch.Tensor:
+    """`model`'s float32 CPU logits of `IDS` (its experts computed by `implementation`, when given)."""
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        return model(IDS.to(model.device)).logits.float().cpu()

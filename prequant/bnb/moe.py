@@ -3,11 +3,13 @@
 transformers 5 fuses a native MoE layer's experts into 3-D parameters (`bnb.experts`), which cannot hold the 4-bit
 experts `--quantize-experts` writes (one Linear4bit weight per expert: its `from_pretrained` fails with a size
 mismatch). For such a checkpoint `load_model` builds the model on the meta device, puts a `PerExpert` module in
-place of each fused experts module (the same interface, `(hidden_states, top_k_index, top_k_weights)`, with one
-linear per expert and projection, named as the checkpoint names them), turns every linear whose weight the
-checkpoint holds in 4-bit into a 4-bit layer, and fills the model from the files, one tensor at a time (the
-checkpoint's names through transformers' own renaming tables, e.g. Mixtral's `block_sparse_moe` -> `mlp`). Any
-other checkpoint is loaded by transformers' `from_pretrained` as it is.
+place of each fused experts module that has 4-bit weights (the same interface, `(hidden_states, top_k_index,
+top_k_weights)`, with one linear per expert and projection, named as the checkpoint names them), turns every linear
+whose weight the checkpoint holds in 4-bit into a 4-bit layer, and fills the model from the files, one tensor at a
+time (the checkpoint's names through transformers' own renaming tables, e.g. Mixtral's `block_sparse_moe` -> `mlp`).
+A layer whose experts the checkpoint keeps 16-bit (matched by `--skip`) keeps transformers' fused experts, filled
+from the per-expert weights (`FusedExperts`, which `load_for_fsdp` shares). Any other checkpoint is loaded by
+transformers' `from_pretrained` as it is.
 
 Either way every 4-bit layer is an `ExactLinear4bit`: bitsandbytes' `Linear4bit` on a GPU; on the CPU, where
 bitsandbytes' 4-bit paths give wrong values (or crash) for layers whose sizes are not multiples of 64 (in) and 32
@@ -18,6 +20,7 @@ rounded once to the weight's dtype) and multiplied by torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,14 +154,14 @@ def exact_on_cpu(model: nn.Module) -> None:
 
 class Expert(nn.Module):
     """One expert's projections, as `nn.Linear` layers named as the checkpoint names them (`gate_proj`, Mixtral's
-    `w1`, ...)."""
+    `w1`, ...), in the dtype of the fused experts they replace."""
 
-    def __init__(self, names: dict[str, str], hidden: int, intermediate: int) -> None:
+    def __init__(self, names: dict[str, str], hidden: int, intermediate: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.names = names  # role (gate, up, down) -> the projection's name
         for role, name in names.items():
             shape = (intermediate, hidden) if role != "down" else (hidden, intermediate)
-            setattr(self, name, nn.Linear(shape[1], shape[0], bias=False, device="meta"))
+            setattr(self, name, nn.Linear(shape[1], shape[0], bias=False, device="meta", dtype=dtype))
 
     def role(self, role: str) -> nn.Module:
         return getattr(self, self.names[role])
@@ -202,33 +205,98 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def expert_roles(modules: Any) -> dict[str, dict[str, str]]:
-    """{experts module: {role: projection name}} of the 4-bit expert linears among `modules` (model names)."""
+def expert_roles(keys: Any) -> dict[str, dict[str, str]]:
+    """{experts module: {role: projection name}} of the per-expert weights among `keys` (tensor names)."""
     roles: dict[str, dict[str, str]] = {}
-    for module in modules:
-        if (m := expert_match(f"{module}.weight")) is not None:
+    for key in keys:
+        if (m := expert_match(key)) is not None:
             roles.setdefault(f"{m['block']}.experts", {})[ROLES[m["proj"]]] = m["proj"]
     return roles
 
 
-def unfuse(model: nn.Module, names: dict[str, dict[str, str]]) -> None:
-    """Put a `PerExpert` (meta linears) in place of each fused experts module; `names`: the module's name ->
-    {role: projection name} as the checkpoint names them. A layout other than transformers' concatenated,
-    untransposed, biasless gate-and-up one is refused."""
+def _check_layout(name: str, module: nn.Module) -> None:
+    """Refuse a fused experts module whose layout is not transformers' concatenated, untransposed, biasless
+    gate-and-up one: the checkpoint's per-expert weights map onto no other."""
+    layout = (getattr(module, "is_concatenated", True), getattr(module, "is_transposed", False),
+              getattr(module, "has_bias", False), getattr(module, "has_gate", True),
+              getattr(module, "has_post_expert_norm", False))
+    e, two_i, hidden = module.gate_up_proj.shape
+    if layout != (True, False, False, True, False) or tuple(module.down_proj.shape) != (e, hidden, two_i // 2):
+        raise PrequantError(f"{name} ({type(module).__name__}) is not a MoE layout prequant loads per expert "
+                            "(concatenated gate and up, untransposed, no bias); load the checkpoint with "
+                            "transformers' from_pretrained, converted without --quantize-experts")
+
+
+def unfuse(model: nn.Module, names: dict[str, dict[str, str]], quantized: set[str]) -> dict[str, nn.Module]:
+    """Put a `PerExpert` (meta linears) in place of each fused experts module that has 4-bit weights (`quantized`:
+    experts module names); `names`: each experts module's {role: projection name} as the checkpoint names them.
+    Returns the fused experts modules left as they are (name -> module): those whose experts the checkpoint keeps
+    16-bit."""
+    kept = {}
     for name, module in fused_experts(model).items():
-        kind = type(module).__name__
-        layout = (getattr(module, "is_concatenated", True), getattr(module, "is_transposed", False),
-                  getattr(module, "has_bias", False), getattr(module, "has_gate", True),
-                  getattr(module, "has_post_expert_norm", False))
+        if name not in quantized:
+            kept[name] = module
+            continue
+        _check_layout(name, module)
+        roles = names[name]
+        if set(roles) != {"gate", "up", "down"}:
+            raise PrequantError(f"{name} ({type(module).__name__}): the checkpoint has no "
+                                f"{', '.join(sorted({'gate', 'up', 'down'} - set(roles)))} projection weights for "
+                                "these experts; is this a complete checkpoint?")
         e, two_i, hidden = module.gate_up_proj.shape
-        if layout != (True, False, False, True, False) or tuple(module.down_proj.shape) != (e, hidden, two_i // 2):
-            raise PrequantError(f"{name} ({kind}) is not a MoE layout prequant quantizes per expert (concatenated "
-                                "gate and up, untransposed, no bias); load the checkpoint without 4-bit experts")
-        if name not in names:
-            raise PrequantError(f"{name} ({kind}): the checkpoint has no 4-bit weights for these experts")
-        experts = [Expert(names[name], hidden, two_i // 2) for _ in range(e)]
+        experts = [Expert(roles, hidden, two_i // 2, module.gate_up_proj.dtype) for _ in range(e)]
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, PerExpert(experts, module.act_fn))
+    return kept
+
+
+class FusedExperts:
+    """One fused experts parameter of transformers 5 (`gate_up_proj` [E, 2I, H]: each expert's gate rows, then its up
+    rows; `down_proj` [E, H, I]) as the checkpoint's per-expert 16-bit weights make it: `keys[e]` are expert e's
+    tensors, concatenated in that order, read through `view` (key -> tensor). `copy_rows` fills experts
+    [start, stop) only: an FSDP rank reads its own experts."""
+
+    def __init__(self, view: Callable[[str], torch.Tensor], keys: list[list[str]], shape: tuple[int, ...]) -> None:
+        self.view, self.keys, self.shape = view, keys, shape
+
+    def copy_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
+        for i, parts in enumerate(self.keys[start:stop]):
+            row = 0
+            for key in parts:
+                value = self.view(key)
+                out[i, row : row + value.shape[0]].copy_(value)
+                row += value.shape[0]
+
+
+def fused_from_experts(fused: dict[str, nn.Module], tensors: dict[str, Any], view: Callable[[str], torch.Tensor],
+                       where: Path) -> dict[str, FusedExperts]:
+    """{fused parameter name: FusedExperts} for each fused experts module in `fused` whose parameters the checkpoint
+    holds per expert: `tensors` (the model's names -> refs with a shape), read through `view`. A module whose fused
+    parameters the checkpoint holds as they are is left out; a missing expert weight is refused, naming it."""
+    found: dict[str, dict[int, dict[str, str]]] = {}  # experts module -> expert -> role -> key
+    for key in tensors:
+        if (m := expert_match(key)) is not None:
+            found.setdefault(f"{m['block']}.experts", {}).setdefault(int(m["index"]), {})[ROLES[m["proj"]]] = key
+    out: dict[str, FusedExperts] = {}
+    for name, module in fused.items():
+        if f"{name}.gate_up_proj" in tensors and f"{name}.down_proj" in tensors:
+            continue
+        _check_layout(name, module)
+        experts = found.get(name, {})
+        keys: dict[str, list[list[str]]] = {"gate_up_proj": [], "down_proj": []}
+        for e in range(module.gate_up_proj.shape[0]):
+            roles = experts.get(e, {})
+            missing = [r for r in ("gate", "up", "down") if r not in roles]
+            if missing:
+                raise PrequantError(f"{where}: no {missing[0]} projection weight for expert {e} of {name}; "
+                                    "the model needs every expert's weights (is this a complete checkpoint?)")
+            keys["gate_up_proj"].append([roles["gate"], roles["up"]])
+            keys["down_proj"].append([roles["down"]])
+        for param, parts in keys.items():
+            first = [tuple(tensors[k].shape) for k in parts[0]]
+            shape = (len(parts), sum(s[0] for s in first), first[0][1])
+            out[f"{name}.{param}"] = FusedExperts(view, parts, shape)
+    return out
 
 
 # ---------------------------------------------------------------------------------------- the loader
@@ -250,7 +318,9 @@ def _load_with_experts(directory: Path, refs: dict, quantized: dict[str, str], d
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     to_model = renamer(model)
     weights = {to_model(f"{p}.weight").removesuffix(".weight"): p for p in quantized}  # model module -> ckpt prefix
-    unfuse(model, expert_roles(weights))
+    named = {to_model(k): ref for k, ref in refs.items()}
+    kept = unfuse(model, expert_roles(named), set(expert_roles(f"{m}.weight" for m in weights)))
+    fused = fused_from_experts(kept, named, lambda key: data.view(named[key]), directory)
 
     compute = getattr(torch, str(config_json["quantization_config"].get("bnb_4bit_compute_dtype", "float32")))
     exact = exact_class()
@@ -273,9 +343,13 @@ def _load_with_experts(directory: Path, refs: dict, quantized: dict[str, str], d
         parent, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
 
+    for name, experts in fused.items():  # experts kept 16-bit: transformers' fused parameters, filled per expert
+        value = torch.empty(experts.shape, dtype=model.get_parameter(name).dtype)
+        experts.copy_rows(value, 0, experts.shape[0])
+        _assign(model, name, value, True)
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
-    done = {f"{m}.weight" for m in weights}
+    done = {f"{m}.weight" for m in weights} | set(fused)
     for key, ref in refs.items():
         if _is_companion(key, quantized):
             continue

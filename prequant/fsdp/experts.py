@@ -1,14 +1,16 @@
 """MoE models for `load_for_fsdp`: one 4-bit linear per expert (`prequant convert --quantize-experts`), and LoRA on
-each expert's projections; or, for a checkpoint whose experts were kept 16-bit, transformers 5's own fused experts
-filled from the checkpoint's per-expert weights (`FusedExperts`).
+each expert's projections; for layers whose experts the checkpoint keeps 16-bit (all of them without the flag, those
+matched by `--skip` with it), transformers 5's own fused experts filled from the checkpoint's per-expert weights
+(`bnb.moe.FusedExperts`).
 
 transformers 5 builds a native MoE layer's experts fused (`bnb.experts`); `per_expert` puts `bnb.moe.PerExpert` in
-their place, with the checkpoint's keys renamed to the model's (transformers' renaming tables: Mixtral's
-`block_sparse_moe` is `mlp`), so the loader then finds a 4-bit weight for every expert linear like any other.
-peft 0.21 rewrites `gate_proj`/`up_proj`/`down_proj` (Mixtral's `w1`/`w3`/`w2`) targets on such a model into the
-fused `gate_up_proj`/`down_proj` parameters, which this model does not have (that rewrite exists to load adapters
-trained on transformers 4's per-expert layout into the fused one): `lora_targets_as_named` keeps it from doing so,
-so each expert's linears get their own LoRA, named by expert in the adapter's keys.
+the place of each layer's with 4-bit weights, with the checkpoint's keys renamed to the model's (transformers'
+renaming tables: Mixtral's `block_sparse_moe` is `mlp`), so the loader then finds a 4-bit weight for every expert
+linear like any other. peft 0.21 rewrites `gate_proj`/`up_proj`/`down_proj` (Mixtral's `w1`/`w3`/`w2`) targets on
+such a model into the fused `gate_up_proj`/`down_proj` parameters, which the unfused layers do not have (that
+rewrite exists to load adapters trained on transformers 4's per-expert layout into the fused one):
+`lora_targets_as_named` keeps it from doing so, so each expert's linears get their own LoRA, named by expert in the
+adapter's keys, and `lora_on_fused` gives the layers left fused the LoRA of their parameters that peft gives them.
 """
 
 from __future__ import annotations
@@ -17,18 +19,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..bnb.experts import ROLES, expert_match
-from ..bnb.moe import expert_roles, fused_experts, renamer, unfuse
+from ..bnb.moe import PerExpert, expert_roles, fused_experts, fused_from_experts, renamer, unfuse
 from ..errors import PrequantError
 
 
 def per_expert(model: nn.Module, ckpt: Any) -> bool:
-    """Rename `ckpt`'s keys (a `loader.Checkpoint`) to `model`'s and, with 4-bit experts, unfuse the model's experts
-    into 4-bit-ready linears (True). With 16-bit experts the model keeps its fused experts, each fused parameter a
-    `FusedExperts` in `ckpt.fused` (False); False too when the model has no fused experts."""
+    """Rename `ckpt`'s keys (a `loader.Checkpoint`) to `model`'s, unfuse the experts of each layer with 4-bit experts
+    into 4-bit-ready linears, and put each fused parameter of the layers whose experts are kept 16-bit in
+    `ckpt.fused` (a `bnb.moe.FusedExperts`). True when some layer was unfused."""
     fused = fused_experts(model)
     if not fused:
         return False
@@ -37,57 +37,39 @@ def per_expert(model: nn.Module, ckpt: Any) -> bool:
     ckpt.quantized = {rename(f"{p}.weight").removesuffix(".weight"): q for p, q in ckpt.quantized.items()}
     ckpt._state_keys = {rename(f"{p}.weight").removesuffix(".weight"): [rename(k) for k in keys]
                         for p, keys in ckpt._state_keys.items()}
-    roles = expert_roles(ckpt.quantized)
-    if not roles:
-        ckpt.fused = fused_from_experts(fused, ckpt)
-        return False
-    unfuse(model, roles)
-    return True
+    quantized = set(expert_roles(f"{p}.weight" for p in ckpt.quantized))
+    kept = unfuse(model, expert_roles(ckpt.tensors), quantized)
+    ckpt.fused = fused_from_experts(kept, ckpt.tensors, ckpt.view, ckpt.path)
+    return bool(quantized)
 
 
-class FusedExperts:
-    """One fused experts parameter of transformers 5 (`gate_up_proj` [E, 2I, H]: each expert's gate rows, then its up
-    rows; `down_proj` [E, H, I]) as the checkpoint's per-expert 16-bit weights make it: `keys[e]` are expert e's
-    tensors, concatenated in that order. `copy_rows` fills experts [start, stop) only: a rank reads its own experts."""
+def lora_on_fused(model: nn.Module, config: Any) -> None:
+    """In a model with both per-expert (4-bit) and fused (16-bit) experts, give `config` (a peft LoraConfig) the fused
+    experts' parameters as `target_parameters` where its targets name their projections, with the rank and alpha
+    peft gives them on a fused model (gate and up are one parameter: twice each). On an all-fused model peft makes
+    that rewrite itself; `lora_targets_as_named`, which the per-expert layers need, stops it for the whole model, so
+    the fused layers get it here. Targeting gate without up (or up without gate) is refused."""
+    from peft.tuners.tuners_utils import check_target_module_exists
 
-    def __init__(self, ckpt: Any, keys: list[list[str]]) -> None:
-        self.ckpt, self.keys = ckpt, keys
-        first = [ckpt.tensors[k].shape for k in keys[0]]
-        self.shape = (len(keys), sum(s[0] for s in first), first[0][1])
-
-    def copy_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
-        for i, parts in enumerate(self.keys[start:stop]):
-            row = 0
-            for key in parts:
-                value = self.ckpt.view(key)
-                out[i, row : row + value.shape[0]].copy_(value)
-                row += value.shape[0]
-
-
-def fused_from_experts(fused: dict[str, nn.Module], ckpt: Any) -> dict[str, FusedExperts]:
-    """{fused parameter name: FusedExperts} for each of the model's fused experts modules, from `ckpt`'s per-expert
-    weights (model names); a missing expert weight is refused, naming it."""
-    found: dict[str, dict[int, dict[str, str]]] = {}  # experts module -> expert -> role -> key
-    for key in ckpt.tensors:
-        if (m := expert_match(key)) is not None:
-            found.setdefault(f"{m['block']}.experts", {}).setdefault(int(m["index"]), {})[ROLES[m["proj"]]] = key
-    out: dict[str, FusedExperts] = {}
-    for name, module in fused.items():
-        experts = found.get(name, {})
-        count = module.gate_up_proj.shape[0]
-        keys: dict[str, list[list[str]]] = {"gate_up_proj": [], "down_proj": []}
-        for e in range(count):
-            roles = experts.get(e, {})
-            missing = [r for r in ("gate", "up", "down") if r not in roles]
-            if missing:
-                raise PrequantError(f"{ckpt.path}: no {missing[0]} projection weight for expert {e} of {name}; "
-                                    "load_for_fsdp needs every expert's weights (is this a complete checkpoint?)")
-            keys["gate_up_proj"].append([roles["gate"], roles["up"]])
-            keys["down_proj"].append([roles["down"]])
-        for param, parts in keys.items():
-            out[f"{name}.{param}"] = FusedExperts(ckpt, parts)
-    return out
-
+    fused = fused_experts(model)
+    names = next((e[0].names for e in model.modules() if isinstance(e, PerExpert)), None)
+    if not fused or names is None:
+        return
+    every = isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"
+    params = []
+    for name in fused:
+        hit = {role for role, proj in names.items() if every or check_target_module_exists(config, f"{name}.0.{proj}")}
+        if len(hit & {"gate", "up"}) == 1:
+            raise PrequantError(f"{name}: LoRA on {names[next(iter(hit & {'gate', 'up'}))]} alone cannot go on these "
+                                "16-bit experts, whose gate and up projections are one fused parameter; target "
+                                f"{names['gate']} and {names['up']} together, or neither")
+        params += [f"{name}.gate_up_proj"] * ("gate" in hit) + [f"{name}.down_proj"] * ("down" in hit)
+    if not params:
+        return
+    config.target_parameters = sorted(set(config.target_parameters or []) | set(params))
+    if any(p.endswith(".gate_up_proj") for p in params):
+        config.rank_pattern = {**(config.rank_pattern or {}), r".*\.gate_up_proj": 2 * config.r}
+        config.alpha_pattern = {**(config.alpha_pattern or {}), r".*\.gate_up_proj": 2 * config.lora_alpha}
 
 
 @contextmanager

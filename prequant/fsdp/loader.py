@@ -40,7 +40,7 @@ from ..checkpoint.hf_files import CONFIG
 from ..checkpoint.reader import TensorReader, scan_files
 from ..errors import PrequantError, UsageError
 from ..source.resolve import resolve
-from .experts import lora_targets_as_named, per_expert
+from .experts import lora_on_fused, lora_targets_as_named, per_expert
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -272,7 +272,7 @@ class Checkpoint:
             raise PrequantError(f"{src.path}: load_for_fsdp reads safetensors checkpoints; convert it with prequant first")
         self.path = src.path
         self.tensors = {t.name: t for t in scan_files(src.weight_files)}
-        self.fused: dict[str, Any] = {}  # fused 16-bit experts parameters, by model name (experts.FusedExperts)
+        self.fused: dict[str, Any] = {}  # fused 16-bit experts parameters, by model name (bnb.moe.FusedExperts)
         self.files = src.weight_files
         self.data = TensorReader()
         try:
@@ -480,10 +480,13 @@ def lora_config(r: int, alpha: int, dropout: float, target_modules: str | list[s
 
 
 def apply_lora(model: torch.nn.Module, r: int, alpha: int, dropout: float, target_modules: str | list[str]) -> Any:
-    """`model` wrapped by peft with `lora_config(...)`'s adapters (still on the meta device when the model is)."""
+    """`model` wrapped by peft with `lora_config(...)`'s adapters (still on the meta device when the model is); in a
+    MoE model with both 4-bit and 16-bit experts, the 16-bit ones get LoRA as peft gives fused experts."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(r, alpha, dropout, target_modules))
+    config = lora_config(r, alpha, dropout, target_modules)
+    lora_on_fused(model, config)
+    return get_peft_model(model, config)
 
 
 def keep_frozen_weights_out_of_state_dict(model: torch.nn.Module) -> None:

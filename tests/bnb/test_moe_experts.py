@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_checkpoints import build_moe, dequantized, entries_of, read_all
+import transformers
+from helpers import gpu_only
+from moe_checkpoints import build_moe, dequantized, dequantized_reference, entries_of, logits_of, read_all
 
 from prequant.bnb.experts import expert_match, quantize_experts
 from prequant.bnb.layout import analyze
+from prequant.bnb.moe import TRANSFORMERS_TESTED
 from prequant.bnb.quantize import quantize_tensor
 from prequant.checkpoint.hf_files import read_config
 from prequant.checkpoint.reader import scan_files
@@ -114,3 +117,62 @@ def test_load_model_refuses_a_transformers_older_than_the_one_its_renamings_are_
         require_transformers()
     monkeypatch.setattr(transformers, "__version__", "5.25.0")
     require_transformers()
+
+
+# ------------------------------------------------------------------------------ mixed: some experts kept 16-bit
+
+
+# kind -> what `--skip` keeps 16-bit: layer 0's whole MoE block (its experts stay fused), or every down projection
+# (each layer's experts mixed: gate and up 4-bit, down 16-bit).
+MIXED = [("mixtral", "model.layers.0.block_sparse_moe"), ("qwen3_moe", "model.layers.0.mlp"),
+         ("qwen3_moe", "down_proj")]
+
+
+def _mixed_logits_equal_the_reference(root, kind: str, skip: str, device: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import prequant
+    from prequant.bnb.moe import PerExpert, exact_class
+
+    src = build_moe(kind, root / "src")
+    out = root / "out"
+    prequant.convert(src, out, device="cpu", progress=False, quantize_experts=True, skip=[skip])
+    model = prequant.load_model(out, device_map=device)
+    assert {p.device.type for p in model.parameters()} == {device}
+    first, second = (layer.mlp.experts for layer in model.model.layers)
+    assert isinstance(second, PerExpert) and isinstance(second[3].role("gate"), exact_class())
+    source = {k: v.to(device) for k, v in read_all(src).items()}
+    if skip == "down_proj":
+        assert isinstance(first, PerExpert) and type(first[1].role("down")) is torch.nn.Linear
+        assert torch.equal(first[1].role("down").weight, source["model.layers.0.mlp.experts.1.down_proj.weight"])
+    else:
+        assert not isinstance(first, PerExpert)
+        w = ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        experts = [f"{skip}.experts.{e}" for e in range(4)]
+        gate_up = torch.stack([torch.cat([source[f"{x}.{w[0]}.weight"], source[f"{x}.{w[1]}.weight"]])
+                               for x in experts])
+        assert torch.equal(first.gate_up_proj, gate_up)
+        assert torch.equal(first.down_proj, torch.stack([source[f"{x}.{w[2]}.weight"] for x in experts]))
+    ours = logits_of(model)
+    reference = dequantized_reference(src, out).to(device)
+    eager = logits_of(reference, "eager")
+    spread = (eager - logits_of(reference, "batched_mm")).abs().max().item()
+    assert (ours - eager).abs().max().item() <= max(spread, 1e-2 * eager.abs().max().item()), spread
+    # and it is the 4-bit model, not the source's: the source's logits are farther away
+    plain = logits_of(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device))
+    assert (ours - eager).abs().max() < (plain - eager).abs().max()
+
+
+@pytest.mark.parametrize(("kind", "skip"), MIXED)
+def test_load_model_of_4bit_and_kept_experts_gives_the_dequantized_reference_s_logits(tmp_path, kind, skip):
+    """Layers whose experts `--skip` keeps load as transformers' fused experts (or, where a layer's experts are part
+    4-bit, as 16-bit linears beside the 4-bit ones); the rest as one 4-bit linear per expert."""
+    _mixed_logits_equal_the_reference(tmp_path, kind, skip, "cpu")
+
+
+@gpu_only
+@pytest.mark.skipif(tuple(int(p) for p in transformers.__version__.split(".")[:2]) < TRANSFORMERS_TESTED,
+                    reason="prequant.load_model needs transformers 5.25 or later (carry its wheel to the GPU machine)")
+@pytest.mark.parametrize(("kind", "skip"), MIXED)
+def test_load_model_of_4bit_and_kept_experts_on_the_gpu(tmp_path, kind, skip):
+    _mixed_logits_equal_the_reference(tmp_path, kind, skip, "cuda")

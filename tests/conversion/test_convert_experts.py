@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from helpers import gpu_only
-from moe_checkpoints import HANDLED, REFUSED, build_moe, dequantized, entries_of, read_all
+from moe_checkpoints import HANDLED, REFUSED, build_moe, dequantized_reference, entries_of, logits_of, read_all
 
 import prequant
 from prequant.bnb.experts import expert_match
@@ -22,8 +22,6 @@ from prequant.errors import PrequantError
 needs_tested_transformers = pytest.mark.skipif(
     tuple(int(p) for p in transformers.__version__.split(".")[:2]) < TRANSFORMERS_TESTED,
     reason="prequant.load_model needs transformers 5.25 or later (carry its wheel to the GPU machine)")
-
-IDS = (torch.arange(0, 224, 7).view(2, -1) * 5) % 256
 
 
 @pytest.fixture(scope="module")
@@ -122,53 +120,19 @@ def test_kept_experts_are_said_first_with_both_sizes_and_the_flag(tmp_path):
 # ----------------------------------------------------------------------------------- loading
 
 
-def _reference(src, out, kind: str):
-    """The source in transformers 5 with every 4-bit weight replaced by its dequantized value."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
-    output = read_all(out)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for key in output:
-            if not key.endswith(".weight") or f"{key}.absmax" not in output:
-                continue
-            w = dequantized(entries_of(output, key))
-            m = expert_match(key)
-            if m is None:
-                params[key].copy_(w)
-                continue
-            block = m["block"].replace(".block_sparse_moe", ".mlp")
-            e, proj = int(m["index"]), m["proj"]
-            if proj in ("down_proj", "w2"):
-                params[f"{block}.experts.down_proj"][e].copy_(w)
-            else:
-                rows = w.shape[0]
-                part = slice(0, rows) if proj in ("gate_proj", "w1") else slice(rows, 2 * rows)
-                params[f"{block}.experts.gate_up_proj"][e, part].copy_(w)
-    return model
-
-
-def _logits(model, implementation: str | None = None) -> torch.Tensor:
-    if implementation is not None:
-        model.set_experts_implementation(implementation)
-    with torch.no_grad():
-        return model(IDS.to(model.device)).logits.float().cpu()
-
-
 @pytest.mark.parametrize("kind", HANDLED)
 def test_load_model_logits_equal_the_dequantized_reference_on_the_cpu(made, kind):
     src, out = made(kind)
     model = prequant.load_model(out)
     assert not any(p.device.type == "meta" for p in model.parameters())
-    ours = _logits(model)
-    reference = _reference(src, out, kind)
-    eager = _logits(reference, "eager")
-    spread = (eager - _logits(reference, "batched_mm")).abs().max().item()
+    ours = logits_of(model)
+    reference = dequantized_reference(src, out)
+    eager = logits_of(reference, "eager")
+    spread = (eager - logits_of(reference, "batched_mm")).abs().max().item()
     scale = eager.abs().max().item()
     assert (ours - eager).abs().max().item() <= max(spread, 1e-2 * scale), (kind, spread)
     # and it is the 4-bit model, not the source's: the source's logits are farther away
-    source = _logits(__import__("transformers").AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16))
+    source = logits_of(__import__("transformers").AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16))
     assert (ours - eager).abs().max() < (source - eager).abs().max()
 
 
@@ -179,14 +143,14 @@ def test_load_model_logits_equal_the_dequantized_reference_on_the_gpu(made, kind
     src, out = made(kind)
     model = prequant.load_model(out, device_map="cuda")
     assert {p.device.type for p in model.parameters()} == {"cuda"}
-    ours = _logits(model)
-    reference = _reference(src, out, kind).to("cuda")
-    eager = _logits(reference, "eager")
-    spread = (eager - _logits(reference, "batched_mm")).abs().max().item()
+    ours = logits_of(model)
+    reference = dequantized_reference(src, out).to("cuda")
+    eager = logits_of(reference, "eager")
+    spread = (eager - logits_of(reference, "batched_mm")).abs().max().item()
     assert (ours - eager).abs().max().item() <= max(spread, 1e-2 * eager.abs().max().item()), (kind, spread)
     from transformers import AutoModelForCausalLM
 
-    source = _logits(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to("cuda"))
+    source = logits_of(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to("cuda"))
     assert (ours - eager).abs().max() < (source - eager).abs().max()
 
 
@@ -241,6 +205,6 @@ def test_load_model_without_4bit_experts_is_transformers_own_load_exact_on_the_c
     out = tmp_path / "out"
     prequant.convert(src, out, device="cpu", progress=False)
     model = prequant.load_model(out, device_map="cpu")
-    eager = _logits(_reference(src, out, "deepseek_v3"), "eager")
-    assert (_logits(model) - eager).abs().max().item() <= 1e-2 * eager.abs().max().item()
+    eager = logits_of(dequantized_reference(src, out), "eager")
+    assert (logits_of(model) - eager).abs().max().item() <= 1e-2 * eager.abs().max().item()
     assert type(model.model.layers[0].self_attn.q_b_proj).__name__ == "ExactLinear4bit"

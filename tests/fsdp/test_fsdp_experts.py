@@ -1,7 +1,8 @@
 """load_for_fsdp on MoE checkpoints with 4-bit experts (`--quantize-experts`): 2 gloo ranks train SFTTrainer steps
 with LoRA on every expert's projections, and the adapter (its keys naming the expert) reloads on `load_model` and
 merges (`prequant merge`) into a checkpoint transformers loads. With experts kept 16-bit, the model holds
-transformers 5's fused experts, each rank its own experts, LoRA on attention.
+transformers 5's fused experts, each rank its own experts, LoRA on attention; with some layers' experts kept by
+`--skip` and the others 4-bit, both at once, and LoRA on every expert.
 
 The distributed part runs this very file under torchrun as a worker (`--worker CONFIG_JSON`).
 
@@ -29,15 +30,17 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
-def _train(kind: str, root: Path, quantize_experts: bool) -> dict:
-    """A tiny `kind` MoE converted (with or without 4-bit experts) and trained on 2 gloo ranks by the worker."""
+def _train(kind: str, root: Path, quantize_experts: bool, skip: tuple[str, ...] = ()) -> dict:
+    """A tiny `kind` MoE converted (with or without 4-bit experts, `skip` kept) and trained on 2 gloo ranks by the
+    worker."""
     from helpers import build_tokenizer
     from moe_checkpoints import build_moe
 
     import prequant
 
     src = build_moe(kind, root / "src")
-    prequant.convert(src, root / "ckpt", device="cpu", progress=False, quantize_experts=quantize_experts)
+    prequant.convert(src, root / "ckpt", device="cpu", progress=False, quantize_experts=quantize_experts,
+                     skip=list(skip))
     config = {"checkpoint": str(root / "ckpt"), "tokenizer": str(build_tokenizer(root / "tok")),
               "out": str(root / "run")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -56,6 +59,16 @@ def trained(request, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def kept(request, tmp_path_factory) -> dict:
     return _train(request.param, tmp_path_factory.mktemp(f"{request.param}-kept"), quantize_experts=False)
+
+
+# kind -> the MoE block whose experts `--skip` keeps 16-bit (the checkpoint's name for it)
+MIXED = {"mixtral": "model.layers.0.block_sparse_moe", "qwen3_moe": "model.layers.0.mlp"}
+
+
+@pytest.fixture(scope="module", params=list(MIXED))
+def mixed(request, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp(f"{request.param}-mixed")
+    return _train(request.param, root, quantize_experts=True, skip=(MIXED[request.param],))
 
 
 def test_two_ranks_train_lora_on_every_expert(trained):
@@ -143,6 +156,75 @@ def test_trained_adapter_merged_into_the_4bit_base_loads_with_the_trained_logits
         logits = model(input_ids=torch.tensor(PROBE)).logits.float()
     sharded = trained["record"]["probe_logits"].float()
     assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
+def test_two_ranks_train_4bit_experts_beside_kept_ones(mixed):
+    """Layer 0's experts kept by --skip: transformers' fused experts, filled from the source's weights, their rows split
+    between the ranks, LoRA on their fused parameters; layer 1's experts 4-bit, LoRA on each expert's linears."""
+    from moe_checkpoints import read_all
+
+    record = mixed["record"]
+    assert len(record["losses"]) == 3 and all(torch.isfinite(torch.tensor(record["losses"])))
+    proj = ("w1", "w3", "w2") if mixed["kind"] == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    per_expert = {n for n in record["lora"] if ".layers.1.mlp.experts." in n and ".lora_B." in n}
+    assert {n.split(".experts.")[1].split(".")[1] for n in per_expert} == set(proj) and len(per_expert) == 4 * 3
+    fused = [n for n in record["lora"] if ".layers.0.mlp.experts." in n and ".lora_B." in n]
+    assert len(fused) == 2  # peft's LoRA of the fused gate_up_proj and down_proj (one wrapping the other)
+    for part in (".self_attn.q_proj.lora_B.", *fused, ".layers.1.mlp.experts.3."):
+        assert any(part in n and record["lora"][n].abs().sum() > 0 for n in record["lora"]), part  # trained
+    source = read_all(Path(mixed["source"]))
+    experts = [f"{MIXED[mixed['kind']]}.experts.{e}" for e in range(4)]
+    gate_up = torch.stack([torch.cat([source[f"{x}.{proj[0]}.weight"], source[f"{x}.{proj[1]}.weight"]])
+                           for x in experts])
+    assert set(record["experts"]) == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert torch.equal(record["experts"]["model.layers.0.mlp.experts.gate_up_proj"], gate_up)
+    assert torch.equal(record["experts"]["model.layers.0.mlp.experts.down_proj"],
+                       torch.stack([source[f"{x}.{proj[2]}.weight"] for x in experts]))
+    assert record["experts_local_rows"] == [2, 2]  # four experts, two per rank
+
+
+def test_adapter_of_4bit_and_kept_experts_reloads_with_the_same_logits(mixed):
+    from peft import PeftModel
+
+    import prequant
+    from prequant.fsdp.experts import lora_targets_as_named
+
+    model = prequant.load_model(mixed["checkpoint"])
+    with lora_targets_as_named(model):
+        model = PeftModel.from_pretrained(model, Path(mixed["out"]) / "final")
+    params = dict(model.named_parameters())
+    trained = mixed["record"]["lora"]
+    assert [n for n in trained if torch.equal(params[n].float(), trained[n].float())] == list(trained)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits.float()
+    sharded = mixed["record"]["probe_logits"].float()
+    assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
+def test_lora_on_kept_experts_follows_the_targets_and_refuses_gate_without_up(tmp_path):
+    """The kept layer's fused parameters get LoRA for the projections targeted; gate without up (one parameter
+    there) is refused in one line naming the layer."""
+    from moe_checkpoints import build_moe
+
+    import prequant
+    from prequant.errors import PrequantError
+    from prequant.fsdp.experts import lora_on_fused
+    from prequant.fsdp.loader import lora_config
+
+    src = build_moe("mixtral", tmp_path / "src")
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False, quantize_experts=True,
+                     skip=[MIXED["mixtral"]])
+    model = prequant.load_model(tmp_path / "out")
+    config = lora_config(4, 8, 0.0, ["q_proj", "w2"])
+    lora_on_fused(model, config)
+    assert config.target_parameters == ["model.layers.0.mlp.experts.down_proj"] and not config.rank_pattern
+    config = lora_config(4, 8, 0.0, "all-linear")
+    lora_on_fused(model, config)
+    assert config.target_parameters == [f"model.layers.0.mlp.experts.{p}" for p in ("down_proj", "gate_up_proj")]
+    assert config.rank_pattern == {r".*\.gate_up_proj": 8} and config.alpha_pattern == {r".*\.gate_up_proj": 16}
+    with pytest.raises(PrequantError, match=r"^model\.layers\.0\.mlp\.experts: LoRA on w1 alone .* target w1 and w3 "
+                                            r"together, or neither$"):
+        lora_on_fused(model, lora_config(4, 8, 0.0, ["w1", "w2"]))
 
 
 # ----------------------------------------------------------------------------------------- the worker
