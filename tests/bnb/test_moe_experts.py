@@ -89,6 +89,27 @@ def test_exact_linear_equals_the_dequantized_weight_on_the_cpu(shape):
     assert torch.equal(layer(x), want)
 
 
+@gpu_only
+@pytest.mark.parametrize("rows", [1, 5])
+def test_exact_linear_on_the_gpu_is_the_dequantized_weights_matmul_for_one_row_too(rows):
+    """bitsandbytes' own forward takes a fused kernel for a single row, which adds in another order than the matmul
+    of the dequantized weight (an expert often gets one token); the exact layer takes that matmul for any rows."""
+    from bitsandbytes.nn import Params4bit
+
+    from prequant.bnb.format import entry_name
+    from prequant.bnb.moe import exact_class
+
+    torch.manual_seed(0)
+    w = torch.randn(512, 4096, dtype=torch.bfloat16)
+    entries = quantize_tensor(w, quant_storage=torch.bfloat16, name="w.weight")
+    layer = exact_class()(4096, 512, bias=False, compute_dtype=torch.bfloat16, device="meta")
+    stats = {entry_name("w.weight", f"w.weight.{k}"): v for k, v in entries.items() if k != "weight"}
+    layer.weight = Params4bit.from_prequantized(entries["weight"], stats, device="cuda", module=layer)
+    x = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
+    want = torch.nn.functional.linear(x, dequantized(entries).cuda())
+    assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16))
+
+
 # ------------------------------------------------------------------------------ CUDA's bytes
 
 
