@@ -281,7 +281,7 @@ def test_closing_the_reader_stops_a_download_mid_body_and_keeps_its_bytes(
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)  # the held read gives up after 1 s, not 10
-    plan, files, data = _streamed(tmp_path)
+    _, files, data = _streamed(tmp_path)
     held = hub_server.fail(REPO, files[0].name, "hold", after_bytes=10_000, times=1, ranged=False)
     try:
         data.start()
