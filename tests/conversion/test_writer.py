@@ -39,8 +39,8 @@ def test_many_small_tensors_start_writeback_once_per_step(tmp_path, monkeypatch)
 def test_a_header_is_the_whole_json_object_of_its_tensors():
     """The fixed part of a layout's header is encoded once and the variable-size entries joined to it: the bytes are
     those of the header encoded as one JSON object (non-ASCII names escaped alike), with or without variable ones."""
-    fixed = [OutTensor("b.weight", "U8", (8, 1)), OutTensor("a.absmax", "F32", (2,)), OutTensor("é.weight", "BF16", (3,))]
-    variable = [OutTensor("b.weight.quant_state.bitsandbytes__nf4", "U8", None), OutTensor("ü.quant_state", "U8", None)]
+    fixed = [OutTensor("b.weight", "U8", (8, 1)), OutTensor("a.absmax", "F32", (2,)), OutTensor("é.w", "BF16", (3,))]
+    variable = [OutTensor("b.weight.quant_state.bitsandbytes__nf4", "U8", None), OutTensor("ü.state", "U8", None)]
     for entries in (fixed, fixed + variable):
         layout = writer.ShardLayout(entries, {"format": "pt"})
         sizes = {e.key: 150 + i for i, e in enumerate(layout.variable)}

@@ -283,17 +283,23 @@ def test_closing_the_reader_stops_a_download_mid_body_and_keeps_its_bytes(
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)  # the held read gives up after 1 s, not 10
     _, files, data = _streamed(tmp_path)
     held = hub_server.fail(REPO, files[0].name, "hold", after_bytes=10_000, times=1, ranged=False)
+    etag = hashlib.sha256((tiny / files[0].name).read_bytes()).hexdigest()  # an LFS file's: its sha256
+    partial = hub_cache.blobs_folder(REPO) / f"{etag}.incomplete"
+
+    def on_disk() -> int:
+        return partial.stat().st_size if partial.exists() else 0
+
     try:
         data.start()
-        assert held.arrived.wait(120)  # the first shard's body is cut short, and stays so
+        # The first shard's body is cut short, and stays so: every byte sent is on disk, the read waits for more.
+        _wait_for(lambda: on_disk() == 10_000 or not any(t.is_alive() for t in data._threads))
         data.close()
         for thread in data._threads:
             thread.join()  # no deadline: a download that went on regardless would end with the whole shard
     finally:
         held.release.set()
     assert files[0].name not in data.downloaded and not files[0].exists()
-    blobs = hub_cache.blobs_folder(REPO)
-    assert [p.stat().st_size for p in blobs.glob("*.incomplete")] == [10_000]
+    assert on_disk() == 10_000
 
 
 def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
