@@ -334,6 +334,7 @@ class GpuLoader:
         self.stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.stream(self.stream):
             for i, start in enumerate(range(0, ref.nbytes, CHUNK_BYTES)):
+                # No race though every one-chunk tensor takes buffer 0: a copy out records its event; a refill waits.
                 buf, ev = self.buffers[i % 2], self.events[i % 2]
                 with trace.busy("host-to-device-wait"):
                     ev.synchronize()  # the previous copy out of this buffer has finished

@@ -191,11 +191,14 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
         data.on_download(journal.source_downloaded)
     ahead = None if src.hub is not None else readahead.start(list(src.weight_files))
     try:
-        with data, Progress(plan.input_bytes, enabled=opts.progress) as bar:
+        # Progress counts the bytes on disk: an FP8 weight's float8 tensor, scale and riders, not its 16-bit size.
+        stored = sum(t.nbytes for t in fp8.stored(s.source for s in plan.steps))
+        with data, Progress(stored, enabled=opts.progress) as bar:
             def on_step(step: Step) -> None:
-                bar.advance(step.source.nbytes)
-                if ahead is not None:  # the bytes on disk: an FP8 weight's float8 tensor, scale and riders
-                    ahead.consumed(sum(piece.nbytes for piece in fp8.pieces(step.source)))
+                read = sum(piece.nbytes for piece in fp8.pieces(step.source))
+                bar.advance(read)
+                if ahead is not None:
+                    ahead.consumed(read)
                 data.tensor_done(step.source)  # a Hub shard: evicted after its last tensor with --delete-source-shards
 
             def on_shard(name: str, file: BinaryIO) -> None:

@@ -59,21 +59,29 @@ class ShardLayout:
             self.offsets[e.key] = (pos, pos + e.nbytes)
             pos += e.nbytes
         self.fixed_end = pos
+        # The metadata and the fixed-size tensors' entries, encoded once (the JSON object without its closing
+        # brace): every header of the shard (the longest conceivable, the one a following hash starts from, the
+        # sealed one) starts with them.
+        head: dict[str, object] = {"__metadata__": self.metadata}
+        for e in self.fixed:
+            head[e.key] = {"dtype": e.dtype, "shape": list(e.shape or ()), "data_offsets": list(self.offsets[e.key])}
+        self._head = json.dumps(head, separators=(",", ":")).encode()[:-1]
         longest = self.header({e.key: _PLACEHOLDER_LEN for e in self.variable})
         self.reserved = _round8(len(longest))
         self.data_start = 8 + self.reserved  # also the bytes a shard spends before its data
 
     def header(self, variable_sizes: dict[str, int]) -> bytes:
-        """The header JSON once the variable-size tensors' sizes are known (unpadded)."""
-        header: dict[str, object] = {"__metadata__": self.metadata}
-        for e in self.fixed:
-            header[e.key] = {"dtype": e.dtype, "shape": list(e.shape or ()), "data_offsets": list(self.offsets[e.key])}
+        """The header JSON once the variable-size tensors' sizes are known (unpadded): the fixed part, then the
+        variable-size tensors' entries after it, as one JSON object."""
+        tail: dict[str, object] = {}
         pos = self.fixed_end
         for e in self.variable:
             size = variable_sizes[e.key]
-            header[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
+            tail[e.key] = {"dtype": e.dtype, "shape": [size], "data_offsets": [pos, pos + size]}
             pos += size
-        return json.dumps(header, separators=(",", ":")).encode()
+        if not tail:
+            return self._head + b"}"
+        return self._head + b"," + json.dumps(tail, separators=(",", ":")).encode()[1:]
 
 
 def _round8(n: int) -> int:

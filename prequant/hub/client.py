@@ -88,13 +88,13 @@ def resolve(
 
 
 def download(source: HubCommit, filename: str, *, token: str | None = None, large: bool = False,
-             limit: Callable[[], int] | None = None) -> Path:  # fmt: skip
+             proceed: Callable[[], None] | None = None) -> Path:  # fmt: skip
     """Download ``filename`` at ``source.sha`` into the Hugging Face cache and return its local path.
 
     A failed or incomplete download raises `PrequantError` naming the file (a shard is never silently skipped).
-    ``large``: a weight file, whose body prequant transfers itself unless Xet stores it (`transfer`). ``limit``:
-    how many bytes of the file may be on disk so far (`transfer.fetch`'s); a file huggingface_hub downloads,
-    which it writes whole, waits until the whole file is allowed.
+    ``large``: a weight file, whose body prequant transfers itself unless Xet stores it (`transfer`). ``proceed``:
+    raises to stop the download (`transfer.fetch`'s, called before each read); a file huggingface_hub downloads is
+    not stopped once begun, so it is asked once before.
     """
     label = f"{filename} of {source.repo_id}@{source.sha[:12]}"
     if filename not in source.files:
@@ -105,7 +105,7 @@ def download(source: HubCommit, filename: str, *, token: str | None = None, larg
     def attempt() -> Path:
         cache.remove_stale_partials(source.repo_id)  # e.g. of a run killed mid-download: they would fill the disk
         try:
-            return _fetch(source, filename, token, large, limit)
+            return _fetch(source, filename, token, large, proceed)
         except Exception as error:
             if cache.offline():
                 raise cache.not_cached_offline(f"download {label}") from error
@@ -200,20 +200,20 @@ def api(token: str | None) -> HfApi:
 
 
 def _fetch(source: HubCommit, filename: str, token: str | None, large: bool,
-           limit: Callable[[], int] | None) -> Path:  # fmt: skip
+           proceed: Callable[[], None] | None) -> Path:  # fmt: skip
     # Pinned to the sha: a cached file is returned without any network call.
     pointer = cache_path(source, filename)
     path = None
     if large and not cache.offline() and not pointer.is_file():
         try:
             path = transfer.download(source.repo_id, source.sha, filename, token=token, waits=retry_waits(),
-                                     limit=limit)
+                                     proceed=proceed)
         except transfer.TransferFailed as failed:  # its retries are spent: said as the last failure, with them
             action = f"download {filename} of {source.repo_id}@{source.sha[:12]}"
             message = explain(failed.cause, action, source.repo_id, source.sha, token, endpoint=cache.endpoint())
             raise PrequantError(message + tried_for(failed.tries, failed.seconds)) from failed
-    if path is None and limit is not None and not pointer.is_file():
-        transfer.allowed(limit, source.files[filename] - 1)  # huggingface_hub writes the file whole
+    if path is None and proceed is not None and not pointer.is_file():
+        proceed()  # huggingface_hub's download cannot be stopped once begun: asked once, before it
     path = path or Path(
         hf_hub_download(
             source.repo_id,

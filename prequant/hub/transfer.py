@@ -17,10 +17,10 @@ timed-out connection, 408, 429, 5xx) is tried again after the waits the caller g
 time bytes come. The partial file outlives a failure or a kill: the next download of the file, in this run or the
 next, continues from its last byte.
 
-A download may be held to a `limit`: how many bytes of the file may be on disk so far, asked before each read.
-The streaming reader uses it to keep its scratch disk within two shards while the shard before is freed as it is
-converted (`source.hub_stream`); the connection waits meanwhile (the server's sends block), and one the server
-closes while it waits is resumed from the byte reached like any cut. `limit` may raise to stop the download.
+A download may be given `proceed`, called before each read of the body, which raises to stop it there; its partial
+file stays for the next download to resume. The streaming reader (`source.hub_stream`) stops its downloads this way
+when it closes (the conversion ended or failed). Its bound on scratch disk needs nothing here: it starts a download
+only once the whole file fits.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from .failures import IncompleteDownload, is_transient, short
 log = logging.getLogger(__name__)
 
 _BUFFER = 16 << 20  # the most one read takes: what a fast link delivers between two reads fits in one write
-_LIMIT_POLL_S = (0.002, 0.05)  # the first and the longest pause between asks of a download's limit
 
 
 class TransferFailed(Exception):
@@ -56,14 +55,14 @@ class TransferFailed(Exception):
 
 
 def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits: Sequence[float],
-             limit: Callable[[], int] | None = None) -> Path | None:  # fmt: skip
+             proceed: Callable[[], None] | None = None) -> Path | None:  # fmt: skip
     """Download ``filename`` of ``repo_id`` at commit ``sha`` into the Hugging Face cache and return its snapshot
     path; None where huggingface_hub should download it instead (Xet-backed with hf_xet, no etag or size, or its
     blob is in the cache already: huggingface_hub links it without a download).
 
     huggingface_hub's errors for the metadata request (no such file, 401, a 5xx, a reset) are raised as they are, for
     the caller's retries and messages; a body that cannot be completed raises `TransferFailed` after the waits.
-    ``limit``: see the module docstring (None: no limit)."""
+    ``proceed``: see the module docstring (None: the download goes on to its end)."""
     from filelock import FileLock  # huggingface_hub's own lock library: the same lock as its downloads
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
@@ -95,7 +94,7 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
                     elif out.tell():
                         log.info("%s: resuming from byte %d of %d on disk", filename, out.tell(), meta.size)
                     fetch(meta.location, headers, out, meta.size, waits, label=filename,
-                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT, limit=limit)
+                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT, proceed=proceed)
             except BaseException:
                 if partial.stat().st_size == 0:  # nothing to resume from
                     partial.unlink()
@@ -107,14 +106,13 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
 
 
 def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[float], *, label: str,
-          timeout: float = 10.0, limit: Callable[[], int] | None = None) -> None:  # fmt: skip
+          timeout: float = 10.0, proceed: Callable[[], None] | None = None) -> None:  # fmt: skip
     """Write the ``size``-byte body of ``url`` to the unbuffered file ``out`` from its position on (the bytes before
     it are the body's start), resuming cut bodies and retrying passing failures after ``waits`` (see the module doc);
     raise `TransferFailed` once they are spent, any other failure as it is.
 
     Each request starts at ``out``'s position: every byte received is written before a failure is handled.
-    ``limit()``, if given, is how many bytes of the file may be written so far: each read waits until it allows
-    more (module docstring)."""
+    ``proceed()``, if given, is called before each read and raises to stop (module docstring)."""
     tries, started = 0, time.monotonic()
     pauses: Iterator[float] = iter(waits)
     buffer = memoryview(bytearray(_BUFFER))
@@ -126,7 +124,7 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
             tries += 1
             before = out.tell()
             try:
-                _body(url, headers, out, size, buffer, timeout, bar, label, limit)
+                _body(url, headers, out, size, buffer, timeout, bar, label, proceed)
                 if out.tell() == size:
                     return
                 failure: BaseException = IncompleteDownload(f"the body stopped at byte {out.tell()} of {size}")
@@ -154,7 +152,7 @@ def fetch(url: str, headers: dict[str, str], out, size: int, waits: Sequence[flo
 
 
 def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview, timeout: float, bar,
-          label: str, limit: Callable[[], int] | None = None) -> None:  # fmt: skip
+          label: str, proceed: Callable[[], None] | None = None) -> None:  # fmt: skip
     """One request for the rest of the body, from ``out``'s position on, written to ``out``."""
     done = out.tell()
     request = urllib.request.Request(url, headers={**headers, **({"Range": f"bytes={done}-"} if done else {})})
@@ -177,8 +175,9 @@ def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview,
         # buffer when the connection fails. A chunked body goes through the response, which decodes it.
         read = response.readinto if response.chunked or length is None else response.fp.readinto1
         while done < size:
-            may = size if limit is None else allowed(limit, done)
-            n = read(buffer[: min(_BUFFER, size - done, may - done)])
+            if proceed is not None:
+                proceed()
+            n = read(buffer[: min(_BUFFER, size - done)])
             if not n:
                 return
             view = buffer[:n]
@@ -187,15 +186,6 @@ def _body(url: str, headers: dict[str, str], out, size: int, buffer: memoryview,
             done += n
             if bar is not None:
                 bar.update(n)
-
-
-def allowed(limit: Callable[[], int], done: int) -> int:
-    """What `limit()` allows once it allows more than `done` bytes (waiting until it does)."""
-    pause = _LIMIT_POLL_S[0]
-    while (may := limit()) <= done:
-        time.sleep(pause)
-        pause = min(pause * 2, _LIMIT_POLL_S[1])
-    return may
 
 
 def _starts_at(content_range: str | None, start: int, size: int) -> bool:
@@ -224,4 +214,4 @@ def _link(blob: Path, pointer: Path) -> None:
         os.replace(blob, pointer)
 
 
-__all__ = ["TransferFailed", "allowed", "download", "fetch"]
+__all__ = ["TransferFailed", "download", "fetch"]

@@ -239,13 +239,11 @@ class HubShardReader(TensorReader):
                 return path
             return None
 
-    def _limit(self, path: Path) -> int:
-        """How many bytes of shard `path` its download may write (`hub.transfer`'s limit): all of them, room for
-        them was made before it started; raises once the reader is closed, which ends the download."""
-        with self._cond:
-            if self._closed:
-                raise _Stopped(f"the download of {path.name} stopped: the conversion ended")
-            return self.scratch.sizes[path]
+    def _proceed(self, path: Path) -> None:
+        """Asked before each read of shard `path`'s download (`hub.transfer`'s `proceed`): raises once the reader
+        is closed, which ends the download (its room on disk was made before it started)."""
+        if self._closed:
+            raise _Stopped(f"the download of {path.name} stopped: the conversion ended")
 
     def _fetch(self, path: Path) -> None:
         """Download `path` and say so to its reader; a failure is every later shard's too."""
@@ -284,7 +282,7 @@ class HubShardReader(TensorReader):
                 record(name)
         started = time.monotonic()
         trace.mark(f"download-start:{name}")
-        fetched = client.download(self.hub, name, large=True, limit=lambda: self._limit(path))
+        fetched = client.download(self.hub, name, large=True, proceed=lambda: self._proceed(path))
         trace.mark(f"download-done:{name}")
         log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
         blob = fetched.resolve()

@@ -159,40 +159,29 @@ def test_a_body_that_fails_mid_read_resumes_from_what_is_on_disk(hub_server: Hub
     assert gets(hub_server) == [(200, None), (206, f"bytes={20 * 2**20}-")]
 
 
-def test_a_limited_download_writes_no_more_than_its_limit_and_goes_on_as_it_grows(
+def test_a_download_stopped_by_proceed_ends_at_once_and_the_next_resumes_from_its_bytes(
     hub_server: HubServer, repo: str
 ) -> None:
-    """The streaming reader's hold on a download (`limit`): at most that many bytes on disk at any ask, the
-    connection kept meanwhile (one request), and the whole file once the limit allows it."""
-    import threading
-    import time
+    """`proceed` raising (the streaming reader closed) ends the download before its next read, with no retry; the
+    bytes received stay on disk and the next download of the file continues from them."""
 
-    limit = [1 << 20]
-    over: list[tuple[int, int]] = []  # (bytes on disk, limit) wherever the first passed the second
+    class Stopped(Exception):
+        pass
 
-    def allowed() -> int:
-        for partial in (cached(REPO) / "blobs").glob("*.incomplete"):
-            if partial.stat().st_size > limit[0]:
-                over.append((partial.stat().st_size, limit[0]))
-        return limit[0]
+    held = hub_server.fail(REPO, NAME, "hold", after_bytes=1 << 20, times=1, ranged=False)
 
-    def on_disk() -> int | None:
-        found = list((cached(REPO) / "blobs").glob("*.incomplete"))
-        return found[0].stat().st_size if found else None
+    def proceed() -> None:  # stops once the held request's bytes are all on disk: before a read that would wait
+        if sum(p.stat().st_size for p in (cached(REPO) / "blobs").glob("*.incomplete")) >= 1 << 20:
+            raise Stopped
 
-    result: list[Path] = []
-    thread = threading.Thread(target=lambda: result.append(hub.download(hub.resolve(REPO), NAME, large=True,
-                                                                         limit=allowed)))  # fmt: skip
-    thread.start()
     try:
-        for step in (1 << 20, 5 << 19):  # 1 MiB, then 2.5 MiB: each reached exactly, none passed
-            limit[0] = step
-            while on_disk() != step and thread.is_alive():  # no deadline: it must come, or the thread ended
-                time.sleep(0.005)
-            assert on_disk() == step and not result
+        with pytest.raises(PrequantError) as error:
+            hub.download(hub.resolve(REPO), NAME, large=True, proceed=proceed)
     finally:
-        limit[0] = len(SHARD)
-        thread.join()
-    assert result and result[0].read_bytes() == SHARD
-    assert over == []
-    assert gets(hub_server) == [(200, None)]  # one connection, held while it waited
+        held.release.set()
+    assert isinstance(error.value.__cause__, Stopped) and NAME in str(error.value)
+    assert gets(hub_server) == [(200, None)]  # stopped, not retried
+    assert [p.stat().st_size for p in cached(REPO).rglob("*.incomplete")] == [1 << 20]
+    hub_server.clear_log()
+    assert hub.download(hub.resolve(REPO), NAME, large=True).read_bytes() == SHARD
+    assert gets(hub_server) == [(206, f"bytes={1 << 20}-")]

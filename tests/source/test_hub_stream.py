@@ -22,6 +22,7 @@ from hub_server import HubServer
 
 import prequant
 from prequant import settings
+from prequant.hub import cache as hub_cache
 from prequant.hub import client as hub
 from prequant.source import hub_stream, remote_headers
 from prequant.source import resolve as sources
@@ -270,6 +271,35 @@ def test_two_shards_download_at_once_within_the_two_shard_bound(
         assert files[0].read_bytes() == (tiny / files[0].name).read_bytes()
     finally:
         data.close()
+
+
+def test_closing_the_reader_stops_a_download_mid_body_and_keeps_its_bytes(
+    hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() ends a download in flight at its next read (here the resume once the held read times out): the
+    download thread ends without the rest of the shard, whose bytes so far stay for the next run to resume."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)  # the held read gives up after 1 s, not 10
+    _, files, data = _streamed(tmp_path)
+    held = hub_server.fail(REPO, files[0].name, "hold", after_bytes=10_000, times=1, ranged=False)
+    etag = hashlib.sha256((tiny / files[0].name).read_bytes()).hexdigest()  # an LFS file's: its sha256
+    partial = hub_cache.blobs_folder(REPO) / f"{etag}.incomplete"
+
+    def on_disk() -> int:
+        return partial.stat().st_size if partial.exists() else 0
+
+    try:
+        data.start()
+        # The first shard's body is cut short, and stays so: every byte sent is on disk, the read waits for more.
+        _wait_for(lambda: on_disk() == 10_000 or not any(t.is_alive() for t in data._threads))
+        data.close()
+        for thread in data._threads:
+            thread.join()  # no deadline: a download that went on regardless would end with the whole shard
+    finally:
+        held.release.set()
+    assert files[0].name not in data.downloaded and not files[0].exists()
+    assert on_disk() == 10_000
 
 
 def test_an_evicted_shard_still_open_keeps_its_slot_until_closed(
