@@ -63,9 +63,10 @@ def make_adapter(base: Path, out: Path, rank: int) -> None:
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
-def agreement(base: Path, adapter: Path) -> dict:
+def agreement(base: Path, adapter: Path, seconds: float = 120.0) -> dict:
     """Every target's delta in float32 on the GPU and on the CPU, and the bf16 merged weight from each: elements
-    that differ (of all), and the largest difference in float32 units of the last place."""
+    that differ (of all), and the largest difference in float32 units of the last place. Stops after `seconds`
+    (the targets compared are counted: `tensors` of `targets`)."""
     import torch
     from safetensors import safe_open
 
@@ -73,9 +74,14 @@ def agreement(base: Path, adapter: Path) -> dict:
     config = json.loads((adapter / "adapter_config.json").read_text())
     scaling = config["lora_alpha"] / config["r"]
     index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
-    counts = {"elements": 0, "delta_differ": 0, "merged_differ": 0, "tensors_with_merged_difference": 0}
+    counts = {"elements": 0, "delta_differ": 0, "merged_differ": 0, "tensors_with_merged_difference": 0,
+              "tensors": 0, "targets": sum(k.endswith(TARGETS_WEIGHT) for k in index)}
+    stop = time.monotonic() + seconds
     with safe_open(adapter / "adapter_model.safetensors", "pt") as lora:
         for key in sorted(k for k in index if k.endswith(TARGETS_WEIGHT)):
+            if time.monotonic() > stop:
+                break
+            counts["tensors"] += 1
             module = "base_model.model." + key.removesuffix(".weight")
             a, b = lora.get_tensor(f"{module}.lora_A.weight"), lora.get_tensor(f"{module}.lora_B.weight")
             with safe_open(base / index[key], "pt") as f:
