@@ -120,11 +120,11 @@ def dequantized_weight(weight: Any, qs: Any = None) -> torch.Tensor:
 
 
 def exact_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' Linear4bit forward as a matmul of the input with the exactly dequantized weight, whatever the
-    input: bitsandbytes' CPU path is wrong for some shapes, and on a GPU its fused kernel for a single row adds in
-    another order than the matmul its forward takes for many rows (an expert often gets one token). Many rows on a
-    GPU take bitsandbytes' own forward, which is that matmul (and keeps no dequantized weight for the backward)."""
-    if self.weight.device.type != "cpu" and x.numel() != x.shape[-1]:
+    """bitsandbytes' Linear4bit forward as the matmul of the input with the exactly dequantized weight, the model's
+    values: bitsandbytes' CPU path is wrong for some shapes, and on a GPU its kernels add in another order (a fused
+    one for a single row, a transposed weight for many). On a GPU, a forward that autograd records (training) takes
+    bitsandbytes' own, whose backward dequantizes the weight again instead of keeping it."""
+    if self.weight.device.type != "cpu" and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
         return _bnb_linear4bit().forward(self, x)
     compute = self.compute_dtype or x.dtype
     bias = None if self.bias is None else self.bias.to(compute)
