@@ -10,6 +10,8 @@ peft saves an adapter as adapter_config.json + adapter_model.safetensors (or .bi
     <module>.base_layer.weight                         the embedding itself (save_embedding_layers)
     <module>.weight, <module>.bias, ...                modules_to_save: whole tensors that replace the base's
     <experts>[.base_layer].lora_A.weight, ...lora_B.weight   LoRA on a fused experts parameter (target_parameters)
+    <module>.lora_A.weight, <module>.lora_B.weight     LoRA on a module's bare 2-D `weight` (target_parameters:
+                                                       a router, say): merged as a Linear's
 
 The module names are those of the model the adapter was trained on: transformers 4 names them as the checkpoint
 does, transformers 5 (and `load_for_fsdp` for MoE experts) may rename them on load (`base_names` maps them back).
@@ -103,10 +105,10 @@ def read(directory: Path, identity: dict) -> Adapter:
         raise PrequantError(f"peft_type {kind!r} is not LoRA: prequant merges LoRA adapters (DoRA and rsLoRA "
                             "included) only; merge it with peft's merge_and_unload", where=path)
     for name in config.get("target_parameters") or []:
-        if name.rpartition(".")[2] not in FUSED:
-            raise PrequantError(f"target_parameters entry {name!r} is not a fused experts parameter "
-                                f"({' or '.join(FUSED)}), the only bare parameters prequant merges LoRA into; merge "
-                                "it with peft", where=path)
+        if name.rpartition(".")[2] not in (*FUSED, "weight"):
+            raise PrequantError(f"target_parameters entry {name!r} is neither a fused experts parameter "
+                                f"({' or '.join(FUSED)}) nor a 2-D weight, the bare parameters prequant merges LoRA "
+                                "into; merge it with peft", where=path)
     if config.get("lora_bias"):
         raise PrequantError("lora_bias is true: merging LoRA biases is not supported; merge it with peft", where=path)
     files = tuple(directory / n for n in WEIGHT_NAMES if (directory / n).is_file())[:1]
@@ -128,8 +130,8 @@ def wanted(adapter: Adapter) -> list[str]:
     out = []
     for key in adapter.tensors:
         module, part = _split(key)
-        fused = _fused(adapter.config, module, key) if part is not None else None
-        out.append(fused[0] if fused else key if part is None else f"{module}.weight")
+        on = _parameter(adapter.config, module, key) if part is not None else None
+        out.append(on[0] if on and on[1] in FUSED else key if part is None else f"{module}.weight")
     return out
 
 
@@ -142,12 +144,12 @@ def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
     on_fused: dict[tuple[str, str], dict[str, TensorRef]] = {}
     for key, ref in adapter.tensors.items():
         module, part = _split(key)
-        fused = _fused(cfg, module, key) if part is not None else None
-        if fused is not None:
-            if part not in ("lora_A.weight", "lora_B.weight"):
-                raise PrequantError(f"adapter key {quote(PREFIX + key)} ({part}) is not supported on fused experts; "
-                                    "merge this adapter with peft", where=adapter.files[0])
-            on_fused.setdefault(fused, {})[_LORA_PARTS[part]] = ref
+        on = _parameter(cfg, module, key) if part is not None else None
+        if on is not None and part not in ("lora_A.weight", "lora_B.weight"):
+            raise PrequantError(f"adapter key {quote(PREFIX + key)} ({part}) is not supported on a bare parameter "
+                                "(target_parameters); merge this adapter with peft", where=adapter.files[0])
+        if on is not None and on[1] in FUSED:
+            on_fused.setdefault(on, {})[_LORA_PARTS[part]] = ref
             continue
         if part is None:  # modules_to_save: a whole tensor under the module's own name
             base = _base_key(key, base_keys, adapter)
@@ -155,7 +157,8 @@ def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
             target.replace = ref
             continue
         base = _base_key(f"{module}.weight", base_keys, adapter, shown=key)
-        target = found.setdefault(base, Target(base, module))
+        # LoRA on a bare 2-D weight (a router, say) is a Linear's; peft's patterns match the parameter's name
+        target = found.setdefault(base, Target(base, module if on is None else f"{module}.weight"))
         setattr(target, _LORA_PARTS[part], ref)
         target.embedding = target.embedding or part.startswith("lora_embedding")
     for target in found.values():
@@ -188,21 +191,24 @@ def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
     return found
 
 
-def _fused(cfg: dict, module: str, key: str) -> tuple[str, str] | None:
-    """(experts module, fused parameter) that the LoRA of adapter module `module` (`key`'s) is on, or None when it
-    is not on a fused experts parameter."""
+def _parameter(cfg: dict, module: str, key: str) -> tuple[str, str] | None:
+    """(module, parameter) when the LoRA of adapter module `module` (`key`'s) is on a bare parameter that
+    target_parameters names (a fused experts parameter, or a module's 2-D `weight`), else None."""
     names = cfg.get("target_parameters") or []
-    experts, depth = module, 0
-    while experts.endswith(".base_layer"):
-        experts, depth = experts.removesuffix(".base_layer"), depth + 1
-    if not names or experts.rpartition(".")[2] != "experts":
+    owner, depth = module, 0
+    while owner.endswith(".base_layer"):
+        owner, depth = owner.removesuffix(".base_layer"), depth + 1
+    if not names:
         return None
+    params = tuple(FUSED) if owner.rpartition(".")[2] == "experts" else ("weight",)
     # peft's match of a parameter to target_parameters: the full name, or a suffix of it from a dot
-    hit = [p for p in FUSED if any(f"{experts}.{p}" == n or f"{experts}.{p}".endswith(f".{n}") for n in names)]
+    hit = [p for p in params if any(f"{owner}.{p}" == n or f"{owner}.{p}".endswith(f".{n}") for n in names)]
+    if not hit:
+        return None
     if depth >= len(hit):
-        raise PrequantError(f"adapter key {quote(PREFIX + key)} is the LoRA of no parameter of {quote(experts)} that "
+        raise PrequantError(f"adapter key {quote(PREFIX + key)} is the LoRA of no parameter of {quote(owner)} that "
                             "target_parameters names; the adapter's config does not match its weights")
-    return experts, hit[len(hit) - 1 - depth]
+    return owner, hit[len(hit) - 1 - depth]
 
 
 def _expert_targets(adapter: Adapter, experts: str, param: str, lora: dict[str, TensorRef],

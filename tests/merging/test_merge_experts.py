@@ -64,18 +64,23 @@ def moe(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, build_moe(request.param, tmp_path_factory.mktemp(request.param) / "base")
 
 
-def test_peft_lora_on_fused_experts_merges_into_each_experts_tensors(moe, tmp_path):
-    """target_modules naming the experts' projections: peft puts the LoRA on the fused parameters (rank and alpha
-    doubled on gate_up_proj), nested on one module; every expert of every layer changes."""
+@pytest.mark.parametrize("targets", ["projections", "all-linear"])
+def test_peft_lora_on_fused_experts_merges_into_each_experts_tensors(targets, moe, tmp_path):
+    """target_modules naming the experts' projections (or all-linear): peft puts the LoRA on the fused parameters
+    (rank and alpha doubled on gate_up_proj), nested on one module, and with all-linear on Mixtral's router weight
+    too (a bare 2-D parameter); every expert of every layer changes."""
     kind, base = moe
     gate, up, down = PROJECTIONS[kind]
-    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj", gate, up, down])
+    adapter = make_adapter(base, tmp_path / "adapter",
+                           target_modules=["q_proj", gate, up, down] if targets == "projections" else "all-linear")
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
+    assert {"down_proj", "gate_up_proj"} <= set(config["target_parameters"])
     prequant.merge(adapter, tmp_path / "out", base=base, device="cpu", progress=False)
     changed = assert_equals_fused_merge(tmp_path / "out", base, adapter)
     experts = {k for k in read_checkpoint(base) if expert_match(k)}
     assert experts <= changed and len(experts) == 2 * 4 * 3
+    routers = {k for k in read_checkpoint(base) if k.endswith(".gate.weight")}
+    assert len(routers) == 2 and (routers <= changed) == (targets == "all-linear")
     manifest = json.loads((tmp_path / "out" / "prequant.json").read_text())
     assert set(manifest["merge"]["targets"]) == changed
     assert_logits_close(logits(tmp_path / "out", TOKENS), peft_logits(base, adapter, TOKENS))
@@ -140,8 +145,8 @@ def test_what_cannot_be_merged_exactly_is_refused_naming_it(moe, tmp_path):
     adapter = make_adapter(base, tmp_path / "adapter", target_modules=[gate, up, down])
     config = json.loads((adapter / "adapter_config.json").read_text())
     cases = {
-        "bare-weight": ({**config, "target_parameters": [*config["target_parameters"], "lm_head.weight"]},
-                        r"target_parameters entry 'lm_head.weight' is not a fused experts parameter"),
+        "bias": ({**config, "target_parameters": [*config["target_parameters"], "gate_up_proj_bias"]},
+                 r"target_parameters entry 'gate_up_proj_bias' is neither a fused experts parameter"),
         "rank": ({**config, "rank_pattern": {}}, r"the LoRA of 'model.layers.0.mlp.experts.gate_up_proj' has A .* not "
                                                  r"rank 4 .* on 4 experts"),
         "one-parameter": ({**config, "target_parameters": ["down_proj"]},
