@@ -195,11 +195,11 @@ def _parameter(cfg: dict, module: str, key: str) -> tuple[str, str] | None:
     """(module, parameter) when the LoRA of adapter module `module` (`key`'s) is on a bare parameter that
     target_parameters names (a fused experts parameter, or a module's 2-D `weight`), else None."""
     names = cfg.get("target_parameters") or []
+    if not names:
+        return None
     owner, depth = module, 0
     while owner.endswith(".base_layer"):
         owner, depth = owner.removesuffix(".base_layer"), depth + 1
-    if not names:
-        return None
     params = tuple(FUSED) if owner.rpartition(".")[2] == "experts" else ("weight",)
     # peft's match of a parameter to target_parameters: the full name, or a suffix of it from a dot
     hit = [p for p in params if any(f"{owner}.{p}" == n or f"{owner}.{p}".endswith(f".{n}") for n in names)]

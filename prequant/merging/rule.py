@@ -7,10 +7,11 @@
 
 That is peft's `merge_and_unload` for Linear layers with the adapter in float32 (peft's default); peft rounds an
 embedding's delta and a fused experts parameter's to the weight's dtype before adding them, and with `safe_merge`
-the sum before DoRA: prequant rounds once (docs/merge.md). Into a 4-bit base, W is what bitsandbytes' CUDA kernel dequantizes (code times block
-scale in float32, rounded once to the quant state's dtype): that kernel itself on a GPU (`bnb.cuda`, called as
-bitsandbytes' `dequantize_4bit` calls it), prequant's reproduction of it on the CPU (`bnb.stats.dequantize`;
-bitsandbytes' CPU path differs for rows that are not a whole number of blocks). Products are float32 with TF32 off on a GPU (`float32_products`).
+the sum before DoRA: prequant rounds once (docs/merge.md). Into a 4-bit base, W is what bitsandbytes' CUDA kernel
+dequantizes (code times block scale in float32, rounded once to the quant state's dtype): that kernel itself on a
+GPU (`bnb.cuda`, called as bitsandbytes' `dequantize_4bit` calls it), prequant's reproduction of it on the CPU
+(`bnb.stats.dequantize`; bitsandbytes' CPU path differs for rows that are not a whole number of blocks). Products
+are float32 with TF32 off on a GPU (`float32_products`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,15 +101,16 @@ def merged(w: torch.Tensor, target: Target, adapter: TensorReader) -> torch.Tens
     """W' for `target` from W (`w`, as stored, on the pipeline's device), in W's dtype."""
     dtype, device = w.dtype, w.device
 
-    def read(ref: TensorRef, index: tuple = ()) -> torch.Tensor:
-        return adapter.view(ref)[index].to(device)
+    def read(ref: TensorRef, index: Any = ()) -> torch.Tensor:
+        return adapter.view(ref)[index].to(device)  # indexed on the host: only the rows merged here move
 
     if target.replace is not None:  # modules_to_save: the trained copy, loaded in the model's dtype
         return _same_shape(read(target.replace), w, target.replace).to(dtype)
     if target.base is not None:  # a saved embedding layer: what peft loads into the model before merging
         w = _same_shape(read(target.base), w, target.base).to(dtype)
     with trace.busy("merge"):
-        a, b = (), ()
+        a: Any = ()
+        b: Any = ()
         if target.expert is not None:  # expert e's rank rows of A, its columns of B (rank-major: every E-th)
             e, count = target.expert
             r = target.a.shape[0] // count

@@ -144,14 +144,14 @@ def test_what_cannot_be_merged_exactly_is_refused_naming_it(moe, tmp_path):
     gate, up, down = PROJECTIONS[kind]
     adapter = make_adapter(base, tmp_path / "adapter", target_modules=[gate, up, down])
     config = json.loads((adapter / "adapter_config.json").read_text())
+    rank = r"the LoRA of 'model.layers.0.mlp.experts.gate_up_proj' has A .* not rank 4 .* on 4 experts"
+    nested = (r"adapter key 'base_model\.model\.model\.layers\.\d\.mlp\.experts\.base_layer\.lora_[AB]\.weight' "
+              r"is the LoRA of no parameter")
     cases = {
         "bias": ({**config, "target_parameters": [*config["target_parameters"], "gate_up_proj_bias"]},
                  r"target_parameters entry 'gate_up_proj_bias' is neither a fused experts parameter"),
-        "rank": ({**config, "rank_pattern": {}}, r"the LoRA of 'model.layers.0.mlp.experts.gate_up_proj' has A .* not "
-                                                 r"rank 4 .* on 4 experts"),
-        "one-parameter": ({**config, "target_parameters": ["down_proj"]},
-                          r"adapter key 'base_model\.model\.model\.layers\.\d\.mlp\.experts\.base_layer\.lora_[AB]\.weight' is the "
-                          r"LoRA of no parameter"),
+        "rank": ({**config, "rank_pattern": {}}, rank),
+        "one-parameter": ({**config, "target_parameters": ["down_proj"]}, nested),
     }
     for name, (changed, message) in cases.items():
         broken = tmp_path / name
