@@ -9,9 +9,22 @@ peft saves an adapter as adapter_config.json + adapter_model.safetensors (or .bi
     <module>.lora_magnitude_vector                     DoRA's magnitude of that target
     <module>.base_layer.weight                         the embedding itself (save_embedding_layers)
     <module>.weight, <module>.bias, ...                modules_to_save: whole tensors that replace the base's
+    <experts>[.base_layer].lora_A.weight, ...lora_B.weight   LoRA on a fused experts parameter (target_parameters)
+    <module>.lora_A.weight, <module>.lora_B.weight     LoRA on a module's bare 2-D `weight` (target_parameters:
+                                                       a router, say): merged as a Linear's
 
 The module names are those of the model the adapter was trained on: transformers 4 names them as the checkpoint
 does, transformers 5 (and `load_for_fsdp` for MoE experts) may rename them on load (`base_names` maps them back).
+
+LoRA on transformers 5's fused experts (peft's `ParamWrapper`: what peft makes of gate/up/down targets on a fused
+MoE model, and what `load_for_fsdp` gives experts kept 16-bit) holds every expert in one A and one B: for the
+parameter `gate_up_proj [E, 2I, H]` (each expert's gate rows, then its up rows) or `down_proj [E, H, I]`, A is
+[E * r, in] (expert e's rows e*r .. e*r + r-1) and B is [out, r * E] (expert e's columns e, e + E, e + 2E, ...).
+Expert e's delta is B_e @ A_e, which goes to the checkpoint's own per-expert tensors: its gate rows to
+`<experts>.<e>.gate_proj.weight` (Mixtral's w1), its up rows to `up_proj` (w3), down_proj's to `down_proj` (w2).
+peft wraps a module's targeted parameters one around the other in the order the module registers them
+(gate_up_proj, then down_proj), so the outermost, the last one, has the module's own keys and each one inside it
+one more `.base_layer`. The rank and alpha are those of `<experts>.<parameter>` in rank_pattern/alpha_pattern.
 Anything else (another peft type, a LoRA bias, a key no base tensor matches) is refused, naming it.
 """
 
@@ -23,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bnb.experts import ROLES, expert_match
 from ..checkpoint.reader import scan_files
 from ..checkpoint.tensors import TensorRef, quote
 from ..errors import PrequantError
@@ -33,6 +47,9 @@ PREFIX = "base_model.model."
 _LORA_PARTS = {"lora_A.weight": "a", "lora_B.weight": "b", "lora_embedding_A": "a", "lora_embedding_B": "b",
                "lora_magnitude_vector": "magnitude", "base_layer.weight": "base"}
 _UNSUPPORTED_PARTS = ("lora_B.bias", "lora_A.bias", "lora_embedding_A.weight", "lora_embedding_B.weight")
+# transformers 5's fused experts parameters, in the order the experts module registers them, and the expert
+# projections (ROLES) each one holds, its rows in that order
+FUSED = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 
 
 @dataclass
@@ -49,6 +66,8 @@ class Target:
     scaling: float = 0.0
     embedding: bool = False  # delta = (B @ A).T
     fan_in_fan_out: bool = False  # W stored [in, out] (GPT-2 Conv1D)
+    expert: tuple[int, int] | None = None  # (e, E): A and B hold E experts' LoRA on a fused parameter; e's is W's
+    rows: slice | None = None  # with `expert`: the rows of the fused parameter (of B) that are W
 
     @property
     def lora(self) -> bool:
@@ -85,9 +104,11 @@ def read(directory: Path, identity: dict) -> Adapter:
     if kind != "LORA":
         raise PrequantError(f"peft_type {kind!r} is not LoRA: prequant merges LoRA adapters (DoRA and rsLoRA "
                             "included) only; merge it with peft's merge_and_unload", where=path)
-    if config.get("target_parameters"):
-        raise PrequantError("target_parameters is set: LoRA on bare parameters (fused MoE experts) is not supported; "
-                            "merge it with peft, or train on per-expert linears (load_for_fsdp)", where=path)
+    for name in config.get("target_parameters") or []:
+        if name.rpartition(".")[2] not in (*FUSED, "weight"):
+            raise PrequantError(f"target_parameters entry {name!r} is neither a fused experts parameter "
+                                f"({' or '.join(FUSED)}) nor a 2-D weight, the bare parameters prequant merges LoRA "
+                                "into; merge it with peft", where=path)
     if config.get("lora_bias"):
         raise PrequantError("lora_bias is true: merging LoRA biases is not supported; merge it with peft", where=path)
     files = tuple(directory / n for n in WEIGHT_NAMES if (directory / n).is_file())[:1]
@@ -104,9 +125,14 @@ def read(directory: Path, identity: dict) -> Adapter:
 
 
 def wanted(adapter: Adapter) -> list[str]:
-    """The base tensors the adapter's keys name, as the trained model named them."""
-    return [key if part is None else f"{module}.weight" for key in adapter.tensors
-            for module, part in [_split(key)]]
+    """The base tensors the adapter's keys name, as the trained model named them; for LoRA on fused experts, the
+    experts module (never a tensor's key: its per-expert tensors are found under both namings)."""
+    out = []
+    for key in adapter.tensors:
+        module, part = _split(key)
+        on = _parameter(adapter.config, module, key) if part is not None else None
+        out.append(on[0] if on and on[1] in FUSED else key if part is None else f"{module}.weight")
+    return out
 
 
 def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
@@ -115,15 +141,24 @@ def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
     find its base tensor; one that does not is refused, naming it."""
     cfg = adapter.config
     found: dict[str, Target] = {}
+    on_fused: dict[tuple[str, str], dict[str, TensorRef]] = {}
     for key, ref in adapter.tensors.items():
         module, part = _split(key)
+        on = _parameter(cfg, module, key) if part is not None else None
+        if on is not None and part not in ("lora_A.weight", "lora_B.weight"):
+            raise PrequantError(f"adapter key {quote(PREFIX + key)} ({part}) is not supported on a bare parameter "
+                                "(target_parameters); merge this adapter with peft", where=adapter.files[0])
+        if on is not None and on[1] in FUSED:
+            on_fused.setdefault(on, {})[_LORA_PARTS[part]] = ref
+            continue
         if part is None:  # modules_to_save: a whole tensor under the module's own name
             base = _base_key(key, base_keys, adapter)
             target = found.setdefault(base, Target(base, module))
             target.replace = ref
             continue
         base = _base_key(f"{module}.weight", base_keys, adapter, shown=key)
-        target = found.setdefault(base, Target(base, module))
+        # LoRA on a bare 2-D weight (a router, say) is a Linear's; peft's patterns match the parameter's name
+        target = found.setdefault(base, Target(base, module if on is None else f"{module}.weight"))
         setattr(target, _LORA_PARTS[part], ref)
         target.embedding = target.embedding or part.startswith("lora_embedding")
     for target in found.values():
@@ -147,7 +182,66 @@ def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
         if target.embedding and target.magnitude is not None:
             raise PrequantError(f"module {quote(target.module)}: DoRA on an embedding is not supported; merge it "
                                 "with peft", where=adapter.files[0])
+    for (experts, param), lora in on_fused.items():
+        for target in _expert_targets(adapter, experts, param, lora, base_keys):
+            if target.key in found:
+                raise PrequantError(f"{quote(target.key)} has LoRA both of its own and on {quote(target.module)}; "
+                                    "save the adapter again with peft", where=adapter.files[0])
+            found[target.key] = target
     return found
+
+
+def _parameter(cfg: dict, module: str, key: str) -> tuple[str, str] | None:
+    """(module, parameter) when the LoRA of adapter module `module` (`key`'s) is on a bare parameter that
+    target_parameters names (a fused experts parameter, or a module's 2-D `weight`), else None."""
+    names = cfg.get("target_parameters") or []
+    if not names:
+        return None
+    owner, depth = module, 0
+    while owner.endswith(".base_layer"):
+        owner, depth = owner.removesuffix(".base_layer"), depth + 1
+    params = tuple(FUSED) if owner.rpartition(".")[2] == "experts" else ("weight",)
+    # peft's match of a parameter to target_parameters: the full name, or a suffix of it from a dot
+    hit = [p for p in params if any(f"{owner}.{p}" == n or f"{owner}.{p}".endswith(f".{n}") for n in names)]
+    if not hit:
+        return None
+    if depth >= len(hit):
+        raise PrequantError(f"adapter key {quote(PREFIX + key)} is the LoRA of no parameter of {quote(owner)} that "
+                            "target_parameters names; the adapter's config does not match its weights")
+    return owner, hit[len(hit) - 1 - depth]
+
+
+def _expert_targets(adapter: Adapter, experts: str, param: str, lora: dict[str, TensorRef],
+                    base_keys: dict[str, str]) -> list[Target]:
+    """One Target per per-expert base tensor that the LoRA `lora` (its A and B) on `experts`' fused `param`
+    changes."""
+    shown = f"{experts}.{param}"
+    where = adapter.files[0]
+    if set(lora) != {"a", "b"}:
+        raise PrequantError(f"the LoRA of {quote(shown)} has {'lora_A' if 'a' in lora else 'lora_B'} but not "
+                            f"{'lora_B' if 'a' in lora else 'lora_A'}; the adapter is incomplete: save it again",
+                            where=where)
+    roles: dict[str, dict[int, str]] = {role: {} for role in FUSED[param]}
+    for name, key in base_keys.items():
+        m = expert_match(name)
+        if m is not None and f"{m['block']}.experts" == experts and ROLES[m["proj"]] in roles:
+            roles[ROLES[m["proj"]]][int(m["index"])] = key
+    count = len(roles[FUSED[param][0]])
+    if count == 0 or any(sorted(found) != list(range(count)) for found in roles.values()):
+        raise PrequantError(f"adapter LoRA on {quote(shown)} matches no complete set of per-expert tensors "
+                            f"({', '.join(f'{experts}.N.<{r}>.weight' for r in roles)}) in the base; check that the "
+                            "adapter was trained on this base", where=where)
+    a, b, cfg = lora["a"], lora["b"], adapter.config
+    rank = _pattern(cfg, "rank_pattern", shown, cfg.get("r", 8))
+    alpha = _pattern(cfg, "alpha_pattern", shown, cfg.get("lora_alpha", 8))
+    if a.shape[0] != rank * count or b.shape[1] != rank * count or b.shape[0] % len(roles):
+        raise PrequantError(f"the LoRA of {quote(shown)} has A {tuple(a.shape)} and B {tuple(b.shape)}, not rank "
+                            f"{rank} ({CONFIG_NAME}) on {count} experts; the adapter's config does not match its "
+                            "weights or base", where=where)
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    rows = b.shape[0] // len(roles)
+    return [Target(key, shown, a=a, b=b, scaling=scaling, expert=(e, count), rows=slice(i * rows, (i + 1) * rows))
+            for i, role in enumerate(roles) for e, key in sorted(roles[role].items())]
 
 
 def _split(key: str) -> tuple[str, str | None]:

@@ -3,13 +3,15 @@
     W' = W + (B @ A) * scaling        float32: the product, then the scaling, then the sum; rounded once
     embeddings: the delta is (B @ A).T * scaling; GPT-2 Conv1D (fan_in_fan_out, W stored [in, out]): (B @ A).T
     DoRA: W' = (m / ||W + dW||) * (W + dW), the norm over each output's row, float32, rounded once
+    LoRA on fused experts: B @ A is expert e's (its rows of A, its columns of B), restricted to W's rows
 
 That is peft's `merge_and_unload` for Linear layers with the adapter in float32 (peft's default); peft rounds an
-embedding's delta to the weight's dtype before adding it, and with `safe_merge` the sum before DoRA: prequant
-rounds once (docs/merge.md). Into a 4-bit base, W is what bitsandbytes' CUDA kernel dequantizes (code times block
-scale in float32, rounded once to the quant state's dtype): that kernel itself on a GPU (`bnb.cuda`, called as
-bitsandbytes' `dequantize_4bit` calls it), prequant's reproduction of it on the CPU (`bnb.stats.dequantize`;
-bitsandbytes' CPU path differs for rows that are not a whole number of blocks). Products are float32 with TF32 off on a GPU (`float32_products`).
+embedding's delta and a fused experts parameter's to the weight's dtype before adding them, and with `safe_merge`
+the sum before DoRA: prequant rounds once (docs/merge.md). Into a 4-bit base, W is what bitsandbytes' CUDA kernel
+dequantizes (code times block scale in float32, rounded once to the quant state's dtype): that kernel itself on a
+GPU (`bnb.cuda`, called as bitsandbytes' `dequantize_4bit` calls it), prequant's reproduction of it on the CPU
+(`bnb.stats.dequantize`; bitsandbytes' CPU path differs for rows that are not a whole number of blocks). Products
+are float32 with TF32 off on a GPU (`float32_products`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,15 +101,21 @@ def merged(w: torch.Tensor, target: Target, adapter: TensorReader) -> torch.Tens
     """W' for `target` from W (`w`, as stored, on the pipeline's device), in W's dtype."""
     dtype, device = w.dtype, w.device
 
-    def read(ref: TensorRef) -> torch.Tensor:
-        return adapter.view(ref).to(device)
+    def read(ref: TensorRef, index: Any = ()) -> torch.Tensor:
+        return adapter.view(ref)[index].to(device)  # indexed on the host: only the rows merged here move
 
     if target.replace is not None:  # modules_to_save: the trained copy, loaded in the model's dtype
         return _same_shape(read(target.replace), w, target.replace).to(dtype)
     if target.base is not None:  # a saved embedding layer: what peft loads into the model before merging
         w = _same_shape(read(target.base), w, target.base).to(dtype)
     with trace.busy("merge"):
-        delta = read(target.b).float() @ read(target.a).float()
+        a: Any = ()
+        b: Any = ()
+        if target.expert is not None:  # expert e's rank rows of A, its columns of B (rank-major: every E-th)
+            e, count = target.expert
+            r = target.a.shape[0] // count
+            a, b = slice(e * r, (e + 1) * r), (target.rows, slice(e, None, count))
+        delta = read(target.b, b).float() @ read(target.a, a).float()
         if target.embedding or target.fan_in_fan_out:
             delta = delta.T
         x = _same_shape(delta.mul_(target.scaling), w, target.a).add(w.float())

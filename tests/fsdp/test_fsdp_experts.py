@@ -158,6 +158,36 @@ def test_trained_adapter_merged_into_the_4bit_base_loads_with_the_trained_logits
     assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
 
 
+def _merged_logits(run: dict, out: Path) -> torch.Tensor:
+    """`prequant merge` of what the ranks trained into the checkpoint they trained on, loaded by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    import prequant
+
+    prequant.merge(Path(run["out"]) / "final", out, base=run["checkpoint"], device="cpu", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto").eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PROBE)).logits.float()
+
+
+def test_adapter_of_16bit_experts_merges_and_loads_with_the_trained_logits(kept, tmp_path):
+    sharded = kept["record"]["probe_logits"].float()
+    assert (_merged_logits(kept, tmp_path / "merged") - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
+def test_adapter_of_4bit_and_kept_experts_merges_and_loads_with_the_trained_logits(mixed, tmp_path):
+    """The kept layer's LoRA is on transformers' fused parameters (target_parameters): merged into that layer's
+    per-expert 16-bit tensors, the 4-bit layer's into its dequantized experts."""
+    config = json.loads((Path(mixed["out"]) / "final" / "adapter_config.json").read_text())
+    assert config["target_parameters"]
+    logits = _merged_logits(mixed, tmp_path / "merged")
+    merged = json.loads((tmp_path / "merged" / "prequant.json").read_text())["merge"]["targets"]
+    projections = ("w1", "w3", "w2") if mixed["kind"] == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    assert {f"{MIXED[mixed['kind']]}.experts.{e}.{p}.weight" for e in range(4) for p in projections} <= set(merged)
+    sharded = mixed["record"]["probe_logits"].float()
+    assert (logits - sharded).abs().max().item() <= 2e-2 * sharded.abs().max().item()
+
+
 def test_two_ranks_train_4bit_experts_beside_kept_ones(mixed):
     """Layer 0's experts kept by --skip: transformers' fused experts, filled from the source's weights, their rows split
     between the ranks, LoRA on their fused parameters; layer 1's experts 4-bit, LoRA on each expert's linears."""
