@@ -232,7 +232,7 @@ def merge(
     with signals.deferred():  # torch's imports (see convert)
         from .conversion.options import ConvertOptions
         from .merging.run import merge as run_merge
-
+    trace.mark("imported")
     result = run_merge(adapter, output_dir, base=base, quantize=quantize, options=ConvertOptions.pick(arguments))
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 

@@ -38,6 +38,7 @@ from ..conversion.summary import Summary
 from ..errors import PrequantError, UsageError
 from ..source.resolve import contents, resolve, scan
 from ..source.spec import Source, hub_spec
+from ..util import trace
 from ..util.fsio import write_json
 from . import card
 from .adapter import CONFIG_NAME, WEIGHT_NAMES, Adapter, Target, base_names, read, targets, wanted
@@ -60,6 +61,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
     lora = open_adapter(str(adapter))
+    trace.mark("adapter-read")  # its files hashed: the job's fingerprint names them
     base_spec = str(base) if base is not None else lora.base_model
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
@@ -69,9 +71,11 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
         four_bit = four_bit_weights(tensors, data) if four else {}
         changed = targets(lora, base_names([t.name for t in tensors], src.path, wanted(lora)))
         plan = _plan(tensors, config, src, changed, four_bit, quantize, opts)
+        trace.mark("planned")
         if opts.dry_run:
             return plan
         quantizer = starting.quantizer(plan.settings, opts.device, plan.input_bytes)
+        trace.mark("quantizer-started")  # on a GPU, "cuda-ready" follows once it is built
         dequantized_too = {k: w for k, w in four_bit.items() if not quantize or k in changed}
         merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
         job = Job.planned(src, out, opts, tensors, config, plan, started, adapter=lora.identity)
