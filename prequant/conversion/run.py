@@ -191,9 +191,7 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
         data.on_download(journal.source_downloaded)
     ahead = None if src.hub is not None else readahead.start(list(src.weight_files))
     try:
-        # Progress counts the bytes on disk: an FP8 weight's float8 tensor, scale and riders, not its 16-bit size.
-        stored = sum(t.nbytes for t in fp8.stored(s.source for s in plan.steps))
-        with data, Progress(stored, enabled=opts.progress) as bar:
+        with data, Progress(plan.source_bytes, enabled=opts.progress) as bar:  # the bytes on disk (FP8 as stored)
             def on_step(step: Step) -> None:
                 read = sum(piece.nbytes for piece in fp8.pieces(step.source))
                 bar.advance(read)
@@ -227,7 +225,7 @@ def _summary(job: Job, written: dict, *, complete: bool = False, hub_url: str | 
         output_dir=str(out),
         source=job.source.describe(),
         device=str(device) if device is not None else written.get("device", "cpu"),
-        input_bytes=plan.input_bytes,
+        input_bytes=plan.source_bytes,
         output_bytes=sum((out / name).stat().st_size for name in plan.shards),
         tensors_quantized=sum(s.quantize for s in plan.steps),
         tensors_kept=sum(not s.quantize for s in plan.steps),

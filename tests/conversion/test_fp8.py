@@ -151,14 +151,16 @@ def test_verify_against_the_fp8_source_compares_the_dequantized_weights(pairs, f
     assert compared["quantized"] == 14 and compared["kept"] == 7  # no scale counted, every weight compared
 
 
-def test_progress_counts_an_fp8_source_as_the_bytes_read_from_disk(tmp_path, monkeypatch, capsys):
-    """Progress counts an FP8 weight as it is read (its float8 bytes, its scale, its module's activation parameters),
-    not at its 16-bit size: the total, and the bytes done at the end, are the source's tensor bytes on disk."""
+def test_progress_and_summary_count_an_fp8_source_as_the_bytes_read_from_disk(tmp_path, monkeypatch, capsys):
+    """Progress and the summary count an FP8 weight as it is read (its float8 bytes, its scale, its module's
+    activation parameters), not at its 16-bit size: the total, the bytes done at the end and the summary's input
+    size are the source's tensor bytes on disk."""
     src, _ = fp8_pair(tmp_path, "channel", torch.bfloat16)
     monkeypatch.setenv("PREQUANT_PROGRESS", "json")
     monkeypatch.setenv("PREQUANT_PROGRESS_INTERVAL", "0")
-    prequant.convert(src, tmp_path / "out", device="cpu")
+    summary = prequant.convert(src, tmp_path / "out", device="cpu")
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     on_disk = sum(t.nbytes for t in scan_files(sorted(src.glob("*.safetensors"))))
     assert records[-1]["event"] == "done" and records[-1]["done_bytes"] == on_disk
     assert {r["total_bytes"] for r in records if r["task"] == "converting"} == {on_disk}
+    assert summary.input_bytes == on_disk
