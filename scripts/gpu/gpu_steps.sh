@@ -34,6 +34,14 @@ install_wheels() {
   export PYTHONPATH=$PWD:$1${PYTHONPATH:+:$PYTHONPATH}
 }
 
+# report_machine: the GPU, cores, memory, WORK's disk and the library versions, at the head of the log.
+report_machine() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
+  python3 -c "import torch, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__)"
+}
+
 # summary KIND: $OUT/summary.md from the reports (fsdp_summary.py KIND), printed; always, however little time is
 # left: it only reads them.
 summary() {

@@ -22,14 +22,11 @@ TEE_PID=$!
 START=$(date +%s)
 FAILED=()
 # shellcheck source=scripts/gpu/gpu_steps.sh
-source "$(dirname "$0")/gpu_steps.sh"  # step, install_wheels, finish
+source "$(dirname "$0")/gpu_steps.sh"  # step, install_wheels, report_machine, finish
 trap finish EXIT
 python3 -c "import bitsandbytes" 2>/dev/null || install_wheels /tmp/site
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-nproc; free -g | sed -n 2p; df -h "$WORK" | tail -1
-python3 -c "import torch, transformers, bitsandbytes, peft; print('torch', torch.__version__, 'transformers', \
-transformers.__version__, 'bnb', bitsandbytes.__version__, 'peft', peft.__version__)"
+report_machine
 
 step merge 380 python3 scripts/bench/merge.py --size-gb 16 --shape llama --device cuda --rank 64 --agreement \
   --dir "$WORK" --json "$OUT/bench-merge.json"
