@@ -32,19 +32,15 @@ def _library() -> Any | None:
     importing.functional()  # its import sets the functions' argument types
     from bitsandbytes.cextension import lib
 
+    wanted = {"cquantize_blockwise_fp32": _QUANTIZE_ARGS, "cdequantize_blockwise_fp32": _DEQUANTIZE_ARGS}
     for dtype in _DTYPES.values():
-        for name, count in ((f"cquantize_blockwise_{dtype}_nf4", _QUANTIZE_ARGS),
-                            (f"cquantize_blockwise_{dtype}_fp4", _QUANTIZE_ARGS),
-                            ("cquantize_blockwise_fp32", _QUANTIZE_ARGS),
-                            (f"cdequantize_blockwise_{dtype}_nf4", _DEQUANTIZE_ARGS),
-                            (f"cdequantize_blockwise_{dtype}_fp4", _DEQUANTIZE_ARGS),
-                            ("cdequantize_blockwise_fp32", _DEQUANTIZE_ARGS)):
-            try:
-                argtypes = getattr(lib, name).argtypes
-            except AttributeError:  # not a CUDA build, or a release without this function
-                return None
-            if argtypes is None or len(argtypes) != count:
-                return None
+        for quant_type in ("nf4", "fp4"):
+            wanted[f"cquantize_blockwise_{dtype}_{quant_type}"] = _QUANTIZE_ARGS
+            wanted[f"cdequantize_blockwise_{dtype}_{quant_type}"] = _DEQUANTIZE_ARGS
+    for name, count in wanted.items():
+        argtypes = getattr(getattr(lib, name, None), "argtypes", None)  # None: not a CUDA build, or not this release
+        if argtypes is None or len(argtypes) != count:
+            return None
     return lib
 
 
