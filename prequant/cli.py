@@ -229,6 +229,12 @@ def merge(
 ) -> None:
     """Merge the LoRA adapter ADAPTER into its base and write the result to OUTPUT_DIR, one tensor at a time."""
     arguments = dict(locals())
+    from .conversion import readahead  # standard library, like merging.folder: both run before torch's import
+    from .merging import folder
+
+    if not dry_run:
+        weights, named_base = folder.peek(adapter)
+        readahead.prefetch(base or named_base, first=weights)  # a local adapter and base, while the libraries load
     with signals.deferred():  # torch's imports (see convert)
         from .conversion.options import ConvertOptions
         from .merging.run import merge as run_merge

@@ -137,11 +137,15 @@ def test_no_import_cycles_lazy_and_type_checking_imports_included():
 
 
 def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
-    """The CLI checks OUTPUT_DIR and starts reading a local source ahead before it imports torch: its own module,
-    that check and that read-ahead, run here in a fresh interpreter on a real checkpoint directory (sharded, with an
-    index), must load neither torch nor transformers nor huggingface_hub (each costs seconds of start-up)."""
-    src, out = tmp_path / "ckpt", tmp_path / "out"
+    """The CLI checks OUTPUT_DIR and starts reading a local source ahead before it imports torch (for a merge, the
+    adapter's weights and the base its config names): its own module, that check and that read-ahead, run here in
+    a fresh interpreter on a real checkpoint directory (sharded, with an index) and adapter folder, must load
+    neither torch nor transformers nor huggingface_hub (each costs seconds of start-up)."""
+    src, out, adapter = tmp_path / "ckpt", tmp_path / "out", tmp_path / "adapter"
     src.mkdir()
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(src)}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"x" * 4096)
     (src / "config.json").write_text("{}")
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
         (src / name).write_bytes(b"x" * 4096)
@@ -153,6 +157,10 @@ def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
         "from prequant.conversion import output, readahead\n"
         f"output.target({str(out)!r}, {str(src)!r}, overwrite=False, resume=False)\n"
         f"readahead.prefetch({str(src)!r})\n"
+        "from prequant.merging import folder\n"
+        f"weights, base = folder.peek({str(adapter)!r})\n"
+        f"assert weights == [folder.Path({str(adapter / 'adapter_model.safetensors')!r})] and base == {str(src)!r}\n"
+        "readahead.prefetch(base, first=weights)\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'huggingface_hub', 'numpy') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

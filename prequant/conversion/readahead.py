@@ -122,19 +122,22 @@ def _wait_read(fd: int, asked: deque[tuple[int, int]], limit: int) -> None:
         os.pread(fd, 1, end - 1)
 
 
-def prefetch(source: str) -> None:
-    """From the CLI, before torch's import: begin reading a local SOURCE's weight files into the page cache (up to
-    the default window), so that the disk works while the libraries load instead of after. The conversion's own
-    read-ahead takes over once its pipeline runs; pages already read cost it nothing. Standard library only;
-    advisory: anything unexpected is left for the conversion to report."""
+def prefetch(source: str | None, first: list[Path] | None = None) -> None:
+    """From the CLI, before torch's import: begin reading `first` (a merge's adapter weights), then a local
+    SOURCE's weight files, into the page cache (up to the default window), so that the disk works while the
+    libraries load instead of after. The job's own read-ahead takes over once its pipeline runs; pages already
+    read cost it nothing. Standard library only; advisory: anything unexpected is left for the job to report."""
     from ..source.spec import local
 
+    files = list(first or [])
     try:
-        path = Path(source)
-        if hasattr(os, "posix_fadvise") and path.is_dir():
-            Readahead(list(local(source, path).weight_files), depth=START_DEPTH)  # nothing consumed: up to the window
+        path = Path(source) if source else None
+        if path is not None and path.is_dir():
+            files += local(str(source), path).weight_files
     except Exception:  # noqa: BLE001, S110 - advisory only
         pass
+    if files and hasattr(os, "posix_fadvise"):
+        Readahead(files, depth=START_DEPTH)  # nothing consumed: up to the window
 
 
 def start(files: list[Path], window: int | None = None) -> Readahead | None:

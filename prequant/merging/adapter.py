@@ -40,9 +40,8 @@ from ..bnb.experts import ROLES, expert_match
 from ..checkpoint.reader import scan_files
 from ..checkpoint.tensors import TensorRef, quote
 from ..errors import PrequantError
+from .folder import CONFIG_NAME, WEIGHT_NAMES
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 PREFIX = "base_model.model."
 _LORA_PARTS = {"lora_A.weight": "a", "lora_B.weight": "b", "lora_embedding_A": "a", "lora_embedding_B": "b",
                "lora_magnitude_vector": "magnitude", "base_layer.weight": "base"}

@@ -41,7 +41,8 @@ from ..source.spec import Source, hub_spec
 from ..util import trace
 from ..util.fsio import write_json
 from . import card
-from .adapter import CONFIG_NAME, WEIGHT_NAMES, Adapter, Target, base_names, read, targets, wanted
+from .adapter import Adapter, Target, base_names, read, targets, wanted
+from .folder import CONFIG_NAME, WEIGHT_NAMES
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
 
 MERGED = "merged with the adapter"  # the plan's reason for each tensor the adapter changes
@@ -61,7 +62,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
     lora = open_adapter(str(adapter))
-    trace.mark("adapter-read")  # its files hashed: the job's fingerprint names them
+    trace.mark("adapter-read")
     base_spec = str(base) if base is not None else lora.base_model
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
@@ -76,6 +77,8 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
             return plan
         quantizer = starting.quantizer(plan.settings, opts.device, plan.input_bytes)
         trace.mark("quantizer-started")  # on a GPU, "cuda-ready" follows once it is built
+        lora = replace(lora, identity=_identity(lora.identity, lora.directory))  # while CUDA starts
+        trace.mark("adapter-hashed")  # the job's fingerprint names the adapter's files by their sha256
         dequantized_too = {k: w for k, w in four_bit.items() if not quantize or k in changed}
         merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
         job = Job.planned(src, out, opts, tensors, config, plan, started, adapter=lora.identity)
@@ -141,12 +144,13 @@ class _KeptCheck(KeptCheck):
 
 def open_adapter(spec: str) -> Adapter:
     """The adapter at `spec`: a local folder, or a Hub repo `org/name[@revision]` (its config and weights
-    downloaded into the Hugging Face cache)."""
+    downloaded into the Hugging Face cache); its identity says where it came from (`_identity` adds its files'
+    sha256)."""
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
             raise UsageError(f"ADAPTER {spec!r} is a file; pass the folder peft's save_pretrained wrote")
-        return read(path, _identity({"spec": spec, "path": str(path)}, path))
+        return read(path, {"spec": spec, "path": str(path)})
     repo = hub_spec(spec)
     if repo is None:
         raise UsageError(f"ADAPTER {spec!r} does not exist; pass a local adapter folder or a Hub repo as "
@@ -161,7 +165,7 @@ def open_adapter(spec: str) -> Adapter:
         raise PrequantError(f"{repo_id}@{commit.sha[:12]} has no {CONFIG_NAME}; pass the repo of a peft adapter")
     directory = local[0].parent
     ident = {"spec": spec, "repo_id": repo_id, "revision": revision, "commit": commit.sha}
-    return read(directory, _identity(ident, directory))
+    return read(directory, ident)
 
 
 def _identity(ident: dict, directory: Path) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import DATA
+from helpers import DATA, GPU
 
 import prequant
 from prequant.bnb import stats
@@ -59,3 +59,16 @@ def test_finite_inputs_give_finite_statistics_at_any_scale(scale, storage):
     assert st.finite, st
     assert 0.08 < st.rel_error < 0.1 and 0.0 < st.error_ratio < 0.2
     assert st.to_dict()["rel_error"] is not None
+
+
+@pytest.mark.parametrize("scale", [pytest.param(s, marks=GPU) for s in (1e30, 1e-30, 1.0)])
+def test_gpu_figures_are_the_cpus_at_any_scale(scale):
+    """On a GPU the power of two values are scaled by is chosen on the device (`compare_on_device`): the same
+    figures as the CPU's, block scales exactly, errors to float32 summation order."""
+    x = (torch.randn(300, 256, generator=torch.Generator().manual_seed(1)) * scale).to(torch.bfloat16)
+    entries = prequant.quantize_tensor(x)
+    cpu = stats.entry_stats(x, entries)
+    gpu = stats.entry_stats(x.cuda(), {k: v.cuda() for k, v in entries.items()})
+    assert (gpu.numel, gpu.absmax_min, gpu.absmax_max) == (cpu.numel, cpu.absmax_min, cpu.absmax_max)
+    assert gpu.rel_error == pytest.approx(cpu.rel_error, rel=1e-4)
+    assert gpu.max_abs_error == pytest.approx(cpu.max_abs_error, rel=1e-4)
