@@ -118,15 +118,3 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, 
             torch.cuda.current_stream(packed.device).cuda_stream,
         )
     return out
-
-
-def dequantize_4bit_state(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str,
-                          dtype: torch.dtype, n: int, nested: tuple | None = None) -> torch.Tensor:  # fmt: skip
-    """`dequantize_4bit` of a whole quant state, as bitsandbytes' `dequantize_4bit` takes one: with double quant
-    (`nested`: the 8-bit codes' block scales, code table, block size and offset) the block scales are decoded
-    first and the offset added in float32."""
-    if nested is not None:
-        nested_absmax, code, nested_blocksize, offset = nested
-        absmax = dequantize_blockwise(absmax, nested_absmax, code, nested_blocksize)
-        absmax += offset if isinstance(offset, torch.Tensor) else torch.tensor(float(offset), device=absmax.device)
-    return dequantize_4bit(packed, absmax, blocksize, quant_type, dtype, n)

@@ -30,7 +30,6 @@ from torch import nn
 from ..checkpoint.hf_files import CONFIG
 from ..checkpoint.reader import TensorReader, scan_files
 from ..errors import PrequantError, UsageError
-from . import cuda
 from .experts import ROLES, expert_match
 from .format import entry_name, split_state_key
 from .stats import dequantize, dequantize_absmax
@@ -105,14 +104,9 @@ def _bnb_linear4bit() -> type:
 
 
 def dequantized_weight(weight: Any, qs: Any = None) -> torch.Tensor:
-    """A 4-bit weight (packed codes) dequantized as bitsandbytes' CUDA kernel does, on its device (on a GPU, by
-    that kernel); `qs`: its quant state (default: the `Params4bit`'s own)."""
+    """A 4-bit weight (packed codes) dequantized as bitsandbytes' CUDA kernel does, on its device; `qs`: its quant
+    state (default: the `Params4bit`'s own)."""
     qs = qs if qs is not None else weight.quant_state
-    if weight.device.type == "cuda":
-        nested = (qs.state2.absmax, qs.state2.code, qs.state2.blocksize, qs.offset) if qs.nested else None
-        flat = cuda.dequantize_4bit_state(weight.detach().reshape(-1).view(torch.uint8), qs.absmax, qs.blocksize,
-                                          qs.quant_type, qs.dtype, qs.shape.numel(), nested)
-        return flat.view(qs.shape)
     if qs.nested:
         absmax = dequantize_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, float(qs.offset))
     else:

@@ -8,13 +8,12 @@ reproduces the CUDA bytes (bitsandbytes' CPU path does not). What the entries ho
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .. import settings as env
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
+from .. import settings as env
 from ..errors import PrequantError, UsageError
 from ..util import signals
 from . import cuda, importing
@@ -71,19 +70,6 @@ def no_bitsandbytes(reason: object) -> PrequantError:
     )
 
 
-@dataclass(frozen=True)
-class Later:
-    """Float32 values still on the quantizing device, and what they make once read on the host: the entries
-    they complete, or none. A pipeline copies `values` back with the entries and calls `then` where it waits for
-    that copy, so its quantizing thread never waits for the GPU; anyone else reads them at once."""
-
-    values: torch.Tensor
-    then: Callable[[list[float]], dict[str, torch.Tensor]]
-    # The quant state's fields that statistics measured before `then` need (`bnb.stats.Collector.inspect`): the
-    # block size, and the double quant's offset as the device's 0-d tensor.
-    state: dict = field(default_factory=dict)
-
-
 @dataclass
 class Quantizer:
     """Quantizes tensors with fixed settings on one device; `__call__` returns entries on that device."""
@@ -116,15 +102,9 @@ class Quantizer:
 
     def __call__(self, x: torch.Tensor, name: str = "tensor") -> dict[str, torch.Tensor]:
         """The entries that follow `name` in a checkpoint: weight, absmax, quant_map, ... quant_state."""
-        entries, later = self.quantize(x, name)
-        return entries if later is None else {**entries, **later.then(later.values.tolist())}
-
-    def quantize(self, x: torch.Tensor, name: str = "tensor") -> tuple[dict[str, torch.Tensor], Later | None]:
-        """The entries of `__call__` without waiting for the GPU: on a GPU the quant state entry is made by the
-        returned `Later` from two values the GPU computes (whether every value is finite, and the double quant's
-        offset), once they reach the host with the entries; elsewhere it is there and `Later` is None."""
         s = self.settings
         shape, dtype = tuple(x.shape), x.dtype
+        finite: torch.Tensor | bool = True  # the CPU kernel refuses non-finite values itself
         if self.device.type == "cuda":
             packed, absmax, code, finite = self._cuda_4bit(x)
         else:
@@ -132,32 +112,25 @@ class Quantizer:
                 packed, absmax = self._cpu.quantize_4bit(x, quant_type=s.quant_type, blocksize=s.blocksize)
             except self._cpu.NonFiniteError as e:
                 raise _non_finite(name) from e
-            code, finite = self._cpu.code_table(s.quant_type), True  # the CPU kernel refuses non-finite values
+            code = self._cpu.code_table(s.quant_type)
         out = {"weight": _as_storage(packed, NAMED[s.quant_storage], x.numel()), "absmax": absmax, "quant_map": code}
         offset = None
         if s.double_quant:
             codes, nested_absmax, nested_map, offset = self._nested(absmax)
             out.update(absmax=codes, nested_absmax=nested_absmax, nested_quant_map=nested_map)
-
-        def state(finite: bool, offset: float | None) -> dict[str, torch.Tensor]:
-            if not finite:
-                raise _non_finite(name)
-            if offset is not None and not math.isfinite(offset):  # float32's sum of block scales near its maximum
-                raise PrequantError(
-                    f"tensor {name!r}: its block scales (up to {float(absmax.max()):.3g}) are too large for double "
-                    "quantization (their mean overflows float32, and the weight would load as NaN); pass "
-                    f"--no-double-quant, or keep it unquantized with --skip {name.removesuffix('.weight')}"
-                )
-            encoded = encode_quant_state(quant_state(s.quant_type, s.blocksize, torch_name(dtype), list(shape), offset))
-            return {s.state_entry: torch.tensor(list(encoded), dtype=torch.uint8)}
-
-        if not isinstance(finite, torch.Tensor):
-            return {**out, **state(finite, offset)}, None
-        if offset is None:
-            return out, Later(finite.to(torch.float32).view(1), lambda v: state(v[0] != 0, None),
-                              {"blocksize": s.blocksize})
-        values = torch.stack([finite.to(offset.dtype), offset])
-        return out, Later(values, lambda v: state(v[0] != 0, v[1]), {"blocksize": s.blocksize, "nested_offset": values[1]})
+        if isinstance(finite, torch.Tensor):  # the one wait for the GPU per tensor: both scalars at once
+            finite, offset = _on_host(finite, offset)
+        if not finite:
+            raise _non_finite(name)
+        if offset is not None and not math.isfinite(offset):  # float32's sum of block scales near its maximum
+            raise PrequantError(
+                f"tensor {name!r}: its block scales (up to {float(absmax.max()):.3g}) are too large for double "
+                "quantization (their mean overflows float32, and the weight would load as NaN); pass "
+                f"--no-double-quant, or keep it unquantized with --skip {name.removesuffix('.weight')}"
+            )
+        state = quant_state(s.quant_type, s.blocksize, torch_name(dtype), list(shape), offset)
+        out[s.state_entry] = torch.tensor(list(encode_quant_state(state)), dtype=torch.uint8)
+        return out
 
     def _cuda_4bit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed codes, absmax and code table, and whether every value is finite (a flag on the GPU, read with
@@ -176,7 +149,7 @@ class Quantizer:
 
     def _nested(self, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | torch.Tensor]:
         """Double quantization: 8-bit blockwise codes of absmax minus its mean, over the whole tensor (on a GPU
-        the mean stays there, a float32 scalar that `quantize`'s `Later` carries to the host)."""
+        the mean stays there, a float32 scalar that `__call__` reads)."""
         if self.device.type == "cuda":
             offset = absmax.mean()
             codes, nested_absmax = cuda.quantize_blockwise(absmax - offset, self._dynamic, NESTED_BLOCKSIZE)
@@ -202,6 +175,15 @@ def _limit_cuda_memory(device: torch.device) -> None:
         raise UsageError(f"{env.CUDA_MEMORY_LIMIT}={text!r} is not a size; use e.g. 8GiB, 8000MB or bytes") from None
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+
+
+def _on_host(finite: torch.Tensor, offset: float | torch.Tensor | None) -> tuple[bool, float | None]:
+    """A GPU flag and the double quant's float32 offset (a tensor there) as Python values, in one copy: each
+    copy waits for the GPU, which then idles until this thread queues the next tensor's kernels."""
+    if not isinstance(offset, torch.Tensor):
+        return bool(finite), offset
+    flag, value = torch.stack([finite.to(offset.dtype), offset]).tolist()
+    return flag != 0, value
 
 
 def _as_storage(packed: torch.Tensor, storage: torch.dtype, n: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -23,7 +23,6 @@ import torch
 
 from .format import NESTED_BLOCKSIZE, STATE_PREFIX, decode_quant_state
 from .kernels import _compare
-from .quantize import Later
 
 CHUNK_ELEMENTS = 1 << 20  # per pass; small enough to stay in cache on the CPU, a few MB on a GPU
 GPU_CHUNK_ELEMENTS = 1 << 24  # ~200 MB of temporaries: small next to the tensors in flight
@@ -82,17 +81,13 @@ def dequantize_absmax(
     return nested_map[absmax.long()] * scale + offset
 
 
-def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor], state: dict | None = None) -> TensorStats:
-    """Statistics of one quantized tensor from its checkpoint entries (short names: weight, absmax, ...);
-    `state`: its quant state's fields where the entries lack it (default: parsed from them)."""
-    state = state or quant_state(entries)
-    return compare(source, entries["weight"], _absmax_of(entries, state), entries["quant_map"], state["blocksize"])
-
-
-def _absmax_of(entries: dict[str, torch.Tensor], state: dict) -> torch.Tensor:
-    return dequantize_absmax(
+def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor]) -> TensorStats:
+    """Statistics of one quantized tensor from its checkpoint entries (short names: weight, absmax, ...)."""
+    state = quant_state(entries)
+    absmax = dequantize_absmax(
         entries["absmax"], entries.get("nested_absmax"), entries.get("nested_quant_map"), state.get("nested_offset", 0.0)
     )
+    return compare(source, entries["weight"], absmax, entries["quant_map"], state["blocksize"])
 
 
 def compare(
@@ -104,58 +99,29 @@ def compare(
     change), so that no square, sum or difference overflows float32 (values near 1e30 square to 1e60) or
     underflows (tiny weights): finite inputs always give finite figures (`_exponent`). The ratio is scale-free;
     the largest error is scaled back in float64. On the CPU the chunks go to the kernels' thread pool
-    (`kernels._compare`); on a GPU they are a few large torch operations on the quantizer's own tensors
-    (`compare_on_device`)."""
-    if packed.is_cuda:
-        values, figures = compare_on_device(source, packed, absmax, quant_map, blocksize)
-        return figures(values.tolist())
+    (`kernels._compare`); on a GPU they are a few large torch operations on the quantizer's own tensors."""
     n = source.numel()
     lo, hi = torch.stack(torch.aminmax(absmax)).tolist() if absmax.numel() else (0.0, 0.0)
     exponent = _exponent(hi)
-    raw = packed.reshape(-1).view(torch.uint8)
-    pairs = _pair_table(quant_map).view(torch.float64).view(-1)
-    # Only the elements actually stored can be compared (see `_dequantized_chunks`).
-    err2, ref2, max_err = _compare.error_sums(source, raw, absmax, pairs, blocksize, min(n, 2 * raw.numel()), exponent)
-    return _figures(n, lo, hi, err2, ref2, max_err, exponent)
-
-
-def compare_on_device(
-    source: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int
-) -> tuple[torch.Tensor, Callable[[list[float]], TensorStats]]:
-    """`compare` on a GPU without waiting for it: the float32 values its figures come from, still on the device,
-    and what makes the figures of them once read (block scales' range, the power of two values are scaled by,
-    the largest error, then each chunk's two sums, added in float64 on the host). The scaling is decided on the
-    device: a factor of 1 where `_exponent` scales nothing, which changes no value."""
-    n = source.numel()
-    device = source.device
-    lo, hi = torch.aminmax(absmax) if absmax.numel() else (torch.zeros((), device=device),) * 2
-    hi = hi.float()
-    exponent = torch.frexp(hi).exponent
-    exponent = torch.where(exponent.abs() > SCALE_FREE_EXPONENT, exponent, 0)
-    half = torch.div(exponent, 2, rounding_mode="floor")
-    factors = _power_of_two(-half), _power_of_two(half - exponent)  # two steps: neither overflows float32
-    sums, max_err = [], torch.zeros((), device=device)
-    for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
-        x = _flat_chunk(source, start, end).to(torch.float32, copy=True)  # scaled in place
-        diff = values.mul_(factors[0]).mul_(factors[1]).sub_(x.mul_(factors[0]).mul_(factors[1]))
-        sums += [torch.dot(diff, diff), torch.dot(x, x)]
-        max_err = torch.maximum(max_err, _absmax(diff))
-    values = torch.stack([lo.float(), hi, exponent.float(), max_err, *sums])
-
-    def figures(v: list[float]) -> TensorStats:
-        err2 = sum(v[4::2], 0.0)  # in float64, chunk by chunk
-        ref2 = sum(v[5::2], 0.0)
-        return _figures(n, v[0], v[1], err2, ref2, v[3], int(v[2]))
-
-    return values, figures
-
-
-def _power_of_two(k: torch.Tensor) -> torch.Tensor:
-    """2**k as float32, exactly, from its bits (k a 0-d integer tensor within float32's normal exponents)."""
-    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
-def _figures(n: int, lo: float, hi: float, err2: float, ref2: float, max_err: float, exponent: int) -> TensorStats:
+    if not packed.is_cuda:
+        raw = packed.reshape(-1).view(torch.uint8)
+        pairs = _pair_table(quant_map).view(torch.float64).view(-1)
+        # Only the elements actually stored can be compared (see `_dequantized_chunks`).
+        err2, ref2, max_err = _compare.error_sums(
+            source, raw, absmax, pairs, blocksize, min(n, 2 * raw.numel()), exponent
+        )
+    else:  # the sums stay on the GPU until the end: one wait for it per tensor, not two per chunk
+        sums, max_gpu = [], torch.zeros((), device=source.device)
+        for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
+            x = _flat_chunk(source, start, end).to(torch.float32, copy=bool(exponent))  # scaled in place
+            diff = _scaled(values, exponent).sub_(_scaled(x, exponent))
+            sums += [torch.dot(diff, diff), torch.dot(x, x)]
+            max_gpu = torch.maximum(max_gpu, _absmax(diff))
+        *chunks, max_err = torch.stack([*sums, max_gpu]).tolist()
+        err2 = ref2 = 0.0
+        for e, r in zip(chunks[::2], chunks[1::2]):  # in float64, chunk by chunk
+            err2 += e
+            ref2 += r
     rel = math.sqrt(err2 / ref2) if ref2 > 0 else (0.0 if err2 == 0 else math.inf)
     return TensorStats(n, lo, hi, rel, math.ldexp(max_err, exponent))
 
@@ -248,16 +214,8 @@ class Collector:
         self.tensors: dict[str, TensorStats] = {}
         self._lock = threading.Lock()
 
-    def inspect(self, step: object, source: torch.Tensor, entries: dict[str, torch.Tensor],
-                later: Later | None = None) -> Later | None:
-        """Measure `step`'s tensor from its entries. With the quantizer's `later` (a GPU tensor whose quant state
-        is still on the device), the figures are recorded by the returned `Later` once its values are read."""
-        if later is None:
-            self.add(step, entry_stats(source, entries))
-            return None
-        values, figures = compare_on_device(source, entries["weight"], _absmax_of(entries, later.state),
-                                            entries["quant_map"], later.state["blocksize"])
-        return Later(values, lambda v: self.add(step, figures(v)) or {})
+    def inspect(self, step: object, source: torch.Tensor, entries: dict[str, torch.Tensor]) -> None:
+        self.add(step, entry_stats(source, entries))
 
     def add(self, step: object, stats: TensorStats) -> None:
         """Statistics computed elsewhere for `step`'s tensor."""

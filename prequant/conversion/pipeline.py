@@ -25,7 +25,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -33,7 +32,7 @@ import torch
 
 from ..bnb.format import entry_key
 from ..bnb.kernels import _parallel
-from ..bnb.quantize import Later, Quantizer
+from ..bnb.quantize import Quantizer
 from ..bnb.starting import Starting, ready
 from ..checkpoint import fp8
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
@@ -69,10 +68,8 @@ class Transform(Protocol):
 class Stats(Protocol):
     """Where each quantized tensor's statistics go (`bnb.stats.Collector`)."""
 
-    def inspect(self, step: Step, source: torch.Tensor, entries: dict[str, torch.Tensor],
-                later: Later | None = None) -> Later | None:
-        """Measure them from the entries (short names: weight, absmax, ...) and the tensor as quantized; with
-        the quantizer's `later` (its quant state still on the GPU), return the `Later` that records them."""
+    def inspect(self, step: Step, source: torch.Tensor, entries: dict[str, torch.Tensor]) -> None:
+        """Measure them from the entries (short names: weight, absmax, ...) and the tensor as quantized."""
 
 
 def run(
@@ -184,15 +181,13 @@ def run(
         try:
             shards.finish_resumed()
             while (item := quantized.get()) is not END:
-                step, entries, copied, found, finish = item  # type: ignore[misc]
+                step, entries, copied, found = item  # type: ignore[misc]
                 if isinstance(found, Future):  # a kept tensor's check: its NaN refusal stops the run here
                     with trace.busy("check-kept-wait"):
                         found = found.result()
                 if copied is not None:
                     with trace.busy("device-to-host-wait"):
                         copied.synchronize()
-                if finish is not None:
-                    entries.update({entry_key(step.source.name, k): v for k, v in finish(entries).items()})
                 with trace.busy("write"):
                     shards.write(step, entries, found)
                 del entries, item
@@ -225,14 +220,13 @@ def run(
 def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], loaded: torch.cuda.Event | None,
                found: object, quantizer: Quantizer | Starting, stats: Stats | None, check: Check | None,
                transform: Transform | None = None) -> tuple:  # fmt: skip
-    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found, and what
-    completes the entries once copied or None: `_finish`, for a GPU's quantized tensor). For an FP8
+    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found). For an FP8
     weight, `tensor` is its (float8 weight, scale) pair, which becomes its 16-bit tensor here, on the quantizing
     device; a merge's `transform` then applies to the 16-bit tensor."""
     name, fp8_weight = step.source.name, isinstance(step.source, fp8.Fp8Weight)
     changed = transform is not None and transform.applies(step)
     if not step.quantize and not step.decision.dtype and not fp8_weight and not changed:
-        return (step, {name: tensor}, None, found, None)
+        return (step, {name: tensor}, None, found)
     quantizer = ready(quantizer)
     if loaded is not None:
         torch.cuda.current_stream(quantizer.device).wait_event(loaded)
@@ -245,51 +239,32 @@ def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tens
             tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])
     if changed:
         tensor = transform(step, tensor)  # type: ignore[misc]
-    later: list[Later] = []  # values the GPU computes that complete the entries or the statistics, read later
     if step.quantize:
         x = tensor.t() if step.decision.transpose else tensor
         with trace.busy("quantize"):
-            entries, state = quantizer.quantize(x, name)
-        if state is not None:
-            later.append(state)
+            entries = quantizer(x, name)
         if stats is not None:
             with trace.busy("stats"):
-                if (measured := stats.inspect(step, x, entries, state)) is not None:
-                    later.append(measured)
+                stats.inspect(step, x, entries)
+        entries = {entry_key(name, k): v for k, v in entries.items()}
     else:
         if check is not None:
             with trace.busy("check-kept"):
                 found = check(name, tensor)
         entries = {name: tensor}
-    copied = finish = None
+    copied = None
     if quantizer.device.type == "cuda":
         # Into pinned memory, asynchronously: this thread goes on to the next tensor while the copy runs, and the
         # writer waits for `copied`. Torch's caching host allocator reuses these buffers (it holds each until the
         # copy that used it has finished); the queue bounds how many are in use.
         with trace.busy("device-to-host"):
-            if later:
-                entries["later"] = torch.cat([item.values for item in later])
-                finish = partial(_finish, later)
             host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in entries.items()}
             for k, v in entries.items():
                 host[k].copy_(v, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(quantizer.device))
             entries = host
-    if step.quantize:
-        entries = {k if k == "later" else entry_key(name, k): v for k, v in entries.items()}
-    return (step, entries, copied, found, finish)
-
-
-def _finish(later: list[Later], entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A GPU tensor's entries once copied: its `later` values read (in the order they were gathered) and made
-    into what they complete (the quant state's entry, the statistics); raises what the quantizer refuses."""
-    values, start, done = entries.pop("later").tolist(), 0, {}
-    for item in later:
-        n = item.values.numel()
-        done.update(item.then(values[start : start + n]))
-        start += n
-    return done
+    return (step, entries, copied, found)
 
 
 class Stop(Exception):

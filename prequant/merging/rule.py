@@ -83,11 +83,13 @@ def dequantized(packed: torch.Tensor, weight: FourBit, data: TensorReader) -> to
              for name, ref in weight.companions.items()}
     codes = packed.reshape(-1).view(torch.uint8)
     if device.type == "cuda":  # bitsandbytes' `dequantize_4bit` of the `QuantState` its `from_dict` makes of these
-        nested = None
+        absmax = parts["absmax"]
         if "nested_absmax" in parts:
-            nested = parts["nested_absmax"], parts["nested_quant_map"], s["nested_blocksize"], s["nested_offset"]
-        flat = cuda.dequantize_4bit_state(codes, parts["absmax"], s["blocksize"], s["quant_type"],
-                                          SAFETENSORS_DTYPES[weight.dtype], math.prod(s["shape"]), nested)
+            absmax = cuda.dequantize_blockwise(absmax, parts["nested_absmax"], parts["nested_quant_map"],
+                                               s["nested_blocksize"])
+            absmax += torch.tensor(float(s["nested_offset"])).to(device)
+        flat = cuda.dequantize_4bit(codes, absmax, s["blocksize"], s["quant_type"],
+                                    SAFETENSORS_DTYPES[weight.dtype], math.prod(s["shape"]))
         return flat.view(weight.shape)
     absmax = dequantize_absmax(parts["absmax"], parts.get("nested_absmax"), parts.get("nested_quant_map"),
                                s.get("nested_offset", 0.0))

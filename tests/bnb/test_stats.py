@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import DATA, GPU
+from helpers import DATA
 
 import prequant
 from prequant.bnb import stats
@@ -59,33 +59,3 @@ def test_finite_inputs_give_finite_statistics_at_any_scale(scale, storage):
     assert st.finite, st
     assert 0.08 < st.rel_error < 0.1 and 0.0 < st.error_ratio < 0.2
     assert st.to_dict()["rel_error"] is not None
-
-
-@pytest.mark.parametrize("scale", [pytest.param(s, marks=GPU) for s in (1e30, 1e-30, 1.0)])
-def test_gpu_figures_are_the_cpus_at_any_scale(scale):
-    """On a GPU the power of two values are scaled by is chosen on the device (`compare_on_device`): the same
-    figures as the CPU's, block scales exactly, errors to float32 summation order."""
-    x = (torch.randn(300, 256, generator=torch.Generator().manual_seed(1)) * scale).to(torch.bfloat16)
-    entries = prequant.quantize_tensor(x)
-    cpu = stats.entry_stats(x, entries)
-    gpu = stats.entry_stats(x.cuda(), {k: v.cuda() for k, v in entries.items()})
-    assert (gpu.numel, gpu.absmax_min, gpu.absmax_max) == (cpu.numel, cpu.absmax_min, cpu.absmax_max)
-    assert gpu.rel_error == pytest.approx(cpu.rel_error, rel=1e-4)
-    assert gpu.max_abs_error == pytest.approx(cpu.max_abs_error, rel=1e-4)
-
-
-@pytest.mark.parametrize("scale", [1e30, 1e-30, 1e20, 1.0])
-def test_figures_made_without_waiting_are_the_figures(scale):
-    """`compare_on_device` (the GPU's way: the scaling chosen by torch operations, the figures made once its
-    values are read) gives `compare`'s figures, here both on the CPU: the same block scales, the same errors to
-    float32 summation order."""
-    x = (torch.randn(300, 256, generator=torch.Generator().manual_seed(2)) * scale).to(torch.bfloat16)
-    entries = prequant.quantize_tensor(x)
-    state = stats.quant_state(entries)
-    absmax = stats.dequantize_absmax(entries["absmax"], entries["nested_absmax"], entries["nested_quant_map"],
-                                     state["nested_offset"])
-    values, figures = stats.compare_on_device(x, entries["weight"], absmax, entries["quant_map"], state["blocksize"])
-    later, now = figures(values.tolist()), stats.compare(x, entries["weight"], absmax, entries["quant_map"], 64)
-    assert (later.numel, later.absmax_min, later.absmax_max) == (now.numel, now.absmax_min, now.absmax_max)
-    assert later.finite and later.rel_error == pytest.approx(now.rel_error, rel=1e-4)
-    assert later.max_abs_error == pytest.approx(now.max_abs_error, rel=1e-4)

@@ -254,7 +254,7 @@ def test_the_reader_goes_on_while_a_kept_tensor_is_checked(checkpoints, tmp_path
     the reader itself checks. The writer still waits for the check, so the output is the usual one."""
     src = checkpoints("llama")
     quantized = threading.Event()
-    check, call = record.KeptCheck.__call__, Quantizer.quantize
+    check, call = record.KeptCheck.__call__, Quantizer.__call__
 
     def quantize(self, x, name):
         if name.startswith("model.layers."):
@@ -268,7 +268,7 @@ def test_the_reader_goes_on_while_a_kept_tensor_is_checked(checkpoints, tmp_path
             during_check.append(quantized.wait(60))
         return check(self, name, tensor)
 
-    monkeypatch.setattr(Quantizer, "quantize", quantize)
+    monkeypatch.setattr(Quantizer, "__call__", quantize)
     monkeypatch.setattr(record.KeptCheck, "__call__", checked)
     prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
     assert during_check == [True], "no layer was quantized while the embedding was being checked"
