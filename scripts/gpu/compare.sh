@@ -4,7 +4,8 @@
 # Llama with libraries warm on cuda and cpu. Each tree runs its own benchmark scripts (which put it first on
 # PYTHONPATH), against its own floor measured beside it.
 #   OUT=/some/dir BEFORE=.before bash scripts/gpu/compare.sh          # from the repository root, wheels carried
-# STEPS picks parts: "hub llama gpu-tests startup cpu" (default all, in that order).
+# STEPS picks parts: "hub llama gpu-tests startup cpu qwen3 merge" (default the first five, in that order; qwen3: the
+# 16-layer Qwen3-30B-A3B shape with --quantize-experts, merge: a rank-64 adapter into the 16 GB Llama, both bases).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_TELEMETRY=1
@@ -42,5 +43,12 @@ fi
 if [[ " $STEPS " == *" cpu "* ]]; then
   both llama16cpu window.py --size-gb 16 --shape llama --devices cpu --windows 2 --warm-libraries --repeats 1
 fi
-rm -rf "$WORK"/llama-*
+if [[ " $STEPS " == *" qwen3 "* ]]; then
+  both qwen3 convert.py --shape qwen3_moe --layers 16 --device cuda --warm-libraries --prequant-arg=--quantize-experts
+  rm -rf "$WORK"/qwen3_moe-*
+fi
+if [[ " $STEPS " == *" merge "* ]]; then
+  both merge16 merge.py --size-gb 16 --shape llama --device cuda --rank 64
+fi
+rm -rf "$WORK"/llama-* "$WORK"/adapter-*
 date -u
