@@ -88,7 +88,9 @@ def _save(config, dropped, path):
 def test_expected_parameters_are_what_transformers_saves_and_the_layout_is_its_own(arch, tmp_path_factory):
     outcomes = []
 
-    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    # Derandomized: the same 20 draws on every run, so how many settle (at least 5, asserted below) is fixed.
+    @settings(max_examples=20, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(ARCHITECTURES[arch])
     def check(drawn):
         config, dropped = drawn
