@@ -133,7 +133,7 @@ def prefetch(source: str | None, first: list[Path] | None = None) -> None:
     try:
         path = Path(source) if source else None
         if path is not None and path.is_dir():
-            files += local(str(source), path).weight_files
+            files += local(source, path).weight_files
     except Exception:  # noqa: BLE001, S110 - advisory only
         pass
     if files and hasattr(os, "posix_fadvise"):

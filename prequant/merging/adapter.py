@@ -81,7 +81,7 @@ class Adapter:
     config: dict
     files: tuple[Path, ...]
     tensors: dict[str, TensorRef]  # by key, without the `base_model.model.` prefix
-    identity: dict = field(default_factory=dict)  # spec, repo and commit (a Hub adapter), config sha256
+    identity: dict = field(default_factory=dict)  # spec, repo and commit (a Hub adapter); files' sha256 added by run
 
     @property
     def base_model(self) -> str | None:
