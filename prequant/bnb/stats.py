@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from . import cuda
 from .format import NESTED_BLOCKSIZE, STATE_PREFIX, decode_quant_state
 from .kernels import _compare
 
@@ -76,9 +77,10 @@ def dequantize_absmax(
         return absmax.float()
     if not absmax.is_cuda:
         return _compare.dequantize_nested(absmax, nested_absmax, nested_quant_map, offset, NESTED_BLOCKSIZE)
-    nested_map = nested_quant_map.float()  # type: ignore[union-attr]
-    scale = nested_absmax.float().repeat_interleave(NESTED_BLOCKSIZE)[: absmax.numel()]
-    return nested_map[absmax.long()] * scale + offset
+    # bitsandbytes' kernel: code[q] * scale in float32, as its 4-bit dequantization decodes them, then the offset
+    codes = absmax.reshape(-1).view(torch.uint8)
+    scales = cuda.dequantize_blockwise(codes, nested_absmax.float(), nested_quant_map.float(), NESTED_BLOCKSIZE)  # type: ignore[union-attr]
+    return scales.add_(offset)
 
 
 def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor]) -> TensorStats:
@@ -87,11 +89,12 @@ def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor]) -> Tenso
     absmax = dequantize_absmax(
         entries["absmax"], entries.get("nested_absmax"), entries.get("nested_quant_map"), state.get("nested_offset", 0.0)
     )
-    return compare(source, entries["weight"], absmax, entries["quant_map"], state["blocksize"])
+    return compare(source, entries["weight"], absmax, entries["quant_map"], state["blocksize"], state.get("quant_type"))
 
 
 def compare(
-    source: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int
+    source: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int,
+    quant_type: str | None = None,
 ) -> TensorStats:
     """Dequantize `packed` chunk by chunk and compare it with `source` (flattened row-major).
 
@@ -99,7 +102,8 @@ def compare(
     change), so that no square, sum or difference overflows float32 (values near 1e30 square to 1e60) or
     underflows (tiny weights): finite inputs always give finite figures (`_exponent`). The ratio is scale-free;
     the largest error is scaled back in float64. On the CPU the chunks go to the kernels' thread pool
-    (`kernels._compare`); on a GPU they are a few large torch operations on the quantizer's own tensors."""
+    (`kernels._compare`); on a GPU they are bitsandbytes' dequantization and a few torch reductions on the
+    quantizer's own tensors (`quant_type`, the state's, picks the kernel)."""
     n = source.numel()
     lo, hi = torch.stack(torch.aminmax(absmax)).tolist() if absmax.numel() else (0.0, 0.0)
     exponent = _exponent(hi)
@@ -111,13 +115,14 @@ def compare(
             source, raw, absmax, pairs, blocksize, min(n, 2 * raw.numel()), exponent
         )
     else:  # the sums stay on the GPU until the end: one wait for it per tensor, not two per chunk
-        sums, max_gpu = [], torch.zeros((), device=source.device)
-        for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n):
+        sums, maxima = [], []
+        for start, end, values in _cuda_chunks(packed, absmax, quant_map, blocksize, n, quant_type):
             x = _flat_chunk(source, start, end).to(torch.float32, copy=bool(exponent))  # scaled in place
             diff = _scaled(values, exponent).sub_(_scaled(x, exponent))
             sums += [torch.dot(diff, diff), torch.dot(x, x)]
-            max_gpu = torch.maximum(max_gpu, _absmax(diff))
-        *chunks, max_err = torch.stack([*sums, max_gpu]).tolist()
+            maxima.append(diff.abs_().max())
+        top = torch.stack(maxima).max() if len(maxima) > 1 else maxima[0] if maxima else source.new_zeros((), dtype=torch.float32)
+        *chunks, max_err = torch.stack([*sums, top]).tolist()
         err2 = ref2 = 0.0
         for e, r in zip(chunks[::2], chunks[1::2]):  # in float64, chunk by chunk
             err2 += e
@@ -153,6 +158,27 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tens
     return out
 
 
+def _cuda_chunks(
+    packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, n: int,
+    quant_type: str | None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """`_dequantized_chunks` on a GPU through bitsandbytes' float32 kernel for `quant_type`'s table (the one
+    `quant_map` holds): one launch per chunk instead of a gather, a scaling and their temporaries, since launches
+    per tensor are what a model of many small experts costs. Without a known quant type, the gather."""
+    if quant_type not in ("nf4", "fp4"):
+        yield from _dequantized_chunks(packed, absmax, quant_map, blocksize, n)
+        return
+    raw = packed.reshape(-1).view(torch.uint8)
+    n_stored = min(n, 2 * raw.numel())  # see `_dequantized_chunks`
+    step = GPU_CHUNK_ELEMENTS // blocksize * blocksize  # whole blocks, an even count: bytes split cleanly
+    for start in range(0, n_stored, step):
+        end = min(start + step, n_stored)
+        first = start // blocksize
+        values = cuda.dequantize_4bit(raw[start // 2 : (end + 1) // 2], absmax[first : -(-end // blocksize)],
+                                      blocksize, quant_type, torch.float32, end - start)  # fmt: skip
+        yield start, end, values
+
+
 def _dequantized_chunks(
     packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, n: int
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -180,11 +206,6 @@ def _dequantized_chunks(
         if full * blocksize < end - start:  # the tensor's last, partial block
             values[full * blocksize :].mul_(absmax[first + full])
         yield start, end, values
-
-
-def _absmax(t: torch.Tensor) -> torch.Tensor:
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(-lo, hi)
 
 
 def _pair_table(quant_map: torch.Tensor) -> torch.Tensor:

@@ -258,8 +258,12 @@ def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tens
         # writer waits for `copied`. Torch's caching host allocator reuses these buffers (it holds each until the
         # copy that used it has finished); the queue bounds how many are in use.
         with trace.busy("device-to-host"):
-            host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in entries.items()}
+            host = {}
             for k, v in entries.items():
+                if v.device.type == "cpu" or (table := quantizer.table_on_host(v)) is not None:
+                    host[k] = v if v.device.type == "cpu" else table  # the quant state; a shared code table
+                    continue
+                host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
                 host[k].copy_(v, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(quantizer.device))

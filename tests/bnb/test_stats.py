@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import DATA
+from helpers import DATA, gpu_only
 
 import prequant
 from prequant.bnb import stats
@@ -59,3 +59,20 @@ def test_finite_inputs_give_finite_statistics_at_any_scale(scale, storage):
     assert st.finite, st
     assert 0.08 < st.rel_error < 0.1 and 0.0 < st.error_ratio < 0.2
     assert st.to_dict()["rel_error"] is not None
+
+
+@gpu_only
+@pytest.mark.parametrize("scale", [1e30, 1e-30, 1.0])
+@pytest.mark.parametrize("quant_type,storage,shape", [("nf4", torch.uint8, (300, 256)),
+                                                      ("fp4", torch.bfloat16, (300, 255))])  # a partial last block
+def test_gpu_figures_are_the_cpus(scale, quant_type, storage, shape):
+    """On a GPU the values come from bitsandbytes' dequantization kernels: the same figures as the CPU's, block
+    scales exactly, errors to float32 summation order, at any scale and for a tensor ending in a partial block."""
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * scale).to(torch.bfloat16)
+    entries = prequant.quantize_tensor(x, quant_type=quant_type, quant_storage=storage)
+    cpu = stats.entry_stats(x, entries)
+    gpu = stats.entry_stats(x.cuda(), {k: v.cuda() for k, v in entries.items()})
+    assert cpu.finite and 0.05 < cpu.rel_error < 0.15
+    assert (gpu.numel, gpu.absmax_min, gpu.absmax_max) == (cpu.numel, cpu.absmax_min, cpu.absmax_max)
+    assert gpu.rel_error == pytest.approx(cpu.rel_error, rel=1e-4)
+    assert gpu.max_abs_error == pytest.approx(cpu.max_abs_error, rel=1e-4)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fp8_checkpoints import fp8_pair, outputs
-from helpers import MIXES, build_checkpoint, gpu_only, read_checkpoint, retyped, transformers_reference
+from helpers import MIXES, build_checkpoint, gpu_only, read_checkpoint, retyped, run_cli, transformers_reference
 from moe_checkpoints import HANDLED, build_moe
 
 import prequant
@@ -124,3 +124,48 @@ def test_fp8_on_cuda_is_the_reference_dequantization_converted_and_the_cpu_bytes
     assert len([n for n in wanted if n.endswith(".safetensors")]) > 1
     assert outputs(tmp_path / "fp8-cuda") == wanted
     assert outputs(tmp_path / "fp8-cpu") == wanted
+
+
+DOWN_PROJ = "model.layers.1.mlp.down_proj.weight"
+
+
+@gpu_only
+@pytest.mark.parametrize("bad", ["nan", "inf", "block scales too large"])
+def test_a_tensor_the_quantizer_refuses_on_cuda_stops_the_conversion_by_name(tmp_path, bad):
+    """On a GPU the quantizer's check (a flag and the double quant's offset, read from the device) stops the
+    conversion at that tensor with its one-line error, and nothing looks complete."""
+    from safetensors.torch import load_file, save_file
+
+    src = build_checkpoint("llama", tmp_path / "src")
+    tensors = load_file(src / "model.safetensors")
+    w = tensors[DOWN_PROJ]
+    if bad == "block scales too large":
+        w.fill_(3e38)  # float32's sum of the block scales overflows: the double quant's offset is Inf
+    else:
+        w.view(-1)[777] = float(bad)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    proc = run_cli("convert", str(src), str(out), "--device", "cuda", env={"PREQUANT_DEBUG": ""})
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and DOWN_PROJ in lines[0], proc.stderr
+    assert ("too large for double quantization" if bad.startswith("block") else "NaN or Inf") in lines[0]
+    assert not list(out.glob("*.safetensors")) and not (out / "config.json").exists()
+
+
+@gpu_only
+def test_cuda_statistics_are_the_cpus_figures(tiny, tmp_path):
+    """A conversion's statistics on the GPU (bitsandbytes' dequantization) are the CPU's: the block scales' range
+    exactly, the errors to float32 summation order."""
+    src, _ = tiny
+    manifests = {}
+    for device in ("cuda", "cpu"):
+        prequant.convert(src, tmp_path / device, device=device, progress=False)
+        manifests[device] = json.loads((tmp_path / device / "prequant.json").read_text())
+    gpu, cpu = manifests["cuda"]["tensors"], manifests["cpu"]["tensors"]
+    assert gpu.keys() == cpu.keys() and gpu and manifests["cuda"]["stats"]["complete"]
+    for name, g in gpu.items():
+        c = cpu[name]
+        assert (g["numel"], g["absmax_min"], g["absmax_max"]) == (c["numel"], c["absmax_min"], c["absmax_max"]), name
+        assert g["rel_error"] == pytest.approx(c["rel_error"], rel=1e-4), name
+        assert g["max_abs_error"] == pytest.approx(c["max_abs_error"], rel=1e-4), name
