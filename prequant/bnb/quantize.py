@@ -78,7 +78,7 @@ class Quantizer:
     device: torch.device
 
     def __post_init__(self) -> None:
-        self._tables_on_host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables_on_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device table, its host copy)
         if self.device.type == "cuda":
             try:
                 with signals.deferred():  # a compiled library's import (see util.signals)
@@ -88,7 +88,7 @@ class Quantizer:
             _limit_cuda_memory(self.device)
             self._code = cuda.code_4bit(self.settings.quant_type, self.device)
             self._dynamic = cuda.dynamic_code(self.device)
-            self._tables_on_host = {id(t): (t, t.cpu()) for t in (self._code, self._dynamic)}
+            self._tables_on_host = [(t, t.cpu()) for t in (self._code, self._dynamic)]
             # The kernels' first call loads them onto the device: paid here, where the quantizer is built (on a
             # thread of its own: `bnb.starting`), rather than by the pipeline's first tensor.
             self(torch.ones(4, 2 * self.settings.blocksize, dtype=torch.bfloat16, device=self.device), "warm-up")
@@ -100,8 +100,7 @@ class Quantizer:
     def table_on_host(self, t: torch.Tensor) -> torch.Tensor | None:
         """A host copy of `t` when it is one of the code tables every tensor's entries share (quant_map,
         nested_quant_map): copied once per run instead of once per tensor. None for any other tensor."""
-        found = self._tables_on_host.get(id(t))
-        return found[1] if found is not None and found[0] is t else None
+        return next((host for table, host in self._tables_on_host if t is table), None)
 
     @property
     def device_type(self) -> str:

@@ -1,9 +1,9 @@
 """Per-tensor quality statistics: dequantize a 4-bit tensor and measure its error against the source.
 
-One code path for every device: plain torch operations on whatever device the tensors are on (on a GPU
-the quantizer's own tensors, so nearly free; on the CPU a few cheap passes). Work goes in block-aligned
-chunks, so memory stays bounded whatever the tensor size, and a transposed (Conv1D) source is read a few
-rows at a time instead of being copied whole.
+On a GPU the values come from bitsandbytes' own dequantization kernels, on the quantizer's own tensors; on the CPU
+from prequant's kernels' thread pool (`kernels._compare`). Work goes in block-aligned chunks, so memory stays bounded
+whatever the tensor size, and a transposed (Conv1D) source is read a few rows at a time instead of being copied
+whole.
 
 Dequantization follows bitsandbytes: value = quant_map[code] * absmax[block], codes packed two per byte
 (element 2j in the high nibble); with double quantization
@@ -78,9 +78,8 @@ def dequantize_absmax(
     if not absmax.is_cuda:
         return _compare.dequantize_nested(absmax, nested_absmax, nested_quant_map, offset, NESTED_BLOCKSIZE)
     # bitsandbytes' kernel: code[q] * scale in float32, as its 4-bit dequantization decodes them, then the offset
-    codes = absmax.reshape(-1).view(torch.uint8)
-    scales = cuda.dequantize_blockwise(codes, nested_absmax.float(), nested_quant_map.float(), NESTED_BLOCKSIZE)  # type: ignore[union-attr]
-    return scales.add_(offset)
+    codes, nested_map = absmax.reshape(-1).view(torch.uint8), nested_quant_map.float()  # type: ignore[union-attr]
+    return cuda.dequantize_blockwise(codes, nested_absmax.float(), nested_map, NESTED_BLOCKSIZE).add_(offset)
 
 
 def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor]) -> TensorStats:
@@ -121,7 +120,8 @@ def compare(
             diff = _scaled(values, exponent).sub_(_scaled(x, exponent))
             sums += [torch.dot(diff, diff), torch.dot(x, x)]
             maxima.append(diff.abs_().max())
-        top = torch.stack(maxima).max() if len(maxima) > 1 else maxima[0] if maxima else source.new_zeros((), dtype=torch.float32)
+        maxima = maxima or [source.new_zeros((), dtype=torch.float32)]  # an empty tensor
+        top = maxima[0] if len(maxima) == 1 else torch.stack(maxima).max()  # NaN stays NaN
         *chunks, max_err = torch.stack([*sums, top]).tolist()
         err2 = ref2 = 0.0
         for e, r in zip(chunks[::2], chunks[1::2]):  # in float64, chunk by chunk
