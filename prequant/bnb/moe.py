@@ -108,7 +108,7 @@ def dequantized_weight(weight: Any, qs: Any = None) -> torch.Tensor:
     state (default: the `Params4bit`'s own)."""
     qs = qs if qs is not None else weight.quant_state
     if qs.nested:
-        absmax = dequantize_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, float(qs.offset))
+        absmax = dequantize_absmax(qs.absmax, qs.state2.absmax, qs.state2.code, float(qs.offset), qs.state2.blocksize)
     else:
         absmax = qs.absmax.float()
     n = 1

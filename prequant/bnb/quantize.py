@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from .. import settings as env
+from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..errors import PrequantError, UsageError
 from ..util import signals
 from . import cuda, importing

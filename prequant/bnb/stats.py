@@ -71,23 +71,25 @@ def dequantize_absmax(
     nested_absmax: torch.Tensor | None = None,
     nested_quant_map: torch.Tensor | None = None,
     offset: float = 0.0,
+    nested_blocksize: int = NESTED_BLOCKSIZE,
 ) -> torch.Tensor:
-    """The float32 per-block absmax: as stored, or decoded from its 8-bit double-quantized codes."""
+    """The float32 per-block absmax: as stored, or decoded from its 8-bit double-quantized codes (blocks of
+    `nested_blocksize`, the quant state's)."""
     if nested_absmax is None:
         return absmax.float()
     if not absmax.is_cuda:
-        return _compare.dequantize_nested(absmax, nested_absmax, nested_quant_map, offset, NESTED_BLOCKSIZE)
+        return _compare.dequantize_nested(absmax, nested_absmax, nested_quant_map, offset, nested_blocksize)
     # bitsandbytes' kernel: code[q] * scale in float32, as its 4-bit dequantization decodes them, then the offset
     codes, nested_map = absmax.reshape(-1).view(torch.uint8), nested_quant_map.float()  # type: ignore[union-attr]
-    return cuda.dequantize_blockwise(codes, nested_absmax.float(), nested_map, NESTED_BLOCKSIZE).add_(offset)
+    return cuda.dequantize_blockwise(codes, nested_absmax.float(), nested_map, nested_blocksize).add_(offset)
 
 
-def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor]) -> TensorStats:
-    """Statistics of one quantized tensor from its checkpoint entries (short names: weight, absmax, ...)."""
-    state = quant_state(entries)
-    absmax = dequantize_absmax(
-        entries["absmax"], entries.get("nested_absmax"), entries.get("nested_quant_map"), state.get("nested_offset", 0.0)
-    )
+def entry_stats(source: torch.Tensor, entries: dict[str, torch.Tensor], state: dict | None = None) -> TensorStats:
+    """Statistics of one quantized tensor from its checkpoint entries (short names: weight, absmax, ...);
+    `state`: its parsed quant state where the caller has it (default: parsed from the entries)."""
+    state = state if state is not None else quant_state(entries)
+    absmax = dequantize_absmax(entries["absmax"], entries.get("nested_absmax"), entries.get("nested_quant_map"),
+                               state.get("nested_offset", 0.0), state.get("nested_blocksize", NESTED_BLOCKSIZE))
     return compare(source, entries["weight"], absmax, entries["quant_map"], state["blocksize"], state.get("quant_type"))
 
 
@@ -115,7 +117,7 @@ def compare(
         )
     else:  # the sums stay on the GPU until the end: one wait for it per tensor, not two per chunk
         sums, maxima = [], []
-        for start, end, values in _cuda_chunks(packed, absmax, quant_map, blocksize, n, quant_type):
+        for start, end, values in _dequantized_chunks(packed, absmax, quant_map, blocksize, n, quant_type):
             x = _flat_chunk(source, start, end).to(torch.float32, copy=bool(exponent))  # scaled in place
             diff = _scaled(values, exponent).sub_(_scaled(x, exponent))
             sums += [torch.dot(diff, diff), torch.dot(x, x)]
@@ -158,50 +160,40 @@ def dequantize(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tens
     return out
 
 
-def _cuda_chunks(
-    packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, n: int,
-    quant_type: str | None,
-) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """`_dequantized_chunks` on a GPU through bitsandbytes' float32 kernel for `quant_type`'s table (the one
-    `quant_map` holds): one launch per chunk instead of a gather, a scaling and their temporaries, since launches
-    per tensor are what a model of many small experts costs. Without a known quant type, the gather."""
-    if quant_type not in ("nf4", "fp4"):
-        yield from _dequantized_chunks(packed, absmax, quant_map, blocksize, n)
-        return
-    raw = packed.reshape(-1).view(torch.uint8)
-    n_stored = min(n, 2 * raw.numel())  # see `_dequantized_chunks`
-    step = GPU_CHUNK_ELEMENTS // blocksize * blocksize  # whole blocks, an even count: bytes split cleanly
-    for start in range(0, n_stored, step):
-        end = min(start + step, n_stored)
-        first = start // blocksize
-        values = cuda.dequantize_4bit(raw[start // 2 : (end + 1) // 2], absmax[first : -(-end // blocksize)],
-                                      blocksize, quant_type, torch.float32, end - start)  # fmt: skip
-        yield start, end, values
-
-
 def _dequantized_chunks(
-    packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, n: int
+    packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, n: int,
+    quant_type: str | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(start, end, float32 values) over block-aligned chunks of the flat tensor."""
+    """(start, end, float32 values) over block-aligned chunks of the flat tensor.
+
+    On a GPU, with `quant_type` (the quant state's, naming the table `quant_map` holds), bitsandbytes' float32
+    kernel makes each chunk's values in one launch instead of a gather, a scaling and their temporaries: launches
+    per tensor are what a model of many small experts costs."""
     raw = packed.reshape(-1).view(torch.uint8)
     # bitsandbytes sizes wide storage dtypes as (n + 1) // (2 * itemsize) elements, which can drop the
     # last byte or two of codes: only the elements that are actually stored can be compared.
     n_stored = min(n, 2 * raw.numel())
+    kernel = raw.is_cuda and quant_type in ("nf4", "fp4")
     # One gather per byte gives both of its elements: a 256-entry table of code pairs, each pair of
     # float32 values viewed as one 8-byte item. On the CPU numpy's take does that gather >10x faster
     # than torch's indexing (which also needs the indices widened first).
-    pairs = _pair_table(quant_map).view(torch.float64).view(-1)
-    pairs_np = None if raw.is_cuda else pairs.numpy()
+    pairs = None if kernel else _pair_table(quant_map).view(torch.float64).view(-1)
+    pairs_np = None if raw.is_cuda else pairs.numpy()  # type: ignore[union-attr]
+    # whole blocks (an even count of elements, so the packed bytes split cleanly)
     step = (GPU_CHUNK_ELEMENTS if raw.is_cuda else CHUNK_ELEMENTS) // blocksize * blocksize
     for start in range(0, n_stored, step):
         end = min(start + step, n_stored)
         codes = raw[start // 2 : (end + 1) // 2]
+        first = start // blocksize
+        if kernel:
+            yield start, end, cuda.dequantize_4bit(codes, absmax[first : -(-end // blocksize)], blocksize,
+                                                   quant_type, torch.float32, end - start)  # type: ignore[arg-type]
+            continue
         if pairs_np is None:
             values = pairs.index_select(0, codes.int()).view(torch.float32)[: end - start]
         else:
             values = torch.from_numpy(np.take(pairs_np, codes.numpy())).view(torch.float32)[: end - start]
         full = (end - start) // blocksize
-        first = start // blocksize
         values[: full * blocksize].view(full, blocksize).mul_(absmax[first : first + full, None])
         if full * blocksize < end - start:  # the tensor's last, partial block
             values[full * blocksize :].mul_(absmax[first + full])

@@ -260,11 +260,11 @@ def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tens
         with trace.busy("device-to-host"):
             host = {}
             for k, v in entries.items():
-                if v.device.type == "cpu" or (table := quantizer.table_on_host(v)) is not None:
-                    host[k] = v if v.device.type == "cpu" else table  # the quant state; a shared code table
-                    continue
-                host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-                host[k].copy_(v, non_blocking=True)
+                # the quant state is made on the host; the code tables every tensor shares were copied once
+                host[k] = v if v.device.type == "cpu" else quantizer.table_on_host(v)
+                if host[k] is None:
+                    host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                    host[k].copy_(v, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(quantizer.device))
             entries = host

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..bnb import cuda
-from ..bnb.format import decode_quant_state, entry_name
+from ..bnb.format import NESTED_BLOCKSIZE, decode_quant_state, entry_name
 from ..bnb.stats import dequantize, dequantize_absmax
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..checkpoint.reader import TensorReader
@@ -82,17 +82,12 @@ def dequantized(packed: torch.Tensor, weight: FourBit, data: TensorReader) -> to
     parts = {name: data.view(ref) if name.startswith("quant_state") else data.view(ref).to(device)
              for name, ref in weight.companions.items()}
     codes = packed.reshape(-1).view(torch.uint8)
+    absmax = dequantize_absmax(parts["absmax"], parts.get("nested_absmax"), parts.get("nested_quant_map"),
+                               s.get("nested_offset", 0.0), s.get("nested_blocksize", NESTED_BLOCKSIZE))
     if device.type == "cuda":  # bitsandbytes' `dequantize_4bit` of the `QuantState` its `from_dict` makes of these
-        absmax = parts["absmax"]
-        if "nested_absmax" in parts:
-            absmax = cuda.dequantize_blockwise(absmax, parts["nested_absmax"], parts["nested_quant_map"],
-                                               s["nested_blocksize"])
-            absmax += torch.tensor(float(s["nested_offset"])).to(device)
         flat = cuda.dequantize_4bit(codes, absmax, s["blocksize"], s["quant_type"],
                                     SAFETENSORS_DTYPES[weight.dtype], math.prod(s["shape"]))
         return flat.view(weight.shape)
-    absmax = dequantize_absmax(parts["absmax"], parts.get("nested_absmax"), parts.get("nested_quant_map"),
-                               s.get("nested_offset", 0.0))
     flat = dequantize(codes, absmax, parts["quant_map"], s["blocksize"], math.prod(s["shape"]))
     return flat.to(SAFETENSORS_DTYPES[weight.dtype]).view(weight.shape)
 

@@ -134,13 +134,9 @@ def _compare_quantized(
             return None
         x = x.to(NAMED[g.state["dtype"]])
     w = g.weight
-    absmax = stats.dequantize_absmax(
-        odata.view(refs[f"{w}.absmax"]),
-        odata.view(refs[f"{w}.nested_absmax"]) if g.nested else None,
-        odata.view(refs[f"{w}.nested_quant_map"]) if g.nested else None,
-        g.state.get("nested_offset", 0.0),
-    )
-    return stats.compare(x, odata.view(refs[w]), absmax, odata.view(refs[f"{w}.quant_map"]), g.state["blocksize"])
+    parts = ("weight", "absmax", "quant_map", *(("nested_absmax", "nested_quant_map") if g.nested else ()))
+    entries = {p: odata.view(refs[w if p == "weight" else f"{w}.{p}"]) for p in parts}
+    return stats.entry_stats(x, entries, g.state)
 
 
 def _judge(name: str, st: stats.TensorStats, expected: float, limit: float, report: Report) -> None:

@@ -76,3 +76,15 @@ def test_gpu_figures_are_the_cpus(scale, quant_type, storage, shape):
     assert (gpu.numel, gpu.absmax_min, gpu.absmax_max) == (cpu.numel, cpu.absmax_min, cpu.absmax_max)
     assert gpu.rel_error == pytest.approx(cpu.rel_error, rel=1e-4)
     assert gpu.max_abs_error == pytest.approx(cpu.max_abs_error, rel=1e-4)
+
+
+def test_double_quantized_scales_decode_in_the_states_nested_blocks():
+    """The block scales' 8-bit codes decode as code * scale of their nested block + offset, in float32, with the
+    nested block size the quant state names (bitsandbytes writes 256; a state may say otherwise)."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=g)
+    nested_map = torch.linspace(-1, 1, 256)
+    for blocksize in (128, 256):
+        nested_absmax = torch.rand(-(-1000 // blocksize), generator=g) + 0.5
+        wanted = nested_map[codes.long()] * nested_absmax.repeat_interleave(blocksize)[:1000] + 0.25
+        assert torch.equal(stats.dequantize_absmax(codes, nested_absmax, nested_map, 0.25, blocksize), wanted)
