@@ -235,6 +235,7 @@ def merge(
     if not dry_run:
         weights, named_base = folder.peek(adapter)
         readahead.prefetch(base or named_base, first=weights)  # a local adapter and base, while the libraries load
+        folder.hash_ahead(adapter)  # and the adapter's sha256, which the job's fingerprint names it by
     with signals.deferred():  # torch's imports (see convert)
         from .conversion.options import ConvertOptions
         from .merging.run import merge as run_merge

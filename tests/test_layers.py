@@ -138,9 +138,10 @@ def test_no_import_cycles_lazy_and_type_checking_imports_included():
 
 def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
     """The CLI checks OUTPUT_DIR and starts reading a local source ahead before it imports torch (for a merge, the
-    adapter's weights and the base its config names): its own module, that check and that read-ahead, run here in
-    a fresh interpreter on a real checkpoint directory (sharded, with an index) and adapter folder, must load
-    neither torch nor transformers nor huggingface_hub (each costs seconds of start-up)."""
+    adapter's weights and the base its config names, and it hashes the adapter): its own module, that check, that
+    read-ahead and that hash, run here in a fresh interpreter on a real checkpoint directory (sharded, with an
+    index) and adapter folder, must load neither torch nor transformers nor huggingface_hub (each costs seconds of
+    start-up), and the hash must be the file's."""
     src, out, adapter = tmp_path / "ckpt", tmp_path / "out", tmp_path / "adapter"
     src.mkdir()
     adapter.mkdir()
@@ -161,6 +162,10 @@ def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
         f"weights, base = folder.peek({str(adapter)!r})\n"
         f"assert weights == [folder.Path({str(adapter / 'adapter_model.safetensors')!r})] and base == {str(src)!r}\n"
         "readahead.prefetch(base, first=weights)\n"
+        f"folder.hash_ahead({str(adapter)!r})\n"
+        "import hashlib\n"
+        f"digest = folder.sha256(folder.Path({str(adapter / 'adapter_model.safetensors')!r}))\n"
+        "assert digest == hashlib.sha256(b'x' * 4096).hexdigest(), digest\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'huggingface_hub', 'numpy') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
@@ -171,8 +176,8 @@ def test_what_the_cli_runs_before_torch_imports_no_heavy_library(tmp_path):
 
 
 def test_a_local_conversion_imports_huggingface_hub_only_to_write_the_card():
-    """huggingface_hub costs 0.3 s of imports: `convert()`'s modules load without it (the card imports it when it
-    is written, at the end, beside the last shards' hashes)."""
+    """huggingface_hub costs 0.3 s of imports: `convert()`'s modules load without it (the card's classes are
+    imported on a thread of their own once the stream has begun, `card.import_ahead`)."""
     code = ("import sys\nimport prequant.conversion.run, prequant.cli\n"
             "print('huggingface_hub' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,

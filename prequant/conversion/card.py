@@ -10,6 +10,7 @@ is kept verbatim in a code block. `change_storage` rewrites the storage-dependen
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 from .._version import __version__
@@ -27,6 +28,20 @@ _CARRIED_PREFIXES = ("license", "extra_gated")
 
 # A Hub repo id as config.json's `_name_or_path` holds one (`org/name`), not a local path (`./x`, `/x/y`, `~/x`).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def import_ahead() -> None:
+    """Import huggingface_hub's card classes on a thread of their own as the stream begins, so that the card does
+    not wait for them at the end, where the import competes for the interpreter with the threads hashing the last
+    shards and holds up the output's publication."""
+    threading.Thread(target=_import_card_classes, name="prequant-card-import", daemon=True).start()
+
+
+def _import_card_classes() -> None:
+    try:
+        from huggingface_hub import ModelCard, ModelCardData  # noqa: F401 - imported now, used by write_card
+    except Exception:  # noqa: BLE001, S110 - write_card's own import reports it
+        pass
 
 
 def write_card(
@@ -47,7 +62,7 @@ def write_card(
     `repo_id` when the destination is known (--push-to-hub), else a name derived from the base model or folder:
     never the local output path, so that converting the same source with the same options gives the same bytes
     wherever the output goes."""
-    from huggingface_hub import ModelCard, ModelCardData  # here: 0.3 s of imports, not on a conversion's start-up
+    from huggingface_hub import ModelCard, ModelCardData  # imported ahead (`import_ahead`), not on the start-up
 
     base = base_model or base_model_id(source, source_dir)
     original = _original_card(source_dir / CARD)

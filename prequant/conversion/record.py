@@ -214,6 +214,7 @@ class Recorder:
         summary = summarize(self.stats.tensors) if self.stats is not None else None
         source["base_model"] = write_card(staging, source_dir=self.source.path, source=source, base_model=base,
                                           plan=self.plan, stats_summary=summary, repo_id=repo_id)
+        trace.mark("card-written")  # then the manifest, once the last shards' hashes are done
         names = [*self.plan.shards, *(p.as_posix() for p in side_files), CONFIG, CARD]
         names += [n for n in INDEX_NAMES if (staging / n).is_file()]
         return self._write(staging, names, source, device)

@@ -205,6 +205,7 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
                     publisher.send(name, (staging / name, job.output_dir / name), lambda: record.digest(name))
 
             trace.mark("pipeline-start")
+            card.import_ahead()  # the card's library, while the disk is what the stream waits for
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=on_step, stats=record.stats,
                                  on_shard=on_shard, check=record.kept, on_follow=record.on_follow,
                                  transform=transform)

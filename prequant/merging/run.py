@@ -26,7 +26,6 @@ from ..bnb.layout import Decision, Layout, require_known
 from ..bnb.predict import decide
 from ..checkpoint import manifest
 from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES
-from ..checkpoint.manifest import sha256_file
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import TensorRef
 from ..conversion import output
@@ -40,7 +39,7 @@ from ..source.resolve import contents, resolve, scan
 from ..source.spec import Source, hub_spec
 from ..util import trace
 from ..util.fsio import write_json
-from . import card
+from . import card, folder
 from .adapter import Adapter, Target, base_names, read, targets, wanted
 from .folder import CONFIG_NAME, WEIGHT_NAMES
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
@@ -77,7 +76,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
             return plan
         quantizer = starting.quantizer(plan.settings, opts.device, plan.input_bytes)
         trace.mark("quantizer-started")  # on a GPU, "cuda-ready" follows once it is built
-        lora = replace(lora, identity=_identity(lora.identity, lora.directory))  # while CUDA starts
+        lora = replace(lora, identity=_identity(lora.identity, lora.directory))  # while CUDA starts, if not ahead
         trace.mark("adapter-hashed")  # the job's fingerprint names the adapter's files by their sha256
         dequantized_too = {k: w for k, w in four_bit.items() if not quantize or k in changed}
         merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
@@ -102,6 +101,7 @@ def _record(job: Job, record: Recorder, staging: Path, lora: Adapter, four: bool
     _write_config(staging, job.config, plan, four, quantize)
     identity = source_identity(src)
     card.write(staging, src, identity, lora, plan, quantize, job.options.push_to_hub)
+    trace.mark("card-written")  # then the manifest, once the last shards' hashes are done
     files = [*plan.shards, *(p.as_posix() for p in job.side_files), CONFIG, CARD]
     files += [n for n in INDEX_NAMES if (staging / n).is_file()]
     merged = sorted(s.source.name for s in plan.steps if s.decision.reason == MERGED)
@@ -169,9 +169,10 @@ def open_adapter(spec: str) -> Adapter:
 
 
 def _identity(ident: dict, directory: Path) -> dict:
-    """The adapter as the manifest records it: where it came from, and its files' sha256."""
+    """The adapter as the manifest records it: where it came from, and its files' sha256 (hashed ahead by the CLI
+    while the libraries loaded, `folder.hash_ahead`, or now)."""
     files = [n for n in (CONFIG_NAME, *WEIGHT_NAMES) if (directory / n).is_file()]
-    return {**ident, "sha256": {n: sha256_file(directory / n) for n in files}}
+    return {**ident, "sha256": {n: folder.sha256(directory / n) for n in files}}
 
 
 def _base(spec: str, opts: ConvertOptions) -> tuple[Source, list[TensorRef], dict, bool]:

@@ -1,13 +1,14 @@
 """Benchmark: prequant merge of a LoRA adapter into a synthetic base, against the disk's floor.
 
-Generates a synthetic checkpoint of about --size-gb GB (synthetic.py) and a random rank --rank adapter on every
-linear layer of it (adapter_model.safetensors + adapter_config.json, as peft saves one), converts the base to 4-bit,
-then measures, each from a cold page cache where permitted:
+Generates a synthetic checkpoint of about --size-gb GB or --layers layers (synthetic.py) and a random rank --rank
+adapter on every linear layer of it (adapter_model.safetensors + adapter_config.json, as peft saves one), converts
+the base to 4-bit (for merge4), then measures, each from a cold page cache where permitted (--bases picks them):
 
   merge16        python -m prequant merge ADAPTER OUT --base BASE: into the 16-bit base, 16-bit out
   merge4         the same into the base's 4-bit conversion (its weights dequantized), 16-bit out
   floor16/4      the disk's floor for each: read the base's shards and the adapter while dd durably writes as many
-                 bytes as the merge wrote (common.read_write_floor)
+                 bytes as the merge wrote (common.read_write_floor), into the room of the merge's output, deleted
+                 first (the disk then holds the base and one output's worth at a time)
   agreement      --agreement: every (B @ A) * scaling in float32 on the GPU and on the CPU, and the merged bf16 weights
                  from each: how many elements differ (TF32 off)
 
@@ -16,6 +17,7 @@ bytes written, as JSON (stdout or --json FILE).
 
     python scripts/bench/merge.py --size-gb 16 --shape llama --device cuda --rank 64 --agreement
     python scripts/bench/merge.py --size-gb 0.05 --shape uniform --device cpu --rank 4
+    python scripts/bench/merge.py --layers 56 --shape llama --device cuda --rank 64 --bases 16   # 27.5 GB
 """
 
 from __future__ import annotations
@@ -122,12 +124,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--agreement", action="store_true", help="compare float32 products on the GPU and the CPU")
+    ap.add_argument("--bases", default="16,4", help="which merges: 16 (into the bf16 base), 4 (into its NF4 "
+                    "conversion) or both, comma-separated")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints and outputs")
     ap.add_argument("--json", type=Path, help="write the JSON report here (default: stdout)")
     args = ap.parse_args()
 
-    base = generated(args.shape, args.size_gb, args.dir)
-    adapter = args.dir / f"adapter-r{args.rank}"
+    base = generated(args.shape, args.size_gb, args.dir, layers=args.layers, dims=args.dims)
+    adapter = args.dir / f"adapter-{base.name}-r{args.rank}"
     if not (adapter / "adapter_config.json").exists():
         t = time.monotonic()
         subprocess.run([sys.executable, __file__, "--make-adapter", str(base), str(adapter), str(args.rank)],
@@ -136,14 +140,20 @@ def main() -> None:
     adapter_file = adapter / "adapter_model.safetensors"
     report: dict = {"shape": args.shape, "device": args.device, "rank": args.rank, "cpus": os.cpu_count(),
                     "cold_cache": drop_caches(), "adapter_bytes": adapter_file.stat().st_size}
+    bases = args.bases.split(",")
     four = args.dir / "base-nf4"
-    report["convert"] = run_prequant(str(base), four, args.device, args.dir)
-    report["convert"].pop("weight_sha256", None)
+    if "4" in bases:
+        report["convert"] = run_prequant(str(base), four, args.device, args.dir)
+        report["convert"].pop("weight_sha256", None)
     for name, source in (("merge16", base), ("merge4", four)):
+        if name.removeprefix("merge") not in bases:
+            continue
         out = args.dir / f"out-{name}"
         r = run_merge(adapter, source, out, args.device, args.dir)
         shards = [*sorted(source.glob("*.safetensors")), adapter_file]
         r["source_bytes"] = sum(p.stat().st_size for p in shards)
+        if not args.keep:  # the floor's scratch file takes its place on the disk
+            shutil.rmtree(out, ignore_errors=True)
         floor = read_write_floor(shards, r["output_bytes"], args.dir)
         r["floor_seconds"] = floor["seconds"]
         r["ratio_to_floor"] = round(r["seconds"] / floor["seconds"], 3)
@@ -153,8 +163,6 @@ def main() -> None:
               file=sys.stderr)
         if args.json:  # what is measured so far, should the rest run out of time
             emit(report, args.json)
-        if not args.keep:
-            shutil.rmtree(out, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(four, ignore_errors=True)
     if args.agreement:
