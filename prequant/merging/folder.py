@@ -39,11 +39,8 @@ def hash_ahead(spec: str) -> None:
     but a folder; advisory: a file that cannot be read is hashed again when asked for, which reports it."""
     path = Path(spec).expanduser()
     files = [path / n for n in (CONFIG_NAME, *WEIGHT_NAMES) if (path / n).is_file()]
-    jobs = []
-    for file in files:
-        key = os.path.realpath(file)
-        if key not in _ahead:
-            jobs.append((file, _ahead.setdefault(key, Future())))
+    jobs = [(file, Future()) for file in files if os.path.realpath(file) not in _ahead]
+    _ahead.update((os.path.realpath(file), future) for file, future in jobs)
     if jobs:
         threading.Thread(target=_hash_all, args=(jobs,), name="prequant-adapter-hash", daemon=True).start()
 

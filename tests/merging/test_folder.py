@@ -54,7 +54,7 @@ def test_a_file_gone_since_its_hash_ahead_is_reported_when_asked_for(tmp_path):
         folder.sha256(adapter / folder.WEIGHT_NAMES[0])
 
 
-def test_anything_but_a_folder_is_not_hashed_ahead(tmp_path):
+def test_a_hub_id_or_a_file_is_left_alone_then_hashed_when_asked_for(tmp_path):
     folder.hash_ahead(str(tmp_path / "org-name"))  # a Hub repo id, say: nothing local to hash
     (tmp_path / "file").write_bytes(b"x")
     folder.hash_ahead(str(tmp_path / "file"))
