@@ -32,6 +32,10 @@ class Starting:
         """The quantizer, once built; raises what building it raised."""
         return self._future.result()
 
+    def then(self, call: Callable[[], None]) -> None:
+        """`call()` once the quantizer is built (or failed to be), on the thread that built it; at once if it is."""
+        self._future.add_done_callback(lambda _: call())
+
     @property
     def device(self) -> torch.device:
         """The CUDA device (waits for the quantizer)."""
@@ -47,6 +51,15 @@ def quantizer(settings: Settings, device: str, weight_bytes: int | None = None) 
     if importlib.util.find_spec("bitsandbytes") is None:
         raise no_bitsandbytes("no module named 'bitsandbytes'")
     return Starting(settings, lambda: Quantizer(settings, pick_device(device, weight_bytes)))
+
+
+def after_start(quantizer: Quantizer | Starting, call: Callable[[], None]) -> None:
+    """`call()` once the quantizer is built: work that would compete with CUDA's start for the interpreter (imports)
+    waits for it; with the CPU's quantizer, at once."""
+    if isinstance(quantizer, Starting):
+        quantizer.then(call)
+    else:
+        call()
 
 
 def ready(quantizer: Quantizer | Starting) -> Quantizer:

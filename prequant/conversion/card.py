@@ -31,7 +31,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 def import_ahead() -> None:
-    """Import huggingface_hub's card classes on a thread of their own as the stream begins, so that the card does
+    """Import huggingface_hub's card classes on a thread of their own while the stream runs, so that the card does
     not wait for them at the end, where the import competes for the interpreter with the threads hashing the last
     shards and holds up the output's publication."""
     threading.Thread(target=_import_card_classes, name="prequant-card-import", daemon=True).start()

@@ -205,7 +205,9 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
                     publisher.send(name, (staging / name, job.output_dir / name), lambda: record.digest(name))
 
             trace.mark("pipeline-start")
-            card.import_ahead()  # the card's library, while the disk is what the stream waits for
+            # The card's library, while the disk is what the stream waits for; after CUDA's start, which its
+            # imports would otherwise slow down (they compete for the interpreter and its import locks).
+            starting.after_start(quantizer, card.import_ahead)
             sizes = pipeline.run(plan, data, quantizer, staging, journal, on_step=on_step, stats=record.stats,
                                  on_shard=on_shard, check=record.kept, on_follow=record.on_follow,
                                  transform=transform)

@@ -99,3 +99,24 @@ def test_a_fresh_process_on_cuda_starts_cuda_on_a_thread_and_writes_transformers
     assert sorted(mine) == sorted(theirs)
     for k in mine:
         assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)), k
+
+
+def test_work_after_the_start_waits_for_the_quantizer_and_runs_at_once_without_one():
+    settings = prequant.ConvertOptions().settings
+    built, called = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def build() -> Quantizer:
+        built.wait(10)
+        order.append("built")
+        return Quantizer(settings, torch.device("cpu"))
+
+    quantizer = Starting(settings, build)
+    starting.after_start(quantizer, lambda: (order.append("called"), called.set()))
+    assert not called.wait(0.3), "ran before the quantizer was built"
+    built.set()
+    assert called.wait(10)
+    assert order == ["built", "called"]
+    starting.after_start(quantizer, lambda: order.append("again"))  # built already: at once
+    starting.after_start(Quantizer(settings, torch.device("cpu")), lambda: order.append("cpu"))
+    assert order == ["built", "called", "again", "cpu"]
