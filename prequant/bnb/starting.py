@@ -32,10 +32,6 @@ class Starting:
         """The quantizer, once built; raises what building it raised."""
         return self._future.result()
 
-    def then(self, call: Callable[[], None]) -> None:
-        """`call()` once the quantizer is built (or failed to be), on the thread that built it; at once if it is."""
-        self._future.add_done_callback(lambda _: call())
-
     @property
     def device(self) -> torch.device:
         """The CUDA device (waits for the quantizer)."""
@@ -54,10 +50,10 @@ def quantizer(settings: Settings, device: str, weight_bytes: int | None = None) 
 
 
 def after_start(quantizer: Quantizer | Starting, call: Callable[[], None]) -> None:
-    """`call()` once the quantizer is built: work that would compete with CUDA's start for the interpreter (imports)
-    waits for it; with the CPU's quantizer, at once."""
+    """`call()` once the quantizer is built (or failed to be), on the thread that built it: work that would compete
+    with CUDA's start for the interpreter (imports) waits for it; with the CPU's quantizer, or one built, at once."""
     if isinstance(quantizer, Starting):
-        quantizer.then(call)
+        quantizer._future.add_done_callback(lambda _: call())
     else:
         call()
 
