@@ -34,10 +34,10 @@ def default_window() -> int:
     return max(_STEP, min(avail, room if room is not None else avail) // 4)
 
 
-def _available() -> int | None:
+def _available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read (not Linux, no /proc)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
