@@ -68,11 +68,12 @@ def test_start_reads_the_files_ahead_in_full_within_a_window_that_holds_them(two
     assert _advised(advice) == 3 * readahead._STEP  # each byte once
 
 
-def test_start_without_a_window_takes_the_default_window_as_it_starts(two_files, advice, monkeypatch):
+def test_start_without_a_window_takes_the_default_window_as_it_starts(two_files, monkeypatch):
     # The memory available moves with other processes, so the default is fixed here; its arithmetic is tested below.
     monkeypatch.setattr(readahead, "default_window", lambda: 5 * readahead._STEP)
     r = readahead.start(two_files)
     r.stop()
+    r._thread.join()
     assert r.window == 5 * readahead._STEP
 
 
