@@ -1,6 +1,8 @@
-"""Write a small random Llama checkpoint with its tokenizer (no network needed) to try prequant on.
+"""Write a small random Llama checkpoint with its tokenizer (no network needed) to try prequant on; with --experts,
+a Qwen3-MoE one (that many experts a layer, two per token) to try `--quantize-experts` and MoE training on.
 
     python scripts/make_tiny_checkpoint.py demo/tiny-llama [--hidden 256 --layers 4]
+    python scripts/make_tiny_checkpoint.py demo/tiny-moe --experts 8
 
 The tokenizer is a byte-level BPE trained here, in a fraction of a second, on the example conversations
 (scripts/data/chats.jsonl), with a chat template, so the training examples run on the converted checkpoint. The
@@ -14,7 +16,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 CHATS = Path(__file__).resolve().parent / "data" / "chats.jsonl"
 SPECIAL = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]  # ids 0, 1, 2, ...: LlamaConfig's
@@ -45,10 +47,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024, help="the tokenizer's size at most (the corpus is small)")
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE of this many experts a layer (0: Llama)")
     parser.add_argument("--max-shard-size", default="2MB", help="shard the checkpoint like real ones are")
     args = parser.parse_args()
     tokenizer = build_tokenizer(args.vocab)
-    config = LlamaConfig(
+    sizes = dict(
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 7 // 2,
         num_hidden_layers=args.layers,
@@ -59,6 +62,11 @@ def main() -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    if args.experts:
+        config = Qwen3MoeConfig(**sizes, head_dim=64, num_experts=args.experts, num_experts_per_tok=2,
+                                moe_intermediate_size=args.hidden)
+    else:
+        config = LlamaConfig(**sizes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(args.output, max_shard_size=args.max_shard_size)

@@ -16,45 +16,46 @@ HANDLED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_mo
 REFUSED = ["gpt_oss", "llama4"]
 
 
-def moe_config(kind: str):
-    """A tiny config of each MoE layout (four experts, two per token), and a dense Llama."""
+def moe_config(kind: str, layers: int = 2):
+    """A tiny config of each MoE layout (four experts, two per token), and a dense Llama; `layers` decoder layers."""
     import transformers as tf
 
+    base = {**_BASE, "num_hidden_layers": layers}
     experts = dict(num_experts_per_tok=2)
     if kind == "mixtral":
-        return tf.MixtralConfig(**_BASE, num_local_experts=4, **experts)
+        return tf.MixtralConfig(**base, num_local_experts=4, **experts)
     if kind == "qwen2_moe":  # a shared expert and its one-output gate
-        return tf.Qwen2MoeConfig(**_BASE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        return tf.Qwen2MoeConfig(**base, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                  **experts)
     if kind == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**_BASE, num_experts=4, moe_intermediate_size=32, head_dim=16, **experts)
+        return tf.Qwen3MoeConfig(**base, num_experts=4, moe_intermediate_size=32, head_dim=16, **experts)
     if kind == "olmoe":
-        return tf.OlmoeConfig(**_BASE, num_experts=4, pad_token_id=1, eos_token_id=0, bos_token_id=None, **experts)
+        return tf.OlmoeConfig(**base, num_experts=4, pad_token_id=1, eos_token_id=0, bos_token_id=None, **experts)
     if kind == "deepseek_v3":  # layer 0 dense, shared experts, a router with a correction bias
-        return tf.DeepseekV3Config(**{**_BASE, "num_key_value_heads": 4}, n_routed_experts=4,
+        return tf.DeepseekV3Config(**{**base, "num_key_value_heads": 4}, n_routed_experts=4,
                                    moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
                                    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                    v_head_dim=16, **experts)
     if kind == "glm4_moe":
-        return tf.Glm4MoeConfig(**_BASE, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
+        return tf.Glm4MoeConfig(**base, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1,
                                 n_group=1, topk_group=1, head_dim=16, **experts)
     if kind == "gpt_oss":  # experts fused on disk, with biases
-        return tf.GptOssConfig(**_BASE, num_local_experts=4, head_dim=16, **experts)
+        return tf.GptOssConfig(**base, num_local_experts=4, head_dim=16, **experts)
     if kind == "llama":  # dense: no experts at all
-        return tf.LlamaConfig(**_BASE)
+        return tf.LlamaConfig(**base)
     if kind == "llama4":  # experts fused on disk, transposed
-        return tf.Llama4TextConfig(**_BASE, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+        return tf.Llama4TextConfig(**base, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
                                    head_dim=16)
     raise ValueError(kind)
 
 
-def build_moe(kind: str, path: Path, seed: int = 0) -> Path:
+def build_moe(kind: str, path: Path, seed: int = 0, layers: int = 2) -> Path:
     """Save a randomly initialised tiny MoE model (bf16). Untrained routers send every token to the same experts;
     the routers get random weights so that tokens reach all of them."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(kind), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(moe_config(kind, layers), dtype=torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "router.weight")):

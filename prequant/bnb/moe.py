@@ -124,6 +124,8 @@ def exact_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     values: bitsandbytes' CPU path is wrong for some shapes, and on a GPU its kernels add in another order (a fused
     one for a single row, a transposed weight for many). On a GPU, a forward that autograd records (training) takes
     bitsandbytes' own, whose backward dequantizes the weight again instead of keeping it."""
+    if x.numel() == 0:  # an idle expert's zero rows (`PerExpert`): nothing to dequantize
+        return x.new_zeros(*x.shape[:-1], self.out_features)
     if self.weight.device.type != "cpu" and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
         return _bnb_linear4bit().forward(self, x)
     compute = self.compute_dtype or x.dtype
@@ -171,9 +173,16 @@ class Expert(nn.Module):
 
 
 class PerExpert(nn.ModuleList):
-    """A MoE layer's experts, one `Expert` each, behind transformers 5's experts interface: for each expert hit,
+    """A MoE layer's experts, one `Expert` each, behind transformers 5's experts interface: for each expert,
     `down(act(gate(x)) * up(x))` of its tokens, weighted by the router, summed (the eager loop of transformers'
-    fused experts, whose gate_up_proj holds each expert's gate rows, then its up rows)."""
+    fused experts, whose gate_up_proj holds each expert's gate rows, then its up rows).
+
+    An expert no token reached runs too, on zero rows: its output is empty, but every trainable parameter in it
+    (LoRA) gets a gradient, zeros. Data-parallel ranks route other tokens, so an expert idle on one rank is busy on
+    another; FSDP reduce-scatters the same gradients on every rank, and a parameter without one on some rank breaks
+    that collective (gloo aborts on the size mismatch, NCCL hangs or averages the wrong tensors). Zero rows cost no
+    dequantization (a 4-bit layer returns at once for an empty input) and keep the autograd graph, hence the
+    backward's collectives, the same on every rank and in a recomputation under activation checkpointing."""
 
     def __init__(self, experts: list[Expert], act_fn: nn.Module) -> None:
         super().__init__(experts)
@@ -185,12 +194,13 @@ class PerExpert(nn.ModuleList):
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for index in hit.flatten().tolist():
-            if index == self.num_experts:
-                continue
-            expert = self[index]
-            top_k_pos, token_idx = torch.where(mask[index])
+            hit = set(torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist())
+        none = top_k_index.new_empty(0)
+        for index, expert in enumerate(self):
+            if index in hit:
+                top_k_pos, token_idx = torch.where(mask[index])
+            else:  # idle here: zero rows, no host sync
+                top_k_pos = token_idx = none
             x = hidden_states[token_idx]
             h = self.act_fn(expert.role("gate")(x)) * expert.role("up")(x)
             h = expert.role("down")(h) * top_k_weights[token_idx, top_k_pos, None]

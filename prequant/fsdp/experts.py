@@ -75,7 +75,9 @@ def lora_on_fused(model: nn.Module, config: Any) -> None:
 @contextmanager
 def lora_targets_as_named(model: nn.Module) -> Iterator[None]:
     """peft sees no transformers 4 -> 5 MoE conversion for `model` (its experts are per expert already), so
-    target modules keep their names; the model's type is restored after."""
+    target modules keep their names; the model's type is restored after. An adapter loaded inside that targets the
+    fused expert parameters of layers whose experts are per expert here (one trained on 16-bit experts) is refused:
+    peft would drop those LoRA weights with a warning and give the model without them."""
     config = model.config
     own = "model_type" in vars(config)
     model_type: Any = config.model_type
@@ -87,3 +89,23 @@ def lora_targets_as_named(model: nn.Module) -> Iterator[None]:
             config.model_type = model_type
         else:
             del config.model_type
+    _refuse_fused_lora(model)
+
+
+def _refuse_fused_lora(model: nn.Module) -> None:
+    """Raise PrequantError when an adapter on `model` (peft's `peft_config`, set on the model it wraps) names a
+    fused experts parameter (`target_parameters`) of a layer that holds its experts per expert."""
+    configs = getattr(model, "peft_config", None) or {}
+    for name, module in model.named_modules():
+        if not isinstance(module, PerExpert):
+            continue
+        for adapter, config in configs.items():
+            for target in getattr(config, "target_parameters", None) or []:
+                param = f"{name}.{target.rpartition('.')[2]}"
+                if target.rpartition(".")[2] in ("gate_up_proj", "down_proj") and (param == target or
+                                                                                  param.endswith(f".{target}")):
+                    raise PrequantError(
+                        f"adapter {adapter!r} holds LoRA of {param}, fused 16-bit experts, but this model's "
+                        f"{name} holds 4-bit experts one linear each: peft would drop those LoRA weights. Load it "
+                        "on prequant.load_model of the checkpoint it was trained on (converted without "
+                        "--quantize-experts), or merge it into this one with `prequant merge`")

@@ -120,6 +120,7 @@ def mixed(request, tmp_path_factory) -> dict:
 
 def test_two_ranks_train_lora_on_every_expert(trained):
     record = trained["record"]
+    assert record["first_batches"][0] != record["first_batches"][1]  # the trainer gave each rank its own rows
     losses = record["losses"]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     experts = {n for n in record["lora"] if ".experts." in n and ".lora_B." in n}
@@ -201,6 +202,24 @@ def _merged(run: dict, out: Path):
 
     prequant.merge(Path(run["out"]) / "final", out, base=run["checkpoint"], device="cpu", progress=False)
     return AutoModelForCausalLM.from_pretrained(out, dtype="auto").eval()
+
+
+def test_adapter_of_16bit_experts_on_4bit_experts_is_refused_in_one_line(kept, tmp_path):
+    """An adapter trained on fused 16-bit experts, loaded on the same model with 4-bit experts one linear each: peft
+    would drop the experts' LoRA with a warning; loading it as documented (`lora_targets_as_named`) is refused,
+    naming the layer and what to do."""
+    from peft import PeftModel
+
+    import prequant
+    from prequant.errors import PrequantError
+    from prequant.fsdp.experts import lora_targets_as_named
+
+    prequant.convert(kept["source"], tmp_path / "nf4", device="cpu", progress=False, quantize_experts=True)
+    model = prequant.load_model(tmp_path / "nf4")
+    with pytest.raises(PrequantError, match=r"^adapter 'default' holds LoRA of model\.layers\.0\.mlp\.experts\."
+                                            r"(gate_up|down)_proj, fused 16-bit experts.*`prequant merge`$"):
+        with lora_targets_as_named(model):
+            PeftModel.from_pretrained(model, Path(kept["out"]) / "final")
 
 
 def test_adapter_of_16bit_experts_merges_and_loads_with_the_trained_logits(kept, tmp_path):
@@ -295,6 +314,10 @@ def test_lora_on_kept_experts_follows_the_targets_and_refuses_gate_without_up(tm
 
 
 def _worker(config: dict) -> None:
+    """SFTTrainer as a user's script runs it: the trainer shards a dataset of different texts between the ranks,
+    with activation checkpointing, two micro-batches a step and the router's auxiliary loss."""
+    import random
+
     import torch.distributed as dist
     from datasets import Dataset
     from helpers import TOKENIZER_WORDS
@@ -306,15 +329,23 @@ def _worker(config: dict) -> None:
 
     out = Path(config["out"])
     model = prequant.load_for_fsdp(config["checkpoint"], lora_r=4, lora_alpha=8, seed=0)
+    model.config.output_router_logits = True
     args = trainer_args(SFTConfig(output_dir=str(out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                                  gradient_accumulation_steps=2, gradient_checkpointing=True,
                                   logging_steps=1, bf16=True, use_cpu=True, report_to="none", seed=0,
                                   disable_tqdm=True, max_length=32, save_strategy="no"))
     tokenizer = AutoTokenizer.from_pretrained(config["tokenizer"])
-    text = " ".join(TOKENIZER_WORDS)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([{"text": text}] * 16),
-                         processing_class=tokenizer)
+    words = random.Random(0)
+    rows = [{"text": " ".join(words.choices(TOKENIZER_WORDS, k=words.randint(6, 24)))} for _ in range(32)]
+    first: list[list[int]] = []
+    seen = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: first.append(kwargs["input_ids"][0].tolist()) if not first else None, with_kwargs=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     trainer.train()
+    seen.remove()
     trainer.save_model(str(out / "final"))
+    batches = [None] * dist.get_world_size()
+    dist.all_gather_object(batches, first[0])
     logits, routes = _probe(model)
     lora = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     fused = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in model.named_parameters()
@@ -322,6 +353,7 @@ def _worker(config: dict) -> None:
     rows = [0] * dist.get_world_size()
     dist.all_gather_object(rows, next((p.to_local().shape[0] for p in fused.values()), 0))
     record = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "probe_logits": logits,
+              "first_batches": batches,
               "routes": routes, "lora": lora, "experts": {n: p.full_tensor().detach().clone() for n, p in fused.items()},
               "experts_local_rows": rows}
     if dist.get_rank() == 0:
