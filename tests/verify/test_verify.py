@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, run_main
+from helpers import rehash, run_cli, run_main
 from safetensors.torch import load_file, save_file
 
 import prequant
 from prequant.bnb import stats
 from prequant.bnb.stats import entry_stats
-from prequant.checkpoint.manifest import sha256_file
 from prequant.verify import check, compare, run as verification
 
 SHARD_1 = "model-00001-of-00002.safetensors"
@@ -26,14 +25,6 @@ INDEX = "model.safetensors.index.json"
 def out(converted_llama, tmp_path) -> Path:
     """A private copy of the fresh output (conftest's converted_llama, shared read-only), to damage."""
     return Path(shutil.copytree(converted_llama[1], tmp_path / "out"))
-
-
-def rehash(out: Path, *names: str) -> None:
-    """Update prequant.json for edited files, so only the structural checks can catch the edit."""
-    manifest = json.loads((out / "prequant.json").read_text())
-    for name in names:
-        manifest["files"][name] = {"size": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
-    (out / "prequant.json").write_text(json.dumps(manifest))
 
 
 def rewrite_shard(out: Path, key: str, edit) -> str:
