@@ -1,6 +1,6 @@
 """MoE sources whose experts disagree with config.json (an expert transposed, one missing in every layer, one more
 than the config's count, one of another size) are refused before OUTPUT_DIR is claimed, with and without
---quantize-experts, as transformers' from_pretrained refuses them."""
+--quantize-experts, as transformers' from_pretrained refuses them; `verify --source` catches them too."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, run_main
+from helpers import rehash, run_cli, run_main
 from moe_checkpoints import DEFECTS, break_experts, build_moe
 
 import prequant
+from prequant.verify.run import verify
+
 KINDS = ["mixtral", "qwen3_moe", "deepseek_v3"]  # Mixtral's naming (w1/w2/w3), Qwen's, DeepSeek's dense first layer
 # What each refusal says went wrong, besides the tensor's name.
 SAYS = {"transposed": ("has shape", "transposed"), "missing": ("missing",), "extra": ("experts",),
@@ -109,3 +111,22 @@ def test_a_projection_absent_from_every_expert_is_refused_naming_its_pattern(goo
     assert e.value.detail.startswith("the checkpoint holds no tensor matching 'mlp.experts.*.up_proj.weight' for "
                                      "model.layers.1.mlp.experts.gate_up_proj, but Qwen3MoeForCausalLM built from "
                                      "config.json takes one for each of its 4 experts;")
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_against_a_malformed_source_fails_naming_its_tensor(good, tmp_path, kind, defect):
+    """The output an older prequant wrote from a malformed source: its experts kept as the source holds them (the
+    valid conversion, with the same defect made in its shard, its manifest updated), which matches the source tensor
+    for tensor; the source itself is what transformers would refuse, and verify says so."""
+    out = tmp_path / "out"
+    prequant.convert(good(kind), out, device="cpu", progress=False, stats=False)
+    src, concerned = broken(good(kind), tmp_path / "src", defect)
+    assert break_experts(out, defect) == concerned
+    rehash(out, "model.safetensors")
+    report = verify(out, source=str(src), progress=False)
+    assert not report.ok
+    problem = next(p for p in report.problems if any(name in str(p) for name in concerned))
+    assert "config.json" in str(problem), report.to_text()
+    code, stdout, _ = run_main("verify", str(out), "--source", str(src))
+    assert code == 1 and "FAILED" in stdout and any(name in stdout for name in concerned), stdout

@@ -307,12 +307,14 @@ def test_a_folder_that_is_not_a_prequant_output_is_said_in_one_line(checkpoints,
 
 
 def test_a_failing_source_comparison_says_no_none(converted_llama):
-    """The output itself given as the source: nothing quantized compares, and the report says so in words."""
+    """The output itself given as the source: convert refuses it (already quantized), nothing quantized compares,
+    and the report says so in words."""
     _, out = converted_llama
     code, stdout, stderr = run_main("verify", str(out), "--source", str(out))
     assert code == 1 and "None" not in stdout and "None" not in stderr, stdout
+    assert f"FAIL source {out / 'config.json'}: the source is already quantized" in stdout
     assert f"source {out}: no quantized tensor compared, 77 kept tensors compared byte for byte" in stdout
-    assert "FAILED (14 problems)" in stdout and "(and 13 more problems; see the full report)" in stderr
+    assert "FAILED (15 problems)" in stdout and "(and 14 more problems; see the full report)" in stderr
 
 
 def test_a_missing_config_entry_is_said_missing_and_one_problem_is_one(out):
