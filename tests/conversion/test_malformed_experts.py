@@ -17,8 +17,8 @@ from prequant.verify.run import verify
 
 KINDS = ["mixtral", "qwen3_moe", "deepseek_v3"]  # Mixtral's naming (w1/w2/w3), Qwen's, DeepSeek's dense first layer
 # What each refusal says went wrong, besides the tensor's name.
-SAYS = {"transposed": ("has shape", "transposed"), "missing": ("missing",), "extra": ("experts",),
-        "reshaped": ("has shape",)}
+SAYS = {"transposed": ("has shape", "(it is stored transposed)"), "missing": ("is missing",),
+        "extra": ("is expert 4,", "numbered 0 to 3"), "reshaped": ("has shape", "for each expert's part of")}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_verify_against_a_malformed_source_fails_naming_its_tensor(good, tmp_pat
     rehash(out, "model.safetensors")
     report = verify(out, source=str(src), progress=False)
     assert not report.ok
-    problem = next(p for p in report.problems if any(name in str(p) for name in concerned))
-    assert "config.json" in str(problem), report.to_text()
+    problem = next(str(p) for p in report.problems if any(name in str(p) for name in concerned))
+    assert problem.startswith("source model.safetensors: ") and "config.json" in problem, report.to_text()
     code, stdout, _ = run_main("verify", str(out), "--source", str(src))
     assert code == 1 and "FAILED" in stdout and any(name in stdout for name in concerned), stdout
