@@ -69,6 +69,56 @@ def build_moe(kind: str, path: Path, seed: int = 0, layers: int = 2) -> Path:
     return path
 
 
+# Ways a MoE checkpoint's experts can disagree with its config.json, each of which transformers' from_pretrained
+# refuses: `break_experts` makes them.
+DEFECTS = ["transposed", "missing", "extra", "reshaped"]
+
+
+def break_experts(folder: Path, defect: str) -> list[str]:
+    """Edit a tiny MoE checkpoint's one safetensors file on disk so that its experts disagree with config.json, and
+    return the tensors concerned (those a refusal may name): "transposed", the last MoE block's expert 2 up projection
+    stored as its transpose (same element count); "missing", the last expert removed from every MoE block; "extra",
+    an expert more than config.json's count in every block (a copy of expert 0); "reshaped", the last block's expert
+    1 with half the intermediate size in all its projections."""
+    from safetensors.torch import load_file, save_file
+
+    from prequant.bnb.experts import ROLES, expert_match
+
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    experts: dict[str, dict[int, dict[str, str]]] = {}  # block -> index -> role -> name
+    for name in tensors:
+        if (m := expert_match(name)) is not None:
+            experts.setdefault(m["block"], {}).setdefault(int(m["index"]), {})[ROLES[m["proj"]]] = name
+    last = experts[max(experts, key=lambda b: int(b.split(".")[2]))]
+    concerned: list[str] = []
+    if defect == "transposed":
+        name = last[2]["up"]
+        tensors[name] = tensors[name].t().contiguous()
+        concerned.append(name)
+    elif defect == "missing":
+        for block in experts.values():
+            for name in block[max(block)].values():
+                del tensors[name]
+                concerned.append(name)
+    elif defect == "extra":
+        for block in experts.values():
+            count = max(block) + 1
+            for name in block[0].values():
+                added = name.replace(".experts.0.", f".experts.{count}.")
+                tensors[added] = tensors[name].clone()
+                concerned.append(added)
+    elif defect == "reshaped":
+        for role, name in last[1].items():
+            t = tensors[name]
+            tensors[name] = (t[:, : t.shape[1] // 2] if role == "down" else t[: t.shape[0] // 2]).contiguous()
+            concerned.append(name)
+    else:
+        raise ValueError(defect)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return concerned
+
+
 def dequantized(entries: dict[str, torch.Tensor]) -> torch.Tensor:
     """A 4-bit weight from its checkpoint entries (short names: weight, absmax, quant_map, nested_*, quant_state.*),
     dequantized as bitsandbytes' CUDA kernel does: code times block scale in float32, rounded once to the weight's

@@ -11,7 +11,8 @@ Two ways to decide, in this order:
 2. Otherwise, a registry of name rules per family (Grok-1 in both namings) and a generic fallback.
 
 Each decision also carries the dtype transformers loads the tensor in, and with the meta model every tensor's
-shape is checked against its parameter's (`loading` has those rules).
+shape is checked against its parameter's, per-expert tensors against the fused parameter they make up (`loading`
+has those rules).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
-from .loading import cast_code, check_shape, fp32_pattern, load_dtype, should_convert, unmatched_by_4x
+from .loading import (Stacking, cast_code, check_fused, check_shape, fp32_pattern, load_dtype, should_convert,
+                      unmatched_by_4x)
 
 log = logging.getLogger("prequant")
 
@@ -117,12 +120,15 @@ def _from_transformers(
 
     decisions: dict[str, Decision] = {}
     by_skip: dict[str, str] = {}  # module -> the --skip pattern keeping it
+    fused: dict[str, list[tuple[TensorRef, Stacking]]] = {}  # fused parameter -> its per-expert tensors
     for t in tensors:
-        model_key, converted = to_model_key(t.name)
+        model_key, converted, part = to_model_key(t.name)
         module, _, leaf = model_key.rpartition(".")
         param = state.get(model_key)
         if param is not None and not converted:
             check_shape(t, tuple(param.shape), name)
+        if param is not None and part is not None:
+            fused.setdefault(model_key, []).append((t, part))
         target = "F32" if fp32 is not None and fp32.search(model_key) else None
         kept_as = cast_code(t.dtype, target or (TORCH_TO_SAFETENSORS.get(param.dtype) if param is not None else None))
         if converted:
@@ -141,6 +147,8 @@ def _from_transformers(
             conv1d = linear[module]
             decisions[t.name] = Decision(True, "Conv1D, transposed" if conv1d else "nn.Linear", transpose=conv1d,
                                          dtype=cast_code(t.dtype, target or dtype))
+    for model_key, members in fused.items():
+        check_fused(model_key, tuple(state[model_key].shape), members, name)
     # An explicit list replaces transformers' defaults on load, so it must carry them too.
     skip_modules = sorted({*defaults, *required, *skip}) if skip or required else None
     method = f"transformers meta model ({name})" + (f", {family.name} skips" if family else "")
@@ -179,8 +187,10 @@ def _linear_modules(model: object) -> dict[str, bool]:
     return found
 
 
-def _key_mapper(model: object):
-    """checkpoint key -> (model key, converted?) using transformers' own loading-time renaming."""
+def _key_mapper(model: object) -> Callable[[str], tuple[str, bool, Stacking | None]]:
+    """checkpoint key -> (model key, converted?, how it is stacked into a fused parameter), using transformers' own
+    loading-time renaming. The last is None for a key not fused, or fused by a converter other than the experts'
+    stack (whose per-tensor shapes are not derived here)."""
     params = dict.fromkeys(k for k, _ in model.named_parameters())  # type: ignore[attr-defined]
     prefix = getattr(model, "base_model_prefix", None)
     try:
@@ -190,22 +200,41 @@ def _key_mapper(model: object):
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        stacks = {pattern: _stacking(c, i) for c in converters for i, pattern in enumerate(c.source_patterns)}
 
-        def mapped(key: str) -> tuple[str, bool]:
+        def mapped(key: str) -> tuple[str, bool, Stacking | None]:
             new, pattern = rename_source_key(key, renamings, converters, prefix, params)
-            return new, pattern is not None
+            return new, pattern is not None, None if pattern is None else stacks.get(pattern)
 
         return mapped
     except Exception:
         # Older transformers: no renaming tables; only the base-model prefix may differ.
-        def plain(key: str) -> tuple[str, bool]:
+        def plain(key: str) -> tuple[str, bool, Stacking | None]:
             if key in params or not prefix:
-                return key, False
+                return key, False, None
             if f"{prefix}.{key}" in params:
-                return f"{prefix}.{key}", False
-            return key.removeprefix(f"{prefix}."), False
+                return f"{prefix}.{key}", False, None
+            return key.removeprefix(f"{prefix}."), False, None
 
         return plain
+
+
+def _stacking(converter: object, part: int) -> Stacking | None:
+    """How the converter of native MoE experts fuses the tensors of its source pattern `part` (each pattern's
+    tensors stacked along a new dimension 0, the patterns then concatenated along one dimension: `MergeModulelist(0)`,
+    then `Concatenate`); None for any other converter."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(converter.operations)  # type: ignore[attr-defined]
+    patterns = tuple(converter.source_patterns)  # type: ignore[attr-defined]
+    if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0 or "*" not in patterns[part]:
+        return None
+    if len(ops) == 1 and len(patterns) == 1:
+        return Stacking(part, 1, None, patterns)
+    if len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim >= 1:
+        # In the stacked tensor, dimension d is each expert's dimension d - 1.
+        return Stacking(part, len(patterns), ops[1].dim - 1, patterns)
+    return None
 
 
 def _which_skip(module: str, skip: list[str], required: list[str], keep_fp32: list[str]) -> str:

@@ -7,13 +7,17 @@ transformers 5 (`from_pretrained`, default `dtype="auto"`) loads the model in co
 weight it quantizes is cast to that dtype first; a weight it keeps, to the dtype of the model's parameter (the
 same, unless the model makes that parameter in another dtype); `_keep_in_fp32_modules` (for float16) and
 `_keep_in_fp32_modules_strict` (for float16 and bfloat16) stay float32. A checkpoint tensor whose shape is not
-the model parameter's is an error ("size mismatch"), never silently reshaped.
+the model parameter's is an error ("size mismatch"), never silently reshaped. So is a set of per-expert tensors that
+does not make up the 3-D parameter transformers 5 stacks them into (native MoE experts): one of another shape, a
+number outside the model's experts, an expert missing (`check_fused`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..checkpoint.tensors import TensorRef, quote
@@ -63,15 +67,112 @@ def fp32_pattern(model: object, dtype_code: str | None) -> re.Pattern[str] | Non
     return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in plan)) if plan else None
 
 
+_MISMATCH = ("the weights do not match config.json (a wrong config, or a corrupt, incomplete or edited file): fix or "
+             "re-download the checkpoint")
+
+
 def check_shape(t: TensorRef, expected: tuple[int, ...], model_name: str) -> None:
     """transformers refuses a checkpoint tensor shaped otherwise than the model's parameter; so does prequant."""
     if tuple(t.shape) != tuple(expected):
         raise PrequantError(
             f"tensor {quote(t.name)} has shape {list(t.shape)}, but {model_name} built from config.json expects "
-            f"{list(expected)}; the weights do not match config.json (a wrong config, or a corrupt or edited file): "
-            "fix or re-download the checkpoint",
+            f"{list(expected)}{_transposed(t.shape, expected)}; {_MISMATCH}",
             where=t.file.name,
         )
+
+
+@dataclass(frozen=True)
+class Stacking:
+    """How transformers 5 fuses the checkpoint tensors of one pattern into a 3-D parameter (its converter for native
+    MoE experts): the experts stacked along dimension 0, each expert's `parts` concatenated along `dim` first, as
+    gate then up rows make `gate_up_proj [E, 2I, H]`. One per pattern, shared by every tensor it matches."""
+
+    part: int  # which of the concatenated parts (the converter's source patterns) this pattern is
+    parts: int
+    dim: int | None  # the per-expert dimension the parts are concatenated along (None: one part)
+    patterns: tuple[str, ...]  # the converter's source pattern of each part, e.g. ".experts.*.w1.weight"
+
+    @cached_property
+    def _number(self) -> re.Pattern[str]:
+        return re.compile(r"(\d+)" + re.escape(self.patterns[self.part].rpartition("*")[2]) + "$")
+
+    def index(self, name: str) -> int | None:
+        """The expert's number in a checkpoint key of this pattern (what its `*` matches); None if it holds none."""
+        found = self._number.search(name)
+        return int(found[1]) if found else None
+
+
+def check_fused(param: str, shape: Sequence[int], members: Sequence[tuple[TensorRef, Stacking]],
+                model_name: str) -> None:
+    """Refuse, as transformers' loader does, per-expert tensors that do not make up the fused parameter `param` of
+    `shape` (`[E, ...]`, from the model built from config.json): a tensor shaped otherwise than one expert's part, a
+    number that is not one of the E experts or is given twice, an expert missing. One pass over names and shapes."""
+    if not shape or not members:
+        return
+    experts = shape[0]
+    layout = f"{model_name} built from config.json has {experts} experts in {param} {list(shape)}"
+    seen: dict[tuple[int, int], TensorRef] = {}
+    numbered: dict[int, tuple[TensorRef, int]] = {}  # part -> one of its tensors and its number
+    each = {f.part: _part_shape(shape, f) for _, f in members}
+    for t, f in members:
+        expected = each[f.part]
+        if expected is not None and tuple(t.shape) != expected:
+            raise PrequantError(
+                f"tensor {quote(t.name)} has shape {list(t.shape)}, but {model_name} built from config.json expects "
+                f"{list(expected)} for each expert's part of {param} {list(shape)}{_transposed(t.shape, expected)}; "
+                f"{_MISMATCH}", where=t.file.name)
+        index = f.index(t.name)
+        if index is None:
+            continue
+        if index >= experts:
+            raise PrequantError(
+                f"tensor {quote(t.name)} is expert {index}, but {layout}, numbered 0 to {experts - 1}; {_MISMATCH}",
+                where=t.file.name)
+        if (f.part, index) in seen:
+            raise PrequantError(
+                f"tensor {quote(t.name)} is expert {index} of {param}, which {quote(seen[f.part, index].name)} "
+                f"already is; {_MISMATCH}", where=t.file.name)
+        seen[f.part, index] = t
+        numbered.setdefault(f.part, (t, index))
+    if not numbered:
+        return
+    first, stacking = members[0]
+    for part in range(stacking.parts):
+        held = {i for p, i in seen if p == part}
+        missing = next((i for i in range(experts) if i not in held), None)
+        if missing is None:
+            continue
+        if part not in numbered:  # the checkpoint holds none of this part: named by the converter's pattern
+            pattern = stacking.patterns[part]
+            raise PrequantError(
+                f"the checkpoint holds no tensor matching {pattern!r} for {param}, but {model_name} built from "
+                f"config.json takes one for each of its {experts} experts; {_MISMATCH}", where=first.file.name)
+        t, index = numbered[part]
+        raise PrequantError(
+            f"tensor {quote(_renumbered(t.name, index, missing))} is missing: {layout}, and the checkpoint holds "
+            f"{len(held)} of them ({quote(t.name)} is one); {_MISMATCH}", where=t.file.name)
+
+
+def _part_shape(shape: Sequence[int], f: Stacking) -> tuple[int, ...] | None:
+    """One expert's part of a fused parameter of `shape`; None when the parameter cannot be split so."""
+    each = list(shape[1:])
+    if f.dim is not None:
+        if not 0 <= f.dim < len(each) or each[f.dim] % f.parts:
+            return None
+        each[f.dim] //= f.parts
+    return tuple(each)
+
+
+def _renumbered(name: str, index: int, other: int) -> str:
+    """`name` with its expert number (the last `.<index>.` component) `other`."""
+    head, found, tail = name.rpartition(f".{index}.")
+    return f"{head}.{other}.{tail}" if found else name
+
+
+def _transposed(shape: Sequence[int], expected: Sequence[int]) -> str:
+    """Said when a 2-D tensor holds the expected shape transposed (same element count: only the shape tells)."""
+    same = len(shape) == 2 and list(shape) == list(reversed(expected)) and shape[0] != shape[1]
+    return " (it is stored transposed)" if same else ""
 
 
 # ------------------------------------------------------------------------------------ llm_int8_skip_modules

@@ -1,15 +1,17 @@
 """verify --source: each quantized tensor dequantized and compared with the original (relative L2 error and max
 error, with limits), each kept tensor byte for byte. Which tensors were quantized transposed (GPT-2 Conv1D) is read
 from prequant.json, or, for a manifest without that record, decided from the source's architecture as convert
-decides it (never guessed from shapes: square weights are ambiguous)."""
+decides it (never guessed from shapes: square weights are ambiguous). The source itself is checked as convert checks
+it: a source convert refuses (a tensor of another shape than config.json's model, a MoE expert missing, extra or
+shaped otherwise) fails verify."""
 
 from __future__ import annotations
 
 import torch
 
 from ..bnb import stats
-from ..bnb.layout import analyze
 from ..bnb.loading import cast_code
+from ..bnb.predict import decide
 from ..checkpoint import fp8
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..checkpoint.hf_files import read_config
@@ -40,8 +42,9 @@ def compare_source(
     `transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
     src = resolve(spec)
     src_refs = _as_16bit(src, scan_files(src.weight_files))
+    found = _source_transposed(src, src_refs, report, recorded=transposed is not None)
     if transposed is None:
-        transposed = _transposed_by_architecture(src, src_refs, report)
+        transposed = found
         if transposed is None:
             return
     transposed_set = set(transposed)
@@ -91,17 +94,20 @@ def compare_source(
     }
 
 
-def _transposed_by_architecture(
-    src: Source, src_refs: list[TensorRef], report: Report
-) -> list[str] | None:
-    """For a manifest without that record (or none): the tensors convert quantizes transposed, from the same
-    architecture analysis (remote code is never run; no skip list, which never changes how a tensor is laid out);
-    None, with the problem reported, if it cannot tell."""
+def _source_transposed(src: Source, src_refs: list[TensorRef], report: Report, *, recorded: bool) -> list[str] | None:
+    """The tensors convert quantizes transposed, from the source's layout decided as convert decides it (remote code
+    never run; no skip list, which never changes how a tensor is laid out), which checks every tensor against the
+    model config.json builds as convert does (shapes; MoE experts missing, extra or shaped otherwise); None, with
+    the problem reported, if the source is refused. `recorded`: prequant.json records the transposed tensors (then
+    a refused source is reported as such and the comparison goes on; else nothing can be compared)."""
     try:
-        layout = analyze(read_config(src.path), src.path, src_refs, [])
+        layout, _ = decide(read_config(src.path), src.path, src_refs, [])
     except PrequantError as e:
-        report.fail(MANIFEST, f"does not record which tensors were quantized transposed, and the source's "
-                    f"architecture cannot tell ({e.message}); the source cannot be compared")
+        if recorded:
+            report.fail(f"source {e.where}" if e.where else "source", f"{e.detail} (convert refuses this source)")
+        else:
+            report.fail(MANIFEST, f"does not record which tensors were quantized transposed, and the source's "
+                        f"architecture cannot tell ({e.message}); the source cannot be compared")
         return None
     return [name for name, decision in layout.decisions.items() if decision.transpose]
 

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli, run_main
+from helpers import rehash, run_cli, run_main
 from safetensors.torch import load_file, save_file
 
 import prequant
 from prequant.bnb import stats
 from prequant.bnb.stats import entry_stats
-from prequant.checkpoint.manifest import sha256_file
 from prequant.verify import check, compare, run as verification
 
 SHARD_1 = "model-00001-of-00002.safetensors"
@@ -26,14 +25,6 @@ INDEX = "model.safetensors.index.json"
 def out(converted_llama, tmp_path) -> Path:
     """A private copy of the fresh output (conftest's converted_llama, shared read-only), to damage."""
     return Path(shutil.copytree(converted_llama[1], tmp_path / "out"))
-
-
-def rehash(out: Path, *names: str) -> None:
-    """Update prequant.json for edited files, so only the structural checks can catch the edit."""
-    manifest = json.loads((out / "prequant.json").read_text())
-    for name in names:
-        manifest["files"][name] = {"size": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
-    (out / "prequant.json").write_text(json.dumps(manifest))
 
 
 def rewrite_shard(out: Path, key: str, edit) -> str:
@@ -316,12 +307,14 @@ def test_a_folder_that_is_not_a_prequant_output_is_said_in_one_line(checkpoints,
 
 
 def test_a_failing_source_comparison_says_no_none(converted_llama):
-    """The output itself given as the source: nothing quantized compares, and the report says so in words."""
+    """The output itself given as the source: convert refuses it (already quantized), nothing quantized compares,
+    and the report says so in words."""
     _, out = converted_llama
     code, stdout, stderr = run_main("verify", str(out), "--source", str(out))
     assert code == 1 and "None" not in stdout and "None" not in stderr, stdout
+    assert f"FAIL source {out / 'config.json'}: the source is already quantized" in stdout
     assert f"source {out}: no quantized tensor compared, 77 kept tensors compared byte for byte" in stdout
-    assert "FAILED (14 problems)" in stdout and "(and 13 more problems; see the full report)" in stderr
+    assert "FAILED (15 problems)" in stdout and "(and 14 more problems; see the full report)" in stderr
 
 
 def test_a_missing_config_entry_is_said_missing_and_one_problem_is_one(out):
