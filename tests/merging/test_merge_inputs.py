@@ -55,7 +55,8 @@ BROKEN: dict[str, tuple[dict, Callable[[Path, Path], Path], tuple[str, ...]]] = 
         {}, lambda good, out: altered(good, out, config={"rank_pattern": {"q_proj(": 8}}),
         ("adapter_config.json", "rank_pattern", "q_proj(")),
     "use_rslora a string": (
-        {}, lambda good, out: altered(good, out, config={"use_rslora": "false"}), ("adapter_config.json", "use_rslora")),
+        {}, lambda good, out: altered(good, out, config={"use_rslora": "false"}),
+        ("adapter_config.json", "use_rslora")),
     "DoRA magnitude of shape [1]": (
         {"use_dora": True},
         lambda good, out: altered(good, out, tensors={f"{Q0}.lora_magnitude_vector": torch.ones(1)}),
@@ -143,9 +144,9 @@ class SentinelConfig(LlamaConfig):
 
 
 def test_the_base_s_code_never_runs_without_trust_remote_code_and_nothing_asks(checkpoints, tmp_path):
-    """A base whose config names its own code (auto_map, a model_type transformers does not know): an adapter key that the checkpoint's names do not match
-    makes the merge ask transformers for the model's names; it must not run that code, nor ask on the terminal
-    (here "y" waits on stdin)."""
+    """A base whose config names its own code (auto_map, a model_type transformers does not know): an adapter key
+    that the checkpoint's names do not match makes the merge ask transformers for the model's names; it must not run
+    that code, nor ask on the terminal (here "y" waits on stdin). With --trust-remote-code the code runs."""
     base = tmp_path / "base"
     shutil.copytree(checkpoints("llama"), base)
     (base / "configuration_sentinel.py").write_text(SENTINEL_CONFIG)
@@ -153,8 +154,9 @@ def test_the_base_s_code_never_runs_without_trust_remote_code_and_nothing_asks(c
     (base / "config.json").write_text(json.dumps({**config, "model_type": "sentinel", "auto_map": {
         "AutoConfig": "configuration_sentinel.SentinelConfig"}}))
     good = make_adapter(checkpoints("llama"), tmp_path / "good", target_modules=["q_proj"])
-    stray = altered(good, tmp_path / "stray", tensors={"model.layers.0.self_attn.qkv.lora_A.weight": torch.randn(4, 64),
-                                                       "model.layers.0.self_attn.qkv.lora_B.weight": torch.randn(64, 4)})
+    qkv = "model.layers.0.self_attn.qkv"
+    stray = altered(good, tmp_path / "stray", tensors={f"{qkv}.lora_A.weight": torch.randn(4, 64),
+                                                       f"{qkv}.lora_B.weight": torch.randn(64, 4)})
     sentinel = tmp_path / "ran"
     env = {"SENTINEL": str(sentinel)}
     refused = run_cli("merge", str(stray), str(tmp_path / "out"), "--base", str(base), "--device", "cpu",
@@ -181,9 +183,8 @@ def test_the_same_merge_typed_another_way_continues_and_then_is_complete(checkpo
     assert killed.returncode == -signal.SIGKILL
     resumed = run_cli("merge", str(adapter), str(tmp_path / "out"), *args)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr
-    os.symlink(tmp_path, tmp_path.parent / f"{tmp_path.name}-link")
-    again = run_cli("merge", str(tmp_path.parent / f"{tmp_path.name}-link" / "lora") + "/", "out", *args,
-                    cwd=tmp_path)
+    os.symlink(adapter, tmp_path / "alias")  # a third spelling: through a link, with a trailing slash
+    again = run_cli("merge", "alias/", "out", *args, cwd=tmp_path)
     assert again.returncode == 0 and "already complete" in again.stdout + again.stderr, again.stderr
 
 
@@ -206,7 +207,8 @@ def test_an_interrupted_merge_of_another_adapter_is_refused_saying_the_adapter_c
     base = checkpoints("llama")
     adapter = make_adapter(base, tmp_path / "lora", target_modules=["q_proj", "down_proj"])
     args = ("--base", str(base), "--device", "cpu", "--max-shard-size", "100KB")
-    killed = run_cli("merge", str(adapter), str(tmp_path / "out"), *args, env={"PREQUANT_FAILPOINT": "step-journaled:3"})
+    killed = run_cli("merge", str(adapter), str(tmp_path / "out"), *args,
+                     env={"PREQUANT_FAILPOINT": "step-journaled:3"})
     assert killed.returncode == -signal.SIGKILL
     other = altered(adapter, tmp_path / "other", config={"lora_alpha": 16})
     code, _, err = run_main("merge", str(other), str(tmp_path / "out"), *args)
