@@ -281,7 +281,7 @@ def test_the_reader_goes_on_while_a_kept_tensor_is_checked(checkpoints, tmp_path
 
 
 def test_a_link_out_of_the_source_is_not_copied_and_no_copy_is_more_readable_than_its_original(checkpoints,
-                                                                                                tmp_path):
+                                                                                                tmp_path, caplog):
     src = tmp_path / "src"
     shutil.copytree(checkpoints("llama"), src)
     secret = tmp_path / "elsewhere" / "token"
@@ -295,6 +295,7 @@ def test_a_link_out_of_the_source_is_not_copied_and_no_copy_is_more_readable_tha
     prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
     out = tmp_path / "out"
     assert not (out / "token.txt").exists()
+    assert "token.txt is a link to" in caplog.text and "not copied" in caplog.text
     assert (out / "NOTICE").read_text() == (src / "LICENSE").read_text()
     assert (out / "private.json").stat().st_mode & 0o777 == 0o600
     assert "token.txt" not in _manifest(out)["files"]
