@@ -75,8 +75,8 @@ def side_files(source_dir: Path) -> list[Path]:
     Not its weights, index, config, manifest or card: the output has its own (the card carries the original). Not a
     peft adapter's files either (a folder holding adapter_config.json is an adapter's, and that file beside the
     model makes transformers take it for one). A symlink is followed only where it resolves inside SOURCE, or, for a
-    snapshot of the Hugging Face cache, inside that repo's cache folder (the snapshot's links into its blobs): one
-    that leads elsewhere (a secret linked in, say) is left out, said on stderr."""
+    snapshot of the Hugging Face cache, inside that repo's blobs folder (the snapshot's own links): one that leads
+    elsewhere (a secret linked in, say) is left out, said on stderr."""
     roots = _allowed_roots(source_dir)
     adapters = [p.parent.relative_to(source_dir) for p in source_dir.rglob(ADAPTER_CONFIG) if p.parent != source_dir]
     found = []
@@ -99,12 +99,10 @@ def side_files(source_dir: Path) -> list[Path]:
 
 def _allowed_roots(source_dir: Path) -> list[Path]:
     """Where a side file's real path may lie: SOURCE; and for a Hugging Face cache snapshot
-    (models--org--name/snapshots/<commit>), that repo's cache folder, whose blobs the snapshot links to."""
-    real = Path(os.path.realpath(source_dir))
-    roots = [real]
-    repo = source_dir.parent.parent
-    if source_dir.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--", "spaces--")):
-        roots.append(Path(os.path.realpath(repo)))
+    (<repo>/snapshots/<commit>), that repo's blobs folder (<repo>/blobs), where the snapshot's files link to."""
+    roots = [Path(os.path.realpath(source_dir))]
+    if source_dir.parent.name == "snapshots":
+        roots.append(Path(os.path.realpath(source_dir.parent.parent / "blobs")))
     return roots
 
 

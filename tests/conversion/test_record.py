@@ -314,3 +314,15 @@ def test_an_adapter_s_files_are_never_side_files(tmp_path):
     for name in ("adapter_config.json", "tokenizer_config.json", "lora/adapter_config.json", "lora/README.md"):
         (tmp_path / name).write_text("{}")
     assert record.side_files(tmp_path) == [Path("tokenizer_config.json")]
+
+
+def test_a_cache_snapshot_s_links_into_its_blobs_are_followed_and_no_others(tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs" / "0f1e").write_text("{}")
+    (snapshot / "tokenizer_config.json").symlink_to("../../blobs/0f1e")
+    (tmp_path / "key").write_text("secret")
+    (snapshot / "key.txt").symlink_to(tmp_path / "key")
+    assert record.side_files(snapshot) == [Path("tokenizer_config.json")]
