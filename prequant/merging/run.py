@@ -73,6 +73,9 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     base_spec = str(base) if base is not None else lora.base_model
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
+    if not isinstance(base_spec, str):
+        raise UsageError(f"'base_model_name_or_path' is {json.dumps(base_spec)[:80]}, not a model's folder or Hub "
+                         "repo id; pass the base with --base", where=lora.directory / CONFIG_NAME)
     out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
     src, tensors, config, four = _base(base_spec, opts)
     if four:

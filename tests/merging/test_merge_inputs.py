@@ -98,6 +98,16 @@ def test_a_broken_adapter_is_refused_in_one_line_before_output_dir_is_claimed(ca
     assert code == 0, err
 
 
+@pytest.mark.parametrize("named", [5, ["org/model"]])
+def test_a_base_named_by_no_string_is_a_usage_error_naming_the_key(named, checkpoints, tmp_path):
+    good = make_adapter(checkpoints("llama"), tmp_path / "good", target_modules=["q_proj"])
+    adapter = altered(good, tmp_path / "adapter", config={"base_model_name_or_path": named})
+    code, _, err = run_main("merge", str(adapter), str(tmp_path / "out"), "--device", "cpu")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "adapter_config.json" in err and "base_model_name_or_path" in err and "--base" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(("kind", "targets", "says"), [("llama", "all-linear", True),
                                                         ("gpt2", ["c_attn", "c_fc"], False)])
 def test_fan_in_fan_out_is_what_the_layer_is_as_peft_takes_it_whatever_the_config_says(kind, targets, says,
