@@ -226,6 +226,8 @@ def merge(
                       ] = False,
     push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload "
                            "to this Hub repo (org/name[@branch]).")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Allow running the base's own model code (meta device only).")] = False,
 ) -> None:
     """Merge the LoRA adapter ADAPTER into its base and write the result to OUTPUT_DIR, one tensor at a time."""
     arguments = dict(locals())

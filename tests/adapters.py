@@ -3,9 +3,12 @@ trained tensor random and non-zero (B, DoRA magnitudes, modules_to_save copies),
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
+from helpers import read_checkpoint
 
 
 def load_base(path: Path, dtype: torch.dtype | None = None):
@@ -63,3 +66,40 @@ def logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 TOKENS = torch.arange(1, 17).view(2, 8) * 7 % 250
+
+
+def altered(adapter: Path, out: Path, *, config: dict | None = None,
+            tensors: dict[str, torch.Tensor | None] | None = None) -> Path:
+    """A copy of `adapter` at `out` with `config`'s keys set in its adapter_config.json and `tensors` put in its
+    weights (by key without peft's `base_model.model.` prefix; None removes one): a hostile or broken adapter."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, out)
+    if config:
+        path = out / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors:
+        weights = load_file(out / "adapter_model.safetensors")
+        for key, value in tensors.items():
+            if value is None:
+                del weights["base_model.model." + key]
+            else:
+                weights["base_model.model." + key] = value
+        save_file(weights, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    """Equal within bf16 rounding: the merged weights are rounded once to bf16, the adapted model adds the LoRA
+    path in its own precision."""
+    assert (ours - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
+
+
+def assert_same_as_peft(out: Path, base: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    """The merged checkpoint at `out` holds peft's merge_and_unload bytes, and its logits are the adapted model's."""
+    ours, ref = read_checkpoint(out), peft_merged(base, adapter)
+    assert set(ours) == set(ref) - {k for k in ref if k not in read_checkpoint(base)}
+    different = [k for k in ours if not torch.equal(ours[k], ref[k])]
+    assert different == []
+    assert_logits_close(logits(out, TOKENS), peft_logits(base, adapter, TOKENS))
+    return ours

@@ -54,7 +54,9 @@ def load_model(path: str | Path, **from_pretrained_kwargs: Any) -> nn.Module:
     if not any(expert_match(f"{prefix}.weight") for prefix in quantized):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(directory, **from_pretrained_kwargs)
+        # The checkpoint's own code runs only when the caller says so; transformers never asks on the terminal.
+        kwargs = {"trust_remote_code": False, **from_pretrained_kwargs}
+        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
         exact_on_cpu(model)
         return model
     unknown = sorted(set(from_pretrained_kwargs) - _TAKEN)
@@ -325,10 +327,10 @@ def _load_with_experts(directory: Path, refs: dict, quantized: dict[str, str], d
     if config_json.get("auto_map"):
         raise PrequantError(f"{directory}: load_model builds transformers' own architectures; this one is remote code")
     overrides = {k: kwargs[k] for k in ("attn_implementation", "experts_implementation") if k in kwargs}
-    config = AutoConfig.from_pretrained(directory, **overrides)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=False, **overrides)
     dtype = _dtype(kwargs.get("dtype", kwargs.get("torch_dtype", "auto")), config)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     to_model = renamer(model)
     weights = {to_model(f"{p}.weight").removesuffix(".weight"): p for p in quantized}  # model module -> ckpt prefix
     named = {to_model(k): ref for k, ref in refs.items()}

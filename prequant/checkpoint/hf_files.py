@@ -20,6 +20,10 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 WEIGHT_LAYOUTS = ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "safetensors"), (BIN_INDEX, BIN_SINGLE, "bin"))
 INDEX_NAMES = (SAFETENSORS_INDEX, BIN_INDEX)
+# The files peft's save_pretrained writes: an adapter's, never a model's (copied as side files, adapter_config.json
+# makes transformers take the model for an adapter).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILES = (ADAPTER_CONFIG, "adapter_model.safetensors", "adapter_model.bin")
 # Weight formats: never copied as side files (the output has its own weights, and copies of the originals,
 # e.g. Llama's original/consolidated.00.pth, would double the output for nothing).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")

@@ -177,6 +177,8 @@ def _changed(staged: dict, job: dict | str) -> str:
         return "the command"
     if staged.get("source_files") != job.get("source_files") or staged.get("hub") != job.get("hub"):
         return "the source files"
+    if staged.get("adapter") != job.get("adapter"):
+        return "the adapter's files"
     if staged.get("prequant") != job.get("prequant"):
         return "prequant's version"
     return "the options"

@@ -14,9 +14,11 @@ it is counted precisely, in bounded chunks.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
+import stat
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,7 +28,15 @@ import torch
 
 from ..bnb.format import entry_name, quantization_config
 from ..bnb.stats import Collector, summarize
-from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES, SAFETENSORS_INDEX, WEIGHT_SUFFIXES
+from ..checkpoint.hf_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILES,
+    CARD,
+    CONFIG,
+    INDEX_NAMES,
+    SAFETENSORS_INDEX,
+    WEIGHT_SUFFIXES,
+)
 from ..checkpoint.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, versions
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.safetensors import read_header
@@ -39,6 +49,7 @@ from .card import write_card
 from .follow_hash import FollowHash
 from .plan import Plan
 
+log = logging.getLogger("prequant")
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float8 has no Inf (e4m3) or no use for it
 _COUNT_CHUNK = 1 << 24
@@ -61,7 +72,13 @@ def write_index(staging: Path, plan: Plan, shard_sizes: dict[str, int]) -> None:
 
 def side_files(source_dir: Path) -> list[Path]:
     """Files of the source to carry over (tokenizer, generation config, templates, code, licence), relative.
-    Not its weights, index, config, manifest or card: the output has its own (the card carries the original)."""
+    Not its weights, index, config, manifest or card: the output has its own (the card carries the original). Not a
+    peft adapter's files either (a folder holding adapter_config.json is an adapter's, and that file beside the
+    model makes transformers take it for one). A symlink is followed only where it resolves inside SOURCE, or, for a
+    snapshot of the Hugging Face cache, inside that repo's blobs folder (the snapshot's own links): one that leads
+    elsewhere (a secret linked in, say) is left out, said on stderr."""
+    roots = _allowed_roots(source_dir)
+    adapters = [p.parent.relative_to(source_dir) for p in source_dir.rglob(ADAPTER_CONFIG) if p.parent != source_dir]
     found = []
     for path in sorted(source_dir.rglob("*")):
         rel = path.relative_to(source_dir)
@@ -69,16 +86,35 @@ def side_files(source_dir: Path) -> list[Path]:
             continue  # .git, .cache (the Hub's download metadata), editor files
         if rel.suffix in WEIGHT_SUFFIXES or rel.name in INDEX_NAMES or rel.as_posix() in (CONFIG, MANIFEST, CARD):
             continue
+        if rel.name in ADAPTER_FILES or any(rel.is_relative_to(folder) for folder in adapters):
+            continue
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(root) for root in roots):
+            log.warning("%s is a link to %s, outside the source: not copied (copy the file itself into the source to "
+                        "carry it over)", rel.as_posix(), real)
+            continue
         found.append(rel)
     return found
 
 
+def _allowed_roots(source_dir: Path) -> list[Path]:
+    """Where a side file's real path may lie: SOURCE; and for a Hugging Face cache snapshot
+    (<repo>/snapshots/<commit>), that repo's blobs folder (<repo>/blobs), where the snapshot's files link to."""
+    roots = [Path(os.path.realpath(source_dir))]
+    if source_dir.parent.name == "snapshots":
+        roots.append(Path(os.path.realpath(source_dir.parent.parent / "blobs")))
+    return roots
+
+
 def copy_side_files(source_dir: Path, staging: Path, files: list[Path]) -> None:
-    """Copy `side_files(source_dir)` into the staging folder, keeping their relative paths."""
+    """Copy `side_files(source_dir)` into the staging folder, keeping their relative paths; a copy's permissions
+    are never wider than its original's (a file readable by its owner alone stays so)."""
     for rel in files:
         try:
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source_dir / rel, staging / rel)
+            mode = stat.S_IMODE(os.stat(source_dir / rel).st_mode)
+            os.chmod(staging / rel, stat.S_IMODE(os.stat(staging / rel).st_mode) & mode)
         except OSError as e:
             # Opening the source's file failed (only then is filename2 unset: shutil's sendfile path names
             # both files on a failed write), or writing the copy did: say which, and what to do.

@@ -25,7 +25,10 @@ Expert e's delta is B_e @ A_e, which goes to the checkpoint's own per-expert ten
 peft wraps a module's targeted parameters one around the other in the order the module registers them
 (gate_up_proj, then down_proj), so the outermost, the last one, has the module's own keys and each one inside it
 one more `.base_layer`. The rank and alpha are those of `<experts>.<parameter>` in rank_pattern/alpha_pattern.
-Anything else (another peft type, a LoRA bias, a key no base tensor matches) is refused, naming it.
+Anything else (another peft type or LoRA variant, a LoRA bias, a key no base tensor matches) is refused, naming it;
+so is what peft itself refuses when it loads the adapter: a config value of the wrong type or range, a tensor whose
+shape does not fit its target, an adapter that changes nothing. `fan_in_fan_out` is what peft makes of it: true for
+a GPT-2 Conv1D, false for anything else, whatever the config says.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ PREFIX = "base_model.model."
 _LORA_PARTS = {"lora_A.weight": "a", "lora_B.weight": "b", "lora_embedding_A": "a", "lora_embedding_B": "b",
                "lora_magnitude_vector": "magnitude", "base_layer.weight": "base"}
 _UNSUPPORTED_PARTS = ("lora_B.bias", "lora_A.bias", "lora_embedding_A.weight", "lora_embedding_B.weight")
+# adapter_config.json keys that, set, make peft merge otherwise than W + (B @ A) * scaling (its LoRA variants other
+# than DoRA, and features whose tensors are not LoRA's)
+_VARIANTS = ("alora_invocation_tokens", "arrow_config", "kasa_config", "monteclora_config", "trainable_token_indices",
+             "use_bdlora", "use_qalora", "velora_config")
 # transformers 5's fused experts parameters, in the order the experts module registers them, and the expert
 # projections (ROLES) each one holds, its rows in that order
 FUSED = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
@@ -103,6 +110,7 @@ def read(directory: Path, identity: dict) -> Adapter:
     if kind != "LORA":
         raise PrequantError(f"peft_type {kind!r} is not LoRA: prequant merges LoRA adapters (DoRA and rsLoRA "
                             "included) only; merge it with peft's merge_and_unload", where=path)
+    _check_config(config, path)
     for name in config.get("target_parameters") or []:
         if name.rpartition(".")[2] not in (*FUSED, "weight"):
             raise PrequantError(f"target_parameters entry {name!r} is neither a fused experts parameter "
@@ -123,6 +131,57 @@ def read(directory: Path, identity: dict) -> Adapter:
     return Adapter(directory, config, files, tensors, identity)
 
 
+def _check_config(config: dict, path: Path) -> None:
+    """The values of adapter_config.json that the merge uses, of the types and in the ranges peft requires: one
+    line naming the key, else a value peft would refuse (or read otherwise than it was meant) reaches the merge."""
+    def refuse(key: str, value: object, wanted: str) -> PrequantError:
+        return PrequantError(f"{key} is {json.dumps(value)[:80]}, not {wanted}; set it to the value the adapter was "
+                             "trained with, or save the adapter again with peft", where=path)
+
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def rank(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    for key in _VARIANTS:
+        if config.get(key):
+            raise PrequantError(f"{key!r} is set: a LoRA variant or feature whose merge prequant does not implement "
+                                "(it merges LoRA, rsLoRA and DoRA); merge this adapter with peft's merge_and_unload",
+                                where=path)
+    if isinstance(config.get("init_lora_weights"), str) and config["init_lora_weights"].startswith("mica"):
+        raise PrequantError("'init_lora_weights' is 'mica': MiCA is a LoRA variant whose merge prequant does not "
+                            "implement; merge this adapter with peft's merge_and_unload", where=path)
+    if config.get("layer_replication"):
+        raise PrequantError("'layer_replication' is set: the trained model repeats base layers, which no merge into "
+                            "the base can hold (peft refuses it too); keep the adapter unmerged", where=path)
+    if not rank(config.get("r", 8)):
+        raise refuse("'r'", config.get("r"), "a positive integer (LoRA's rank)")
+    if not number(config.get("lora_alpha", 8)):
+        raise refuse("'lora_alpha'", config.get("lora_alpha"), "a number")
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out", "lora_bias"):
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise refuse(repr(key), config[key], "true or false")
+    names = config.get("target_parameters")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise refuse("'target_parameters'", names, "a list of parameter names")
+    for key, valid, wanted in (("rank_pattern", rank, "a positive integer"), ("alpha_pattern", number, "a number")):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise refuse(repr(key), patterns, "an object of {pattern: value}")
+        for pattern, value in patterns.items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise PrequantError(f"{key!r} pattern {pattern!r} is not a regular expression ({e}); peft matches "
+                                    "module names with it: correct it, or save the adapter again with peft",
+                                    where=path) from e
+            if not valid(value):
+                raise refuse(f"{key!r} of {pattern!r}", value, wanted)
+
+
 def wanted(adapter: Adapter) -> list[str]:
     """The base tensors the adapter's keys name, as the trained model named them; for LoRA on fused experts, the
     experts module (never a tensor's key: its per-expert tensors are found under both namings)."""
@@ -134,10 +193,14 @@ def wanted(adapter: Adapter) -> list[str]:
     return out
 
 
-def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
-    """Each base tensor the adapter changes (by its key in the base checkpoint) and how. `base_keys` maps a tensor's
-    name in the trained model to its key in the base checkpoint (`base_names`). Every adapter key must
-    find its base tensor; one that does not is refused, naming it."""
+def targets(adapter: Adapter, base_keys: dict[str, str], shapes: dict[str, tuple[int, ...]],
+            conv1d: set[str]) -> dict[str, Target]:
+    """Each base tensor the adapter changes (by its key in the base checkpoint) and how, checked as peft checks the
+    adapter when it loads it. `base_keys` maps a tensor's name in the trained model to its key in the base
+    checkpoint (`base_names`); `shapes` gives each base tensor's shape as the merge sees it (a 4-bit weight's
+    dequantized, a GPT-2 Conv1D's [in, out]); `conv1d` the weights of GPT-2 Conv1D layers, the only ones peft
+    merges transposed (fan_in_fan_out), whatever the config says. Every adapter key must find its base tensor,
+    every tensor must fit it, and the adapter must change something; anything else is refused, naming it."""
     cfg = adapter.config
     found: dict[str, Target] = {}
     on_fused: dict[tuple[str, str], dict[str, TensorRef]] = {}
@@ -165,29 +228,94 @@ def targets(adapter: Adapter, base_keys: dict[str, str]) -> dict[str, Target]:
             raise PrequantError(f"{quote(target.key)} is both in modules_to_save and a LoRA target; save the "
                                 "adapter again with peft", where=adapter.files[0])
         if target.replace is not None:
+            _fits(target.replace, shapes[target.key], target.key, adapter)
             continue
         if target.a is None or target.b is None:
             raise PrequantError(f"module {quote(target.module)} has {'lora_B' if target.a is None else 'lora_A'} but "
                                 f"not {'lora_A' if target.a is None else 'lora_B'}; the adapter is incomplete: save "
                                 "it again", where=adapter.files[0])
+        if target.embedding and (target.magnitude is not None or cfg.get("use_dora")):
+            raise PrequantError(f"module {quote(target.module)}: DoRA on an embedding is not supported; merge it "
+                                "with peft", where=adapter.files[0])
+        # peft decides from the layer's class: a Conv1D always merges transposed, an nn.Linear never does
+        target.fan_in_fan_out = target.key in conv1d and not target.embedding
+        _check_shapes(target, shapes[target.key], adapter)
+        if target.magnitude is not None and not cfg.get("use_dora"):
+            raise PrequantError(f"adapter tensor {quote(target.magnitude.name)} is a DoRA magnitude, but {CONFIG_NAME} "
+                                "says use_dora is false: peft would ignore it and merge plain LoRA; set use_dora to "
+                                "true if the adapter was trained with DoRA", where=adapter.files[0])
+        if target.magnitude is None and cfg.get("use_dora"):
+            raise PrequantError(f"module {quote(target.module)} has no lora_magnitude_vector, but {CONFIG_NAME} says "
+                                "use_dora is true; the adapter is incomplete: save it again with peft",
+                                where=adapter.files[0])
         r = target.a.shape[0]
         rank, alpha = _pattern(cfg, "rank_pattern", target.module, cfg.get("r", 8)), \
             _pattern(cfg, "alpha_pattern", target.module, cfg.get("lora_alpha", 8))
         if rank != r:
             raise PrequantError(f"module {quote(target.module)} has rank {r} in its tensors but {rank} in "
-                                f"{CONFIG_NAME}; the adapter's config does not match its weights", where=adapter.files[0])
+                                f"{CONFIG_NAME}; the adapter's config does not match its weights: set r (or its "
+                                "rank_pattern) to the rank it was trained with", where=adapter.files[0])
         target.scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        target.fan_in_fan_out = bool(cfg.get("fan_in_fan_out")) and not target.embedding
-        if target.embedding and target.magnitude is not None:
-            raise PrequantError(f"module {quote(target.module)}: DoRA on an embedding is not supported; merge it "
-                                "with peft", where=adapter.files[0])
     for (experts, param), lora in on_fused.items():
-        for target in _expert_targets(adapter, experts, param, lora, base_keys):
+        for target in _expert_targets(adapter, experts, param, lora, base_keys, shapes):
             if target.key in found:
                 raise PrequantError(f"{quote(target.key)} has LoRA both of its own and on {quote(target.module)}; "
                                     "save the adapter again with peft", where=adapter.files[0])
             found[target.key] = target
+    if not found:
+        named = cfg.get("target_modules") or cfg.get("target_parameters")
+        raise PrequantError("the adapter changes no tensor of the base: its weights hold no LoRA tensor"
+                            f"{f' (target_modules {json.dumps(named)[:120]})' if named else ''}, and peft refuses "
+                            "such an adapter; pass the adapter saved after training on this base",
+                            where=adapter.files[0])
     return found
+
+
+_MISFIT = ("; the adapter was trained on another model (or a resized vocabulary), or is damaged: check the base, or "
+           "save the adapter again with peft")
+
+
+def _fits(ref: TensorRef, shape: tuple[int, ...], key: str, adapter: Adapter) -> None:
+    """A tensor that replaces the base's `key` whole (modules_to_save, a saved embedding layer) has its shape."""
+    if tuple(ref.shape) != tuple(shape):
+        raise PrequantError(f"adapter tensor {quote(ref.name)} has shape {tuple(ref.shape)}, but the base tensor "
+                            f"{quote(key)} it replaces is {tuple(shape)}{_MISFIT}", where=adapter.files[0])
+
+
+def _check_shapes(target: Target, shape: tuple[int, ...], adapter: Adapter) -> None:
+    """The LoRA of `target` against its base tensor (`shape`, as merged), as peft's load checks it (size mismatch):
+    A [r, in] and B [out, r] with r > 0, (out, in) W's shape, transposed for an embedding (A [r, vocab]) and for a
+    GPT-2 Conv1D (W stored [in, out]); DoRA's magnitude [out]; a saved embedding layer W's own shape."""
+    a, b, shape = target.a, target.b, tuple(shape)
+    assert a is not None and b is not None
+    where = adapter.files[0]
+    if len(shape) != 2:
+        raise PrequantError(f"adapter tensor {quote(a.name)} is LoRA on {quote(target.key)}, which is "
+                            f"{len(shape)}-D {shape}, not a 2-D weight{_MISFIT}", where=where)
+    for ref in (a, b):
+        if len(ref.shape) != 2:
+            raise PrequantError(f"adapter tensor {quote(ref.name)} has shape {tuple(ref.shape)}, not 2-D; the "
+                                "adapter is damaged: save it again with peft", where=where)
+    r = a.shape[0]
+    if r == 0:
+        raise PrequantError(f"adapter tensor {quote(a.name)} has shape {tuple(a.shape)}: rank 0, which changes "
+                            "nothing and peft refuses; save the adapter again with peft", where=where)
+    if b.shape[1] != r:
+        raise PrequantError(f"adapter tensor {quote(b.name)} has shape {tuple(b.shape)}, rank {b.shape[1]}, but its "
+                            f"lora_A {quote(a.name)} has rank {r} {tuple(a.shape)}; the adapter is damaged: save it "
+                            "again with peft", where=where)
+    out, inp = shape[::-1] if target.embedding or target.fan_in_fan_out else shape
+    for ref, wanted in ((b, (out, r)), (a, (r, inp))):
+        if tuple(ref.shape) != wanted:
+            raise PrequantError(f"adapter tensor {quote(ref.name)} has shape {tuple(ref.shape)}, but its target "
+                                f"{quote(target.key)} of shape {shape} needs {wanted}{_MISFIT}", where=where)
+    m = target.magnitude
+    if m is not None and tuple(m.shape) != (out,):
+        raise PrequantError(f"adapter tensor {quote(m.name)} has shape {tuple(m.shape)}, but DoRA's magnitude of "
+                            f"{quote(target.key)} (shape {shape}) holds one value per output: {(out,)}{_MISFIT}",
+                            where=where)
+    if target.base is not None:
+        _fits(target.base, shape, target.key, adapter)
 
 
 def _parameter(cfg: dict, module: str, key: str) -> tuple[str, str] | None:
@@ -211,7 +339,7 @@ def _parameter(cfg: dict, module: str, key: str) -> tuple[str, str] | None:
 
 
 def _expert_targets(adapter: Adapter, experts: str, param: str, lora: dict[str, TensorRef],
-                    base_keys: dict[str, str]) -> list[Target]:
+                    base_keys: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> list[Target]:
     """One Target per per-expert base tensor that the LoRA `lora` (its A and B) on `experts`' fused `param`
     changes."""
     shown = f"{experts}.{param}"
@@ -233,12 +361,18 @@ def _expert_targets(adapter: Adapter, experts: str, param: str, lora: dict[str, 
     a, b, cfg = lora["a"], lora["b"], adapter.config
     rank = _pattern(cfg, "rank_pattern", shown, cfg.get("r", 8))
     alpha = _pattern(cfg, "alpha_pattern", shown, cfg.get("lora_alpha", 8))
-    if a.shape[0] != rank * count or b.shape[1] != rank * count or b.shape[0] % len(roles):
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != rank * count or b.shape[1] != rank * count \
+            or b.shape[0] % len(roles):
         raise PrequantError(f"the LoRA of {quote(shown)} has A {tuple(a.shape)} and B {tuple(b.shape)}, not rank "
                             f"{rank} ({CONFIG_NAME}) on {count} experts; the adapter's config does not match its "
                             "weights or base", where=where)
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     rows = b.shape[0] // len(roles)
+    for key in (key for found in roles.values() for key in found.values()):
+        if tuple(shapes[key]) != (rows, a.shape[1]):
+            raise PrequantError(f"the LoRA of {quote(shown)} has A {tuple(a.shape)} and B {tuple(b.shape)}: each "
+                                f"expert's delta is {(rows, a.shape[1])}, but the base's {quote(key)} is "
+                                f"{tuple(shapes[key])}{_MISFIT}", where=where)
     return [Target(key, shown, a=a, b=b, scaling=scaling, expert=(e, count), rows=slice(i * rows, (i + 1) * rows))
             for i, role in enumerate(roles) for e, key in sorted(roles[role].items())]
 
@@ -275,11 +409,12 @@ def _pattern(cfg: dict, which: str, module: str, default: float) -> float:
     return default
 
 
-def base_names(keys: list[str], config_dir: Path, wanted: list[str]) -> dict[str, str]:
+def base_names(keys: list[str], config_dir: Path, wanted: list[str], trust_remote_code: bool) -> dict[str, str]:
     """{a tensor's name in the trained model: its key in the base checkpoint}. Names are the checkpoint's own
     (transformers 4, and models transformers 5 does not rename); when one of `wanted` is not among `keys`, the
     checkpoint's keys are also renamed as transformers 5 renames them on load (its renaming tables, on the model
-    built on the meta device), so adapters trained on either match."""
+    built on the meta device), so adapters trained on either match. A base's own code (auto_map) runs only with
+    `trust_remote_code`; without it, transformers is told so and never asks."""
     names = {k: k for k in keys}
     if all(w in names for w in wanted):
         return names
@@ -292,10 +427,11 @@ def base_names(keys: list[str], config_dir: Path, wanted: list[str]) -> dict[str
     except ImportError:  # no transformers 5: the checkpoint's names are the only ones
         return names
     try:
-        cfg = AutoConfig.from_pretrained(config_dir)
+        cfg = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
         cls = getattr(transformers, (getattr(cfg, "architectures", None) or [""])[0], None)
         with torch.device("meta"):
-            model = cls._from_config(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
+            model = cls._from_config(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(
+                cfg, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - an architecture this transformers cannot build: no renaming known
         return names
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]

@@ -10,10 +10,11 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
+from ..checkpoint.hf_files import ADAPTER_CONFIG, ADAPTER_FILES
 from ..checkpoint.manifest import sha256_file
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")  # peft writes one; the first found is read
+CONFIG_NAME = ADAPTER_CONFIG
+WEIGHT_NAMES = ADAPTER_FILES[1:]  # peft writes one; the first found is read
 
 
 def peek(spec: str) -> tuple[list[Path], str | None]:

@@ -1,9 +1,14 @@
 """`merge()`: a LoRA adapter merged into its base, streaming one tensor at a time: a conversion whose pipeline
 changes the adapter's targets on the device (`Merger`, the pipeline's transform) before writing or quantizing them.
 
-    open the adapter -> check OUTPUT_DIR -> resolve the base -> read its headers -> match the adapter's keys
-    -> plan -> claim OUTPUT_DIR -> stream (read, merge, [quantize,] write) -> config, index, side files, card,
-    manifest -> publish -> (verify and upload)
+    open the adapter (its config checked) -> check OUTPUT_DIR -> resolve the base -> read its headers (a 4-bit
+    base's quant states checked as verify checks them) -> match the adapter's keys and check each tensor against
+    its target, as peft does -> plan -> claim OUTPUT_DIR -> stream (read, merge, [quantize,] write) -> config,
+    index, side files, card, manifest -> publish -> (verify and upload)
+
+Everything the merge refuses is refused before OUTPUT_DIR is claimed, so a rerun with a good adapter needs no
+--overwrite. The job is known by its inputs' content (the adapter's files by their sha256, the base's as a
+conversion knows its source), not by how a path was typed.
 
 The base is a 16-bit or FP8 checkpoint (local, Hub, `.bin`) or a prequant 4-bit output. The output is 16-bit: the
 base's dtypes, a 4-bit base's weights dequantized to their quant state's dtype; or with `quantize`, 4-bit: a 4-bit
@@ -39,6 +44,7 @@ from ..source.resolve import contents, resolve, scan
 from ..source.spec import Source, hub_spec
 from ..util import trace
 from ..util.fsio import write_json
+from ..verify.check import Report, check_quantized
 from . import card, folder
 from .adapter import Adapter, Target, base_names, read, targets, wanted
 from .folder import CONFIG_NAME, WEIGHT_NAMES
@@ -57,7 +63,9 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     CUDA kernel does. The output is 16-bit, or 4-bit with `quantize`. Conversion options (device, max_shard_size,
     overwrite, resume, push_to_hub, ...; with a 16-bit base and `quantize`, the 4-bit settings) come as a
     `ConvertOptions` or by keyword. Returns the Summary (the Plan when `dry_run`); interrupted, the same call
-    continues; raises PrequantError naming the adapter key, tensor or file for anything it cannot merge."""
+    continues; raises PrequantError naming the adapter key, tensor or file for anything it cannot merge, before
+    OUTPUT_DIR is claimed. The base's own code (an auto_map in its config.json) runs only with
+    `trust_remote_code`."""
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
     lora = open_adapter(str(adapter))
@@ -65,12 +73,24 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     base_spec = str(base) if base is not None else lora.base_model
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
+    if not isinstance(base_spec, str):
+        raise UsageError(f"'base_model_name_or_path' is {json.dumps(base_spec)[:80]}, not a model's folder or Hub "
+                         "repo id; pass the base with --base", where=lora.directory / CONFIG_NAME)
     out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
     src, tensors, config, four = _base(base_spec, opts)
+    if four:
+        _check_quant_states(src, tensors)
+    # Which weights are GPT-2 Conv1D (stored [in, out]): a 4-bit base's prequant.json says, else the layout
+    # transformers gives the base (a 16-bit base's is needed anyway to quantize it).
+    decided = None if four else decide(config, src.path, tensors, list(opts.skip), opts.trust_remote_code)
+    conv1d = _transposed(src) if decided is None else {k for k, d in decided[0].decisions.items() if d.transpose}
     with TensorReader() as data:  # the adapter's tensors, and a 4-bit base's quant states and block scales
         four_bit = four_bit_weights(tensors, data) if four else {}
-        changed = targets(lora, base_names([t.name for t in tensors], src.path, wanted(lora)))
-        plan = _plan(tensors, config, src, changed, four_bit, quantize, opts)
+        shapes = {t.name: tuple(t.shape) for t in tensors}  # as merged: a 4-bit weight dequantized, a Conv1D [in, out]
+        shapes.update((k, w.shape[::-1] if k in conv1d else w.shape) for k, w in four_bit.items())
+        names = base_names([t.name for t in tensors], src.path, wanted(lora), opts.trust_remote_code)
+        changed = targets(lora, names, shapes, conv1d)
+        plan = _plan(tensors, config, src, changed, four_bit, quantize, opts, decided)
         trace.mark("planned")
         if opts.dry_run:
             return plan
@@ -79,8 +99,9 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
         lora = replace(lora, identity=_identity(lora.identity, lora.directory))  # while CUDA starts, if not ahead
         trace.mark("adapter-hashed")  # the job's fingerprint names the adapter's files by their sha256
         dequantized_too = {k: w for k, w in four_bit.items() if not quantize or k in changed}
-        merger = Merger(changed, dequantized_too, _transposed(src) if four else set(), data)
-        job = Job.planned(src, out, opts, tensors, config, plan, started, adapter=lora.identity)
+        merger = Merger(changed, dequantized_too, conv1d if four else set(), data)
+        # A rerun is the same job when the adapter's files are the same, however its path is typed.
+        job = Job.planned(src, out, opts, tensors, config, plan, started, adapter={"sha256": lora.identity["sha256"]})
 
         def write(record: Recorder, staging: Path, stream: Callable) -> None:
             """The base streamed through the merger (float32 products in full precision), then the rest."""
@@ -196,6 +217,18 @@ def _base(spec: str, opts: ConvertOptions) -> tuple[Source, list[TensorRef], dic
     return src, scan(src), config, True
 
 
+def _check_quant_states(src: Source, tensors: list[TensorRef]) -> None:
+    """A 4-bit base's quant states against their codes and companions, by verify's own check: a state that claims
+    more than its codes hold would dequantize to zeros where the codes end."""
+    report = Report(str(src.path))
+    check_quantized({t.name: t for t in tensors}, {t.name: t.file.name for t in tensors}, report)
+    if report.problems:
+        first, more = report.problems[0], len(report.problems) - 1
+        raise PrequantError(f"{first.message}{f' (and {more} more problems)' if more else ''}; the 4-bit base is "
+                            f"damaged ({src.path}): use an intact copy, or merge into its 16-bit original",
+                            where=first.where)
+
+
 def _transposed(src: Source) -> set[str]:
     """The weights a 4-bit base quantized as their transpose (GPT-2 Conv1D), from its prequant.json."""
     try:
@@ -216,9 +249,11 @@ def _base_settings(config: dict, four: dict[str, FourBit]) -> Settings:
 
 
 def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str, Target],
-          four: dict[str, FourBit], quantize: bool, opts: ConvertOptions) -> Plan:
+          four: dict[str, FourBit], quantize: bool, opts: ConvertOptions,
+          decided: tuple[Layout, bool] | None) -> Plan:
     """Every output: 16-bit (a 4-bit base's weights dequantized), or 4-bit with `quantize` (a 4-bit base's
-    targets quantized again with its settings, the rest copied; a 16-bit base planned as `convert` plans it)."""
+    targets quantized again with its settings, the rest copied; a 16-bit base planned as `convert` plans it, with
+    the layout `decided` for it)."""
     def reason(name: str, default: str) -> str:
         return MERGED if name in changed else default
 
@@ -245,7 +280,8 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
         return make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
                                       "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs)
     if quantize:
-        layout, settled = decide(config, src.path, tensors, list(opts.skip), opts.trust_remote_code)
+        assert decided is not None
+        layout, settled = decided
         require_known(layout)
         layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason))
                                             for k, d in layout.decisions.items()})

@@ -278,3 +278,51 @@ def test_the_reader_goes_on_while_a_kept_tensor_is_checked(checkpoints, tmp_path
     assert shards and shards == sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
     for name in shards:
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+
+
+def test_a_link_out_of_the_source_is_not_copied_and_no_copy_is_more_readable_than_its_original(checkpoints,
+                                                                                                tmp_path, caplog):
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints("llama"), src)
+    secret = tmp_path / "elsewhere" / "token"
+    secret.parent.mkdir()
+    secret.write_text("hf_secret\n")
+    secret.chmod(0o600)
+    (src / "token.txt").symlink_to(secret)  # a secret linked into the model's folder
+    (src / "NOTICE").symlink_to("LICENSE")  # a link inside the source: followed
+    (src / "private.json").write_text("{}")
+    (src / "private.json").chmod(0o600)
+    prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
+    out = tmp_path / "out"
+    assert not (out / "token.txt").exists()
+    assert "token.txt is a link to" in caplog.text and "not copied" in caplog.text
+    assert (out / "NOTICE").read_text() == (src / "LICENSE").read_text()
+    assert (out / "private.json").stat().st_mode & 0o777 == 0o600
+    assert "token.txt" not in _manifest(out)["files"]
+
+
+def test_a_hub_source_s_side_files_come_through_the_cache_s_links(hub_server, checkpoints, tmp_path):
+    src = checkpoints("llama")
+    hub_server.add_repo("org/tiny", {p.name: p for p in src.iterdir() if p.is_file()})
+    prequant.convert("org/tiny", tmp_path / "out", device="cpu", progress=False)
+    for name in ("tokenizer_config.json", "LICENSE", "generation_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes()
+
+
+def test_an_adapter_s_files_are_never_side_files(tmp_path):
+    (tmp_path / "lora").mkdir()
+    for name in ("adapter_config.json", "tokenizer_config.json", "lora/adapter_config.json", "lora/README.md"):
+        (tmp_path / name).write_text("{}")
+    assert record.side_files(tmp_path) == [Path("tokenizer_config.json")]
+
+
+def test_a_cache_snapshot_s_links_into_its_blobs_are_followed_and_no_others(tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs" / "0f1e").write_text("{}")
+    (snapshot / "tokenizer_config.json").symlink_to("../../blobs/0f1e")
+    (tmp_path / "key").write_text("secret")
+    (snapshot / "key.txt").symlink_to(tmp_path / "key")
+    assert record.side_files(snapshot) == [Path("tokenizer_config.json")]

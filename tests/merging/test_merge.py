@@ -12,26 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapters import TOKENS, logits, make_adapter, peft_logits, peft_merged
+from adapters import TOKENS, assert_logits_close, assert_same_as_peft, logits, make_adapter, peft_logits, peft_merged
 from helpers import read_checkpoint, run_cli
 
 import prequant
 from prequant.errors import PrequantError
-
-
-def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
-    """Equal within bf16 rounding: the merged weights are rounded once to bf16, the adapted model adds the LoRA
-    path in its own precision."""
-    assert (ours - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
-
-
-def assert_same_as_peft(out: Path, base: Path, adapter: Path) -> dict[str, torch.Tensor]:
-    ours, ref = read_checkpoint(out), peft_merged(base, adapter)
-    assert set(ours) == set(ref) - {k for k in ref if k not in read_checkpoint(base)}
-    different = [k for k in ours if not torch.equal(ours[k], ref[k])]
-    assert different == []
-    assert_logits_close(logits(out, TOKENS), peft_logits(base, adapter, TOKENS))
-    return ours
 
 
 FLAVOURS = {
