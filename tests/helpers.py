@@ -292,3 +292,25 @@ tags:
 
 Trained on nothing; for tests only.
 """
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run `script` (a test module run as a worker) on `nproc` ranks under torchrun, with the checkout and the tests'
+    own helpers on its path; a failing rank fails the test with the end of its stderr."""
+    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc
+
+
+def finish_worker(record: object, path: str | Path) -> None:
+    """A worker's end on every rank: rank 0 saves `record` at `path`, then the ranks leave the process group."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        torch.save(record, path)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -194,20 +194,29 @@ class PerExpert(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)
+        mask, hit = self.routed(top_k_index)
+        none = top_k_index.new_empty(0)
+        for index in range(self.num_experts):
+            # an idle expert's rows: none, without the host sync of torch.where
+            top_k_pos, token_idx = torch.where(mask[index]) if index in hit else (none, none)
+            self.add_expert(final, index, hidden_states, token_idx, top_k_pos, top_k_weights)
+        return final
+
+    def routed(self, top_k_index: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+        """The routing mask `[experts + 1, top_k, tokens]` and the experts that received a token."""
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = set(torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist())
-        none = top_k_index.new_empty(0)
-        for index, expert in enumerate(self):
-            if index in hit:
-                top_k_pos, token_idx = torch.where(mask[index])
-            else:  # idle here: zero rows, no host sync
-                top_k_pos = token_idx = none
-            x = hidden_states[token_idx]
-            h = self.act_fn(expert.role("gate")(x)) * expert.role("up")(x)
-            h = expert.role("down")(h) * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, h.to(final.dtype))
-        return final
+            hit = set(torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()) - {self.num_experts}
+        return mask, hit
+
+    def add_expert(self, final: torch.Tensor, index: int, hidden_states: torch.Tensor, token_idx: torch.Tensor,
+                   top_k_pos: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """Add expert `index`'s output for its tokens (`token_idx`, their `top_k_pos` choice), weighted, to `final`."""
+        expert = self[index]
+        x = hidden_states[token_idx]
+        h = self.act_fn(expert.role("gate")(x)) * expert.role("up")(x)
+        h = expert.role("down")(h) * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, h.to(final.dtype))
 
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:

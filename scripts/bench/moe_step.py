@@ -66,21 +66,12 @@ def main() -> None:
 def hit_only_forward(self, hidden_states, top_k_index, top_k_weights):
     """The baseline: `PerExpert.forward` over the experts the router chose alone."""
     import torch
-    from torch import nn
 
     final = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for index in hit.flatten().tolist():
-        if index == self.num_experts:
-            continue
-        expert = self[index]
+    mask, hit = self.routed(top_k_index)
+    for index in sorted(hit):
         top_k_pos, token_idx = torch.where(mask[index])
-        x = hidden_states[token_idx]
-        h = self.act_fn(expert.role("gate")(x)) * expert.role("up")(x)
-        h = expert.role("down")(h) * top_k_weights[token_idx, top_k_pos, None]
-        final.index_add_(0, token_idx, h.to(final.dtype))
+        self.add_expert(final, index, hidden_states, token_idx, top_k_pos, top_k_weights)
     return final
 
 

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import finish_worker, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 PROBE = [[4, 6, 8, 9, 4, 10, 18, 4, 7, 11, 12, 4, 13, 2], [2, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 3, 1]]
 
 
@@ -72,11 +69,6 @@ def _assert_probe_logits_match(model, record: dict) -> None:
     assert diff.max().item() <= 2e-2 * sharded.abs().max().item()
 
 
-def _env() -> dict:
-    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-
-
 def _train(kind: str, root: Path, quantize_experts: bool, skip: tuple[str, ...] = ()) -> dict:
     """A tiny `kind` MoE converted (with or without 4-bit experts, `skip` kept) and trained on 2 gloo ranks by the
     worker."""
@@ -90,10 +82,7 @@ def _train(kind: str, root: Path, quantize_experts: bool, skip: tuple[str, ...] 
                      skip=list(skip))
     config = {"checkpoint": str(root / "ckpt"), "tokenizer": str(build_tokenizer(root / "tok")),
               "out": str(root / "run")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, "--worker", json.dumps(config)], capture_output=True, text=True, env=_env(),
-                          cwd=ROOT, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    torchrun(__file__, "--worker", json.dumps(config))
     record = torch.load(root / "run" / "record.pt", weights_only=False)
     return {**config, "source": str(src), "record": record, "kind": kind}
 
@@ -356,10 +345,7 @@ def _worker(config: dict) -> None:
               "first_batches": batches,
               "routes": routes, "lora": lora, "experts": {n: p.full_tensor().detach().clone() for n, p in fused.items()},
               "experts_local_rows": rows}
-    if dist.get_rank() == 0:
-        torch.save(record, out / "record.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(record, out / "record.pt")
 
 
 if __name__ == "__main__":

@@ -24,13 +24,11 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import finish_worker, torchrun
 
 KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe"]
 LAYOUTS = ["4bit", "16bit", "mixed"]
@@ -81,13 +79,7 @@ def _float32_compute(checkpoint: Path) -> Path:
 
 
 def _run(spec: dict, nproc: int, out: Path) -> dict:
-    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    spec = {**spec, "out": str(out)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           __file__, "--worker", json.dumps(spec)], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=1200, check=False)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    torchrun(__file__, "--worker", json.dumps({**spec, "out": str(out)}), nproc=nproc, timeout=1200)
     return torch.load(out, weights_only=False)
 
 
@@ -270,10 +262,7 @@ def _worker(spec: dict) -> None:
             continue
         torch.manual_seed(0)
         records[job["name"]] = _job(job, int(os.environ["RANK"]), world)
-    if dist.get_rank() == 0:
-        torch.save(records, spec["out"])
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(records, spec["out"])
 
 
 if __name__ == "__main__":
