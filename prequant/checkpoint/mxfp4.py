@@ -97,7 +97,8 @@ def dequantize(ref: QuantizedWeight, blocks: torch.Tensor, scales: torch.Tensor,
     cols = groups * width * 2
     values = torch.tensor(E2M1, dtype=torch.float32, device=device)
     exponents = torch.arange(256, dtype=torch.int32, device=device) - 127
-    table = torch.ldexp(values.unsqueeze(0), exponents.unsqueeze(1))  # [256 exponents, 16 codes]
+    # [256 exponents, 16 codes], by torch.ldexp as the reference (its operands full-size: it resizes no output)
+    table = torch.ldexp(values.expand(256, 16).contiguous(), exponents.unsqueeze(1).expand(256, 16).contiguous())
     table = table.to(SAFETENSORS_DTYPES[ref.dtype]).reshape(-1)
     codes = blocks.reshape(experts * rows, groups * width)
     exps = scales.reshape(experts * rows, groups)
