@@ -199,3 +199,28 @@ def test_verify_against_the_int4_source_compares_the_dequantized_weights(pairs, 
     report = verify(tmp_path / "out", source=src, progress=False)
     assert report.ok, report.to_dict()
     assert report.to_dict()["source"]["quantized"] > 24  # every expert compared with its dequantized source
+
+
+def test_a_hub_int4_source_converts_as_the_local_one(hub_server, pairs, tmp_path):
+    """From the Hub, shards streamed and evicted once converted: the scales, shapes and zero points the plan never
+    names count as done with their weights."""
+    import os
+
+    src, _ = pairs("group", False)
+    prequant.convert(src, tmp_path / "local", device="cpu", progress=False, max_shard_size="40KB")
+    hub_server.add_repo("org/tiny-int4", {p.name: p for p in src.iterdir() if p.is_file()})
+    prequant.convert("org/tiny-int4", tmp_path / "hub", device="cpu", progress=False, max_shard_size="40KB",
+                     delete_source_shards=True)
+    assert outputs(tmp_path / "hub") == outputs(tmp_path / "local")
+    cache = Path(os.environ["HF_HOME"]) / "hub" / "models--org--tiny-int4"
+    assert cache.is_dir() and not list(cache.glob("snapshots/*/*.safetensors"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy, symmetric", SCHEMES)
+def test_cuda_gives_the_cpu_bytes(pairs, tmp_path, strategy, symmetric):
+    src, _ = pairs(strategy, symmetric)
+    for device in ("cpu", "cuda"):
+        prequant.convert(src, tmp_path / device, device=device, progress=False, quantize_experts=True)
+    assert outputs(tmp_path / "cuda") == outputs(tmp_path / "cpu")

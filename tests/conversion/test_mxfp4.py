@@ -162,3 +162,19 @@ def test_every_code_at_every_exponent_is_transformers_value(tmp_path):
     nan = wanted.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(got[~nan].view(torch.int16), wanted[~nan].view(torch.int16))
+
+
+def test_verify_against_the_mxfp4_source_compares_the_dequantized_experts(pair, tmp_path):
+    from prequant.verify import verify
+
+    prequant.convert(pair[0], tmp_path / "out", device="cpu", progress=False)
+    report = verify(tmp_path / "out", source=pair[0], progress=False)
+    assert report.ok, report.to_dict()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_gives_the_cpu_bytes(pair, tmp_path):
+    for device in ("cpu", "cuda"):
+        prequant.convert(pair[0], tmp_path / device, device=device, progress=False)
+    assert outputs(tmp_path / "cuda") == outputs(tmp_path / "cpu")
