@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PrequantError
 from . import fp8, int4, mxfp4
+from .lookup import Each
 from .tensors import QuantizedWeight, TensorRef, quote
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def read_with(ref: QuantizedWeight) -> tuple[TensorRef, ...]:
     return (ref.stored, ref.scale, *ref.extra)
 
 
-def dequantize(ref: QuantizedWeight, *parts: torch.Tensor, each: fp8.Each | None = None) -> torch.Tensor:
+def dequantize(ref: QuantizedWeight, *parts: torch.Tensor, each: Each | None = None) -> torch.Tensor:
     """The 16-bit tensor of `ref` from its stored tensors (`read_with`, as stored), on their device, as its format's
     reference computes it. `each(count, work)` runs `work(i)` for every piece of rows i (default: one after the
     other; the pipeline passes its CPU threads)."""

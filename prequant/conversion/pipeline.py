@@ -15,8 +15,8 @@ check has passed, has the kernel copy them file to file (copy_file_range). A ten
 dtype goes through the quantizing device like a quantized one and is cast there. So does a weight stored quantized
 (FP8, INT4, MXFP4), quantized or kept: its codes and scales travel to the device as stored (a half or a quarter of
 the bytes of its 16-bit form) and are dequantized there (`checkpoint.quantized.dequantize`), on the CPU over the
-kernel's threads. The writer stage (`ShardSet`)
-opens each output shard on its first tensor, finalizes it when its last one is written, and journals both.
+kernel's threads. The writer stage (`ShardSet`) opens each output shard on its first tensor, finalizes it when its
+last one is written, and journals both.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from ..bnb.format import entry_key
 from ..bnb.kernels import _parallel
 from ..bnb.quantize import Quantizer
 from ..bnb.starting import Starting, ready
-from ..checkpoint.quantized import dequantize, read_with
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
+from ..checkpoint.quantized import dequantize, read_with
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import BIN_OFFSET, QuantizedWeight, TensorRef
 from ..util import failpoints, pagecache, trace
