@@ -84,11 +84,12 @@ def as_16bit(tensors: list[TensorRef], config: dict, where: object = "config.jso
             owner = owners.get(module + ".weight") or last or next(iter(made))
             riders.setdefault(owner, []).append(t)
             folded.add(t.name)
-        elif form.companion(t.name):
+        elif t.dtype.startswith("F8_") or any(other.companion(t.name) for other in FORMATS):
             raise PrequantError(
-                f"tensor {quote(t.name)} is not a part of {form.NAME} weights that prequant can read ({form.PARTS}, "
-                "activation parameters aside); the checkpoint is damaged or of a layout prequant does not read: "
-                "re-download it, or convert the original 16-bit checkpoint", where=t.file.name)
+                f"tensor {quote(t.name)} ({t.dtype}) is not a part of {form.NAME} weights that prequant can read "
+                f"({form.PARTS}, activation parameters aside), and config.json declares no other format; the "
+                "checkpoint is damaged, mixes formats or is of a layout prequant does not read: re-download it, or "
+                "convert the original 16-bit checkpoint", where=t.file.name)
     out: list[TensorRef] = []
     for t in tensors:
         if t.name in made:

@@ -224,3 +224,13 @@ def test_cuda_gives_the_cpu_bytes(pairs, tmp_path, strategy, symmetric):
     for device in ("cpu", "cuda"):
         prequant.convert(src, tmp_path / device, device=device, progress=False, quantize_experts=True)
     assert outputs(tmp_path / "cuda") == outputs(tmp_path / "cpu")
+
+
+def test_a_weight_of_another_format_is_refused_naming_it(pairs, tmp_path):
+    """An FP8 weight and its scale in a checkpoint that declares INT4 only: no format says how to read it."""
+    src = _copy(pairs, tmp_path)
+    w = torch.randn(64, 32).to(torch.float8_e4m3fn)
+    _edit(src, lambda t: t.update({DOWN.replace("experts.1", "experts.9") + ".weight": w,
+                                   DOWN.replace("experts.1", "experts.9") + ".weight_scale_inv": torch.ones(1, 1)}))
+    message = _refused(src, tmp_path / "out")
+    assert "experts.9.down_proj.weight" in message and "INT4" in message

@@ -178,3 +178,18 @@ def test_cuda_gives_the_cpu_bytes(pair, tmp_path):
     for device in ("cpu", "cuda"):
         prequant.convert(pair[0], tmp_path / device, device=device, progress=False)
     assert outputs(tmp_path / "cuda") == outputs(tmp_path / "cpu")
+
+
+def test_a_weight_of_another_format_is_refused_naming_it(pair, tmp_path):
+    """INT4 codes in a checkpoint that declares MXFP4 only: no format says how to read them."""
+    def change(t):
+        t["model.layers.0.self_attn.q_proj.weight_packed"] = torch.zeros(64, 8, dtype=torch.int32)
+
+    from safetensors.torch import load_file
+
+    src = Path(shutil.copytree(pair[0], tmp_path / "src"))
+    tensors = load_file(src / "model.safetensors")
+    change(tensors)
+    write_safetensors(src / "model.safetensors", dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size())))
+    message = _refused(src, tmp_path / "out")
+    assert "'model.layers.0.self_attn.q_proj.weight_packed'" in message and "MXFP4" in message
