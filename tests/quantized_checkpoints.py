@@ -47,7 +47,8 @@ def int4_compress(w: torch.Tensor, qc: dict) -> tuple[dict[str, torch.Tensor], t
     weights = qc["config_groups"]["group_0"]["weights"]
     args = QuantizationArgs(**{k: v for k, v in weights.items() if k not in ("observer", "observer_kwargs")})
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    x = w.unflatten(-1, (-1, args.group_size)) if args.strategy == "group" else w.reshape(w.shape[0], 1, -1)
+    x = {"group": lambda: w.unflatten(-1, (-1, args.group_size)), "channel": lambda: w.reshape(w.shape[0], 1, -1),
+         "tensor": lambda: w.reshape(1, -1)}[args.strategy]()
     scale, zero_point = calculate_qparams(x.amin(-1), x.amax(-1), args)
     stored = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale,
                                                     "weight_zero_point": zero_point}, scheme)

@@ -18,7 +18,7 @@ from prequant.checkpoint.reader import scan_files
 from prequant.errors import PrequantError
 
 KIMI = ("group", True)
-SCHEMES = [KIMI, ("group", False), ("channel", True), ("channel", False)]
+SCHEMES = [KIMI, ("group", False), ("channel", True), ("channel", False), ("tensor", True)]
 
 
 @pytest.fixture(scope="module")
