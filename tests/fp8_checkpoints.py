@@ -24,7 +24,7 @@ HIDDEN, INTERMEDIATE = 160, 272  # not multiples of 128: partial edge blocks
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E4M3_MAX = 448.0
 CODES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
-         torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.uint8: "U8"}
+         torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
 
 def llama_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:

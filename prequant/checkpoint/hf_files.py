@@ -9,7 +9,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ..errors import PrequantError
-from . import fp8
+from . import quantized
 from .tensors import TensorRef, quote
 
 CONFIG = "config.json"
@@ -107,7 +107,7 @@ def check_index(index_path: Path, tensors: list[TensorRef]) -> None:
 
 def read_config(source_dir: Path) -> dict:
     """The source's config.json, which must exist, be a JSON object, and not be quantized already (FP8 aside:
-    `fp8.as_16bit` reads it as the 16-bit checkpoint it stands for)."""
+    `quantized.as_16bit` reads it as the 16-bit checkpoint it stands for)."""
     path = source_dir / CONFIG
     if not path.is_file():
         raise PrequantError(
@@ -123,12 +123,14 @@ def read_config(source_dir: Path) -> dict:
         raise PrequantError(f"not valid JSON ({e}); fix or re-download it", where=path) from e
     if not isinstance(config, dict):
         raise PrequantError("not a JSON object; fix or re-download it", where=path)
-    if "quantization_config" in config and not fp8.declared(config["quantization_config"]):
+    if "quantization_config" in config and not quantized.declared(config["quantization_config"]):
         qc = config["quantization_config"]
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        method = quantized.described(qc)
         again = " (to store a prequant output's packed weights as another dtype: prequant change-storage)"
+        unread = f", a format prequant does not dequantize (it reads {quantized.READ})"
+        unread = "" if method == "bitsandbytes" else unread
         raise PrequantError(
-            f"the source is already quantized ({method}); convert the original bf16/fp16/fp32 checkpoint"
+            f"the source is already quantized ({method}){unread}; convert the original bf16/fp16/fp32 checkpoint"
             + (again if method == "bitsandbytes" else ""), where=path
         )
     return config

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from ..errors import PrequantError
-from . import binreader, fp8
+from . import binreader, quantized
 from .dtypes import SAFETENSORS_DTYPES
 from .safetensors import read_header
-from .tensors import BIN_OFFSET, TensorRef, merge
+from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, merge
 
 
 def scan_files(files: Iterable[Path]) -> list[TensorRef]:
@@ -87,10 +87,10 @@ class TensorReader:
         return self._bins[ref.file][ref.name]
 
     def view(self, ref: TensorRef) -> torch.Tensor:
-        """The tensor as a CPU view over the memory-mapped file (no copy); an FP8 weight as the 16-bit tensor it
-        dequantizes to (a copy: the conversion's pipeline reads its stored tensors instead, for its own device)."""
-        if isinstance(ref, fp8.Fp8Weight):
-            return fp8.dequantize(ref, self.view(ref.stored), self.view(ref.scale))
+        """The tensor as a CPU view over the memory-mapped file (no copy); a quantized weight as the 16-bit tensor
+        it dequantizes to (a copy: the conversion's pipeline reads its stored tensors instead, for its own device)."""
+        if isinstance(ref, QuantizedWeight):
+            return quantized.dequantize(ref, *(self.view(piece) for piece in quantized.read_with(ref)))
         dtype = SAFETENSORS_DTYPES[ref.dtype]
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)

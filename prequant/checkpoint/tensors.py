@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import PrequantError
 
 # A `.bin` shard's tensors have no byte range we know of in the file: they are reached through the shard's
-# memory-mapped state dict. Nor has an FP8 weight's 16-bit form (`fp8.Fp8Weight`): `TensorReader.view` makes it.
+# memory-mapped state dict. Nor has a quantized weight's 16-bit form (`QuantizedWeight`): `TensorReader.view` makes it.
 BIN_OFFSET = -1
 
 
@@ -24,12 +24,26 @@ class TensorRef:
     dtype: str  # safetensors code, e.g. "BF16"
     shape: tuple[int, ...]
     file: Path
-    offset: int  # absolute offset of the first byte in `file`; BIN_OFFSET for a .bin shard's tensor or an FP8 weight
+    offset: int  # absolute offset of the first byte in `file`; BIN_OFFSET: a .bin shard's tensor, a QuantizedWeight
     nbytes: int
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight(TensorRef):
+    """A weight stored quantized (FP8, INT4 pack-quantized, MXFP4) as the 16-bit tensor it dequantizes to (`dtype`:
+    the model's; `shape`: the 16-bit tensor's; `nbytes`: at that dtype). `checkpoint.quantized` makes and dequantizes
+    it; the stored tensors it is read from travel with it."""
+
+    stored: TensorRef  # the codes: a float8 weight, an int32 `weight_packed`, uint8 `*_blocks`
+    scale: TensorRef
+    method: str  # the format: `fp8.BLOCK`, `fp8.CT`, `int4.METHOD`, `mxfp4.METHOD`
+    block: tuple[int, int] | None  # elements per scale, rows by columns, where the format has blocks or groups
+    extra: tuple[TensorRef, ...] = ()  # other stored tensors its dequantization reads (INT4's shape, zero point)
+    riders: tuple[TensorRef, ...] = ()  # activation parameters of its module, dropped with it
 
 
 def merge(per_file: Iterable[list[TensorRef]], fix: str) -> list[TensorRef]:

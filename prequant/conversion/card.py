@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .._version import __version__
 from ..bnb.stats import expected_rel_error
-from ..checkpoint import fp8
+from ..checkpoint import quantized
 from ..checkpoint.hf_files import CARD, read_config
 from ..errors import PrequantError
 from .plan import Plan
@@ -154,7 +154,7 @@ def _body(
            "included" if plan.quantize_experts else "transformers saves after quantizing on load with the same "
            "`BitsAndBytesConfig`") + ", so it loads with no quantization arguments."),
         "",
-        *([note, ""] if (note := fp8.card_note(st.source for st in plan.steps)) else []),
+        *([note, ""] if (note := quantized.card_note(st.source for st in plan.steps)) else []),
         *([f"**{fused[0].upper()}{fused[1:]}.**", ""] if fused else []),
         "## Quantization",
         "",

@@ -12,10 +12,11 @@ CPU the reader hands over zero-copy memory-mapped views, which the CPU kernel qu
 (`bnb.kernels._parallel`). Tensors kept as they are never enter the quantizing stage's memory: a thread of their own
 asks for their pages and checks their values on the mapped view while the reader goes on, then the writer, once the
 check has passed, has the kernel copy them file to file (copy_file_range). A tensor transformers loads in another
-dtype goes through the quantizing device like a quantized one and is cast there. So does an FP8 weight, quantized or
-kept: its float8 bytes and its scale travel to the device as stored (half the bytes of its 16-bit form) and are
-dequantized there (`checkpoint.fp8.dequantize`), on the CPU over the kernel's threads. The writer stage (`ShardSet`)
-opens each output shard on its first tensor, finalizes it when its last one is written, and journals both.
+dtype goes through the quantizing device like a quantized one and is cast there. So does a weight stored quantized
+(FP8, INT4, MXFP4), quantized or kept: its codes and scales travel to the device as stored (a half or a quarter of
+the bytes of its 16-bit form) and are dequantized there (`checkpoint.quantized.dequantize`), on the CPU over the
+kernel's threads. The writer stage (`ShardSet`) opens each output shard on its first tensor, finalizes it when its
+last one is written, and journals both.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from ..bnb.format import entry_key
 from ..bnb.kernels import _parallel
 from ..bnb.quantize import Quantizer
 from ..bnb.starting import Starting, ready
-from ..checkpoint import fp8
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
+from ..checkpoint.quantized import dequantize, read_with
 from ..checkpoint.reader import TensorReader
-from ..checkpoint.tensors import BIN_OFFSET, TensorRef
+from ..checkpoint.tensors import BIN_OFFSET, QuantizedWeight, TensorRef
 from ..util import failpoints, pagecache, trace
 from .follow_hash import FollowHash
 from .journal import Journal
@@ -151,10 +152,12 @@ def run(
                 source.prepare(step.source.file, failed)  # a Hub source: wait for the shard's download
                 found = None
                 changed = transform is not None and transform.applies(step)
-                if isinstance(step.source, fp8.Fp8Weight):  # its float8 bytes and scale, dequantized on the device
-                    source.prepare(step.source.scale.file, failed)
-                    (weight, _), (scale, copied) = load(step.source.stored), load(step.source.scale)
-                    data = ((weight, scale), copied)  # the scale's copy follows the weight's on the loader's stream
+                if isinstance(step.source, QuantizedWeight):  # its stored tensors, dequantized on the device
+                    parts = read_with(step.source)
+                    for part in parts[1:]:
+                        source.prepare(part.file, failed)
+                    loads = [load(part) for part in parts]
+                    data = (tuple(t for t, _ in loads), loads[-1][1])  # each copy follows the one before on the stream
                 elif step.quantize or step.decision.dtype or changed:  # through the quantizing device
                     data = load(step.source)
                 else:
@@ -220,20 +223,20 @@ def run(
 def _transform(step: Step, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], loaded: torch.cuda.Event | None,
                found: object, quantizer: Quantizer | Starting, stats: Stats | None, check: Check | None,
                transform: Transform | None = None) -> tuple:  # fmt: skip
-    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found). For an FP8
-    weight, `tensor` is its (float8 weight, scale) pair, which becomes its 16-bit tensor here, on the quantizing
-    device; a merge's `transform` then applies to the 16-bit tensor."""
-    name, fp8_weight = step.source.name, isinstance(step.source, fp8.Fp8Weight)
+    """One item for the writer: (step, entries by key, the device-to-host copy's event or None, found). For a
+    quantized weight, `tensor` is its stored tensors (`read_with`), which become its 16-bit tensor here, on
+    the quantizing device; a merge's `transform` then applies to the 16-bit tensor."""
+    name, stored_quantized = step.source.name, isinstance(step.source, QuantizedWeight)
     changed = transform is not None and transform.applies(step)
-    if not step.quantize and not step.decision.dtype and not fp8_weight and not changed:
+    if not step.quantize and not step.decision.dtype and not stored_quantized and not changed:
         return (step, {name: tensor}, None, found)
     quantizer = ready(quantizer)
     if loaded is not None:
         torch.cuda.current_stream(quantizer.device).wait_event(loaded)
-    if fp8_weight:  # on the CPU, its pieces on the CPU kernel's threads
+    if stored_quantized:  # on the CPU, its pieces on the CPU kernel's threads
         each = _parallel.run if quantizer.device.type == "cpu" else None
         with trace.busy("dequantize"):
-            tensor = fp8.dequantize(step.source, *tensor, each=each)
+            tensor = dequantize(step.source, *tensor, each=each)
     if step.decision.dtype:  # the dtype transformers loads it in, as it casts it (torch's rounding)
         with trace.busy("cast"):
             tensor = tensor.to(SAFETENSORS_DTYPES[step.decision.dtype])

@@ -18,7 +18,7 @@ from ..bnb import experts
 from ..bnb.format import QUANTIZABLE, Settings, loses_codes, settings_entries
 from ..bnb.layout import Decision, Layout
 from ..bnb.loading import should_convert
-from ..checkpoint import fp8
+from ..checkpoint import quantized
 from ..checkpoint.dtypes import itemsize
 from ..checkpoint.hf_files import shard_name
 from ..checkpoint.tensors import TensorRef
@@ -82,13 +82,13 @@ class Plan:
 
     @property
     def input_bytes(self) -> int:
-        """The source tensors' bytes in their 16-bit form (an FP8 weight counts as the tensor it dequantizes to)."""
+        """The source tensors' bytes in their 16-bit form (a quantized weight counts as the tensor it dequantizes to)."""
         return sum(s.source.nbytes for s in self.steps)
 
     @property
     def source_bytes(self) -> int:
-        """The bytes read from the source: an FP8 weight's float8 tensor, scale and riders, as they are on disk."""
-        return sum(t.nbytes for t in fp8.stored(s.source for s in self.steps))
+        """The bytes read from the source: a quantized weight's codes, scales and riders, as they are on disk."""
+        return sum(t.nbytes for t in quantized.stored(s.source for s in self.steps))
 
     @property
     def output_bytes(self) -> int:

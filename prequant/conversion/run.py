@@ -27,7 +27,7 @@ from ..bnb.layout import require_known
 from ..bnb.predict import decide
 from ..bnb.quantize import Quantizer, check_device
 from ..bnb.starting import Starting
-from ..checkpoint import fp8, manifest
+from ..checkpoint import manifest, quantized
 from ..checkpoint.tensors import TensorRef
 from ..errors import Interrupted
 from ..source.resolve import contents, reader, resolve
@@ -191,9 +191,9 @@ def _stream(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging
         data.on_download(journal.source_downloaded)
     ahead = None if src.hub is not None else readahead.start(list(src.weight_files))
     try:
-        with data, Progress(plan.source_bytes, enabled=opts.progress) as bar:  # the bytes on disk (FP8 as stored)
+        with data, Progress(plan.source_bytes, enabled=opts.progress) as bar:  # the bytes on disk (quantized weights as stored)
             def on_step(step: Step) -> None:
-                read = sum(piece.nbytes for piece in fp8.pieces(step.source))
+                read = sum(piece.nbytes for piece in quantized.pieces(step.source))
                 bar.advance(read)
                 if ahead is not None:
                     ahead.consumed(read)

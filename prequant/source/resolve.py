@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..checkpoint import fp8
+from ..checkpoint import quantized
 from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
@@ -58,12 +58,12 @@ def scan(src: Source) -> list[TensorRef]:
 
 def contents(src: Source) -> Contents:
     """What the source holds: every tensor, in file order (`scan`), checked against its index when it has one,
-    and its config.json (which must exist, be a JSON object and not be quantized already); an FP8 source as the
-    16-bit checkpoint it stands for (`fp8.as_16bit`)."""
+    and its config.json (which must exist, be a JSON object and not be quantized already); a quantized source as the
+    16-bit checkpoint it stands for (`quantized.as_16bit`)."""
     tensors = scan(src)
     if src.index_file is not None:
         check_index(src.index_file, tensors)
-    return Contents(*fp8.as_16bit(tensors, read_config(src.path), where=src.path / "config.json"))
+    return Contents(*quantized.as_16bit(tensors, read_config(src.path), where=src.path / "config.json"))
 
 
 def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False, start: bool = False) -> TensorReader:
@@ -78,10 +78,10 @@ def reader(src: Source, tensors: Sequence[TensorRef], *, delete: bool = False, s
         return TensorReader()
     from . import hub_stream
 
-    data = hub_stream.HubShardReader(src, fp8.stored(tensors), delete=delete)  # FP8 weights: their stored tensors
+    data = hub_stream.HubShardReader(src, quantized.stored(tensors), delete=delete)  # quantized weights: their stored tensors
     if start:
         data.start()
-    return fp8.reading(data, tensors)
+    return quantized.reading(data, tensors)
 
 
 def check_delete(src: Source, delete: bool) -> None:

@@ -12,7 +12,7 @@ import torch
 from ..bnb import stats
 from ..bnb.loading import cast_code
 from ..bnb.predict import decide
-from ..checkpoint import fp8
+from ..checkpoint import quantized
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
 from ..checkpoint.hf_files import read_config
 from ..checkpoint.manifest import MANIFEST
@@ -170,10 +170,10 @@ def _same_bytes(out: torch.Tensor, source: torch.Tensor, chunk: int = 1 << 24) -
 
 
 def _as_16bit(src: Source, refs: list[TensorRef]) -> list[TensorRef]:
-    """An FP8 source's weights as the 16-bit tensors they stand for (its scales folded into them); any other source's
+    """A quantized source's weights as the 16-bit tensors they stand for (their scales folded into them); any other source's
     tensors as they are (a source without a readable config.json is reported where the layout is needed)."""
     try:
         config = read_config(src.path)
     except PrequantError:
         return refs
-    return fp8.as_16bit(refs, config)[0] if fp8.declared(config.get("quantization_config")) else refs
+    return quantized.as_16bit(refs, config)[0] if quantized.declared(config.get("quantization_config")) else refs

@@ -1,4 +1,4 @@
-"""FP8 weights read as 16-bit tensors (`checkpoint.fp8`): the same bytes as each reference dequantization, scales and
+"""FP8 weights read as 16-bit tensors (`checkpoint.quantized`, `checkpoint.fp8`): the same bytes as each reference dequantization, scales and
 activation parameters folded away, and every layout prequant cannot read refused in one line naming the tensor."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from fp8_checkpoints import (
     write_checkpoint,
 )
 
-from prequant.checkpoint import fp8
+from prequant.checkpoint import fp8, lookup, quantized
+from prequant.checkpoint.tensors import QuantizedWeight
 from prequant.checkpoint.hf_files import read_config
 from prequant.checkpoint.reader import TensorReader
 from prequant.errors import PrequantError
@@ -118,7 +119,7 @@ def test_a_weight_of_many_pieces_is_the_reference_on_threads_too(tmp_path, monke
     src = write_checkpoint(tmp_path / "src", [dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))],
                            BF16_LLAMA | {"quantization_config": qc})
     (ref,) = contents(resolve(str(src))).tensors
-    assert fp8._CPU_PIECE // cols < 128 and rows > fp8._CPU_PIECE // cols  # several pieces, edges inside blocks
+    assert lookup.CPU_PIECE // cols < 128 and rows > lookup.CPU_PIECE // cols  # several pieces, edges inside blocks
     monkeypatch.setattr(_parallel, "THREADS", 2)
     pieces: list[int] = []
 
@@ -141,7 +142,7 @@ def test_as_16bit_folds_scales_and_activation_parameters_into_their_weights(tmp_
     assert [(t.name, t.dtype, t.shape, t.nbytes) for t in fp8_held.tensors] == [
         (t.name, t.dtype, t.shape, t.nbytes) for t in ref_held.tensors]
     assert "quantization_config" not in fp8_held.config and fp8_held.config == ref_held.config
-    weights = [t for t in fp8_held.tensors if isinstance(t, fp8.Fp8Weight)]
+    weights = [t for t in fp8_held.tensors if isinstance(t, QuantizedWeight)]
     assert len(weights) == 14 and all(t.stored.dtype == "F8_E4M3" for t in weights)
     q = next(t for t in weights if t.name == "model.layers.0.self_attn.q_proj.weight")
     assert q.scale.name.endswith("q_proj.weight_scale") and q.scale.file != q.stored.file  # in the other shard
@@ -150,14 +151,14 @@ def test_as_16bit_folds_scales_and_activation_parameters_into_their_weights(tmp_
     from prequant.checkpoint.reader import scan_files
 
     on_disk = scan_files(sorted(src.glob("*.safetensors")))
-    assert sorted(t.name for t in fp8.stored(fp8_held.tensors)) == sorted(t.name for t in on_disk)
+    assert sorted(t.name for t in quantized.stored(fp8_held.tensors)) == sorted(t.name for t in on_disk)
 
 
 def test_a_source_without_fp8_comes_back_as_it_is(tmp_path):
     _, ref = fp8_pair(tmp_path, "block", torch.float32)
     held = contents(resolve(str(ref)))
-    assert not any(isinstance(t, fp8.Fp8Weight) for t in held.tensors)
-    assert fp8.as_16bit(held.tensors, held.config) == (held.tensors, held.config)
+    assert not any(isinstance(t, QuantizedWeight) for t in held.tensors)
+    assert quantized.as_16bit(held.tensors, held.config) == (held.tensors, held.config)
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -230,15 +231,16 @@ def test_a_declaration_without_float8_weights_is_refused(tmp_path):
 
 @pytest.mark.parametrize("qc", [
     {"quant_method": "bitsandbytes", "load_in_4bit": True},
-    {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
     {"quant_method": "gptq", "bits": 4},
 ])
 def test_other_quantized_sources_are_still_refused(tmp_path, qc):
     shutil.rmtree(tmp_path, ignore_errors=True)
     tmp_path.mkdir()
     (tmp_path / "config.json").write_text(json.dumps(BF16_LLAMA | {"quantization_config": qc}))
-    with pytest.raises(PrequantError, match=rf"already quantized \({qc['quant_method']}\)"):
+    with pytest.raises(PrequantError, match=rf"already quantized \({qc['quant_method']}[,)]") as e:
         read_config(tmp_path)
+    assert qc.get("format", "") in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from helpers import GPU, gpu_only, run_cli
 
 import prequant
 from prequant.checkpoint import fp8
-from prequant.checkpoint.tensors import BIN_OFFSET, TensorRef
+from prequant.checkpoint.tensors import BIN_OFFSET, QuantizedWeight, TensorRef
 
 CASES = [("block", torch.float32), ("block", torch.bfloat16), ("channel", torch.bfloat16), ("channel", torch.float16),
          ("tensor", torch.float32)]
@@ -64,7 +64,7 @@ def test_real_size_weights_dequantize_on_cuda_to_the_cpu_bytes(shape, method):
     scale = torch.rand((-(-rows // 128), -(-cols // 128)) if method == fp8.BLOCK else (rows, 1), generator=g) + 1e-3
     stored = TensorRef("w", "F8_E4M3", shape, Path("w"), 0, math.prod(shape))
     scales = TensorRef("s", "F32", tuple(scale.shape), Path("w"), 0, scale.numel() * 4)
-    ref = fp8.Fp8Weight("w", "BF16", shape, Path("w"), BIN_OFFSET, 2 * math.prod(shape), stored, scales, method,
+    ref = QuantizedWeight("w", "BF16", shape, Path("w"), BIN_OFFSET, 2 * math.prod(shape), stored, scales, method,
                         (128, 128) if method == fp8.BLOCK else None)
     cpu = fp8.dequantize(ref, weight, scale, each=_parallel.run)
     cuda = fp8.dequantize(ref, weight.cuda(), scale.cuda())
