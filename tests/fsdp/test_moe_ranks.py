@@ -46,10 +46,17 @@ RELATIVE, ABSOLUTE = 1e-4, 1e-6
 
 
 def _ids(seed: int, steps: int, micro: int = 1, ranks: int = 2) -> list[list[list[list[int]]]]:
-    """steps x micro-batches x ranks x [1, TOKENS] token ids, each rank its own."""
+    """steps x micro-batches x ranks x [1, TOKENS] token ids, each rank its own. In the first step rank 0's sequences
+    repeat one token: every position then holds the same hidden state, so each MoE layer sends all of them to the
+    same experts and leaves the others idle on rank 0, while rank 1's different tokens reach them."""
     g = torch.Generator().manual_seed(seed)
-    return [[[torch.randint(2, 256, (1, TOKENS), generator=g).tolist() for _ in range(ranks)] for _ in range(micro)]
-            for _ in range(steps)]
+
+    def batch(step: int, rank: int) -> list[list[int]]:
+        if step == 0 and rank == 0:
+            return torch.randint(2, 256, (1, 1), generator=g).repeat(1, TOKENS).tolist()
+        return torch.randint(2, 256, (1, TOKENS), generator=g).tolist()
+
+    return [[[batch(step, r) for r in range(ranks)] for _ in range(micro)] for step in range(steps)]
 
 
 def _checkpoint(kind: str, layout: str, root: Path) -> Path:
