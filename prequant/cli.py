@@ -127,7 +127,10 @@ def convert(
     arguments = dict(locals())
     from .conversion import output, readahead  # standard library: both run before torch's import
 
+    from .source.spec import where
+
     output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
+    where(source)  # a SOURCE that is neither a local directory nor a Hub repo id fails here, before torch's import
     if not dry_run:
         readahead.prefetch(source)  # a local source's disk reads go on while the libraries load
     with signals.deferred():  # torch's imports; a signal there stops the command here, before any output

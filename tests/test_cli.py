@@ -201,3 +201,58 @@ def test_fused_moe_note_in_the_plan_and_summary_from_the_cli(checkpoints, tmp_pa
     assert plan.returncode == 0 and note in plan.stdout, plan.stderr
     done = run_cli("convert", str(checkpoints("mixtral")), str(tmp_path / "out"), "--device", "cpu")
     assert done.returncode == 0 and note in done.stdout, done.stderr
+
+
+# What the CLI process held when it stopped: run in a subprocess, with `prequant convert SPEC out` as its argv.
+_PROBE = """
+import json, sys
+from prequant.cli import main
+sys.argv = ["prequant", "convert", sys.argv[1], "out"]
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "hub": "huggingface_hub" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize("spec", ["work/no-such-dir", "./x", "../x", "~/x", "/no/such/dir", "a/b/c", "org/name@"])
+def test_a_path_that_does_not_exist_fails_before_torch_and_the_hub(tmp_path, spec):
+    """A SOURCE spelled as a path (or `work/x` where ./work is a folder) is refused from its spelling and the disk: no
+    Hub request (huggingface_hub never imported, so no retry either), and torch not imported (a fraction of a
+    second instead of minutes of retries)."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    cwd = tmp_path / "cwd"
+    (cwd / "work" / "tiny").mkdir(parents=True)
+    env = cli_env({"HOME": str(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+                   "PREQUANT_HUB_RETRY_S": "5"})
+    proc = subprocess.run([sys.executable, "-c", _PROBE, spec], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+    held = json.loads(proc.stdout)
+    assert held == {"code": 1, "torch": False, "hub": False}, proc.stderr
+    assert f"source {spec!r} does not exist" in _one_line_error(proc)
+
+
+def test_a_typo_in_a_local_path_suggests_the_folder(tmp_path):
+    cwd = tmp_path / "cwd"
+    (cwd / "work" / "tiny").mkdir(parents=True)
+    proc = run_cli("convert", "work/tiny-typo", "out", cwd=cwd)
+    assert proc.returncode == 1
+    line = _one_line_error(proc)
+    assert "did you mean ./work/tiny?" in line and "work/ is a local folder" in line
+    assert not (cwd / "out").exists()
+
+
+def test_a_host_name_that_does_not_resolve_is_not_retried(tmp_path):
+    """A DNS failure (no network, or a wrong HF_ENDPOINT) fails at the first try: no 'retrying' lines."""
+    proc = run_cli("convert", "org/name", str(tmp_path / "out"),
+                   env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://no-such-host.invalid",
+                        "PREQUANT_HUB_RETRY_S": "5"})
+    assert proc.returncode == 1
+    line = _one_line_error(proc)
+    assert "cannot reach the Hugging Face Hub at http://no-such-host.invalid" in line
+    assert "tried" not in line
