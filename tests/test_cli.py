@@ -256,3 +256,20 @@ def test_a_host_name_that_does_not_resolve_is_not_retried(tmp_path):
     line = _one_line_error(proc)
     assert "cannot reach the Hugging Face Hub at http://no-such-host.invalid" in line
     assert "tried" not in line
+
+
+def test_a_setting_not_understood_is_warned_about_once(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu",
+                   env={"PREQUANT_PROGRESS": "fancy"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("PREQUANT_PROGRESS='fancy' is not understood") == 1, proc.stderr
+
+
+def test_an_interrupted_conversion_says_to_run_the_same_command_again(checkpoints, tmp_path):
+    """As README says: the same command continues (`--resume` only insists that there is something to continue)."""
+    args = ("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu")
+    proc = run_cli(*args, env={"PREQUANT_FAILPOINT": "tensor-written:3:SIGINT"})
+    assert proc.returncode == 130
+    line = _one_line_error(proc)
+    assert "run the same command again to continue" in line and "--resume" not in line
+    assert run_cli(*args).returncode == 0

@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from .. import settings
 from .._version import __version__
 from ..bnb import starting
 from ..bnb.layout import require_known
@@ -94,7 +93,7 @@ def convert(
     out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
     src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
     held = contents(src)
-    check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
+    check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
     weight_bytes = sum(t.nbytes for t in held.tensors)  # what `--device auto` weighs
     quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, weight_bytes)
@@ -152,11 +151,8 @@ def _write(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging:
 
 
 def _base_model_hint(opts: ConvertOptions, written: dict) -> list[str]:
-    """The note for a card that names no base model: in the summary's notes, and on stderr unless progress is
-    JSON (the summary carries it then)."""
+    """The note for a card that names no base model: one of the summary's notes (on stdout with the summary)."""
     hint = card.base_model_note(written, opts.said("base_model", "org/name"))
-    if hint and opts.progress and settings.progress() != "json":
-        print(f"prequant: note: {hint}", file=sys.stderr)
     return [hint] if hint else []
 
 

@@ -29,6 +29,7 @@ from ..bnb import starting
 from ..bnb.format import Settings, settings_entries
 from ..bnb.layout import Decision, Layout, require_known
 from ..bnb.predict import decide
+from ..bnb.quantize import check_device
 from ..checkpoint import manifest
 from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES
 from ..checkpoint.reader import TensorReader
@@ -68,14 +69,16 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     `trust_remote_code`."""
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
+    check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
     lora = open_adapter(str(adapter))
     trace.mark("adapter-read")
     base_spec = str(base) if base is not None else lora.base_model
+    give_base = "--base SOURCE" if opts.cli else "base='...'"
     if not base_spec:
-        raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
+        raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with {give_base}")
     if not isinstance(base_spec, str):
         raise UsageError(f"'base_model_name_or_path' is {json.dumps(base_spec)[:80]}, not a model's folder or Hub "
-                         "repo id; pass the base with --base", where=lora.directory / CONFIG_NAME)
+                         f"repo id; pass the base with {give_base}", where=lora.directory / CONFIG_NAME)
     out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
     src, tensors, config, four = _base(base_spec, opts)
     if four:
