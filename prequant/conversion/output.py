@@ -119,11 +119,13 @@ class Claim:
 
 
 @contextmanager
-def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool) -> Iterator[Claim]:
+def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool, options: dict | None = None,
+          cli: bool = True) -> Iterator[Claim]:
     """Lock OUTPUT_DIR for the conversion whose fingerprint is `job` ("": not a conversion, nothing to continue),
     check it again under the lock, and decide what happens to what is there: an interrupted run of the same job is
     continued, a finished one is complete; another job's work is refused (UsageError, one line) unless
-    --overwrite, which starts over."""
+    --overwrite, which starts over. `options`: what this job's prequant.json will record as its options, so that a
+    refusal of a finished job names those that differ (as flags with `cli`, else as keywords)."""
     with _locked(output_dir):
         check_contents(output_dir, overwrite=overwrite, resume=resume)
         staging = output_dir / STAGING
@@ -132,13 +134,13 @@ def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool) -
             raise UsageError(f"OUTPUT_DIR {output_dir} holds an interrupted conversion of another job ({_changed(staged, job)} "
                              "changed since it started); rerun it as it was to continue it, or pass --overwrite to "
                              "start over")
-        complete = staged is None and _finished(output_dir, job, overwrite=overwrite)
+        complete = staged is None and _finished(output_dir, job, overwrite=overwrite, options=options, cli=cli)
         if staged != job and staging.exists():
             shutil.rmtree(staging)  # another job's work (with --overwrite), or files of no job at all
         yield Claim(output_dir, staging if complete else staging_dir(output_dir), complete)
 
 
-def _finished(output_dir: Path, job: dict | str, *, overwrite: bool) -> bool:
+def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: dict | None, cli: bool) -> bool:
     """Whether OUTPUT_DIR holds `job` finished, intact; another finished checkpoint is refused unless --overwrite."""
     if not (output_dir / MANIFEST).is_file():
         if job or overwrite or not _entries(output_dir):
@@ -147,7 +149,7 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool) -> bool:
                          "choose an empty directory")
     found = _job_of(output_dir)
     if found is not None and job and found == job_id(job):
-        if not (changed := _changed_files(output_dir)):
+        if not (changed := changed_files(output_dir)):
             return True
         if not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds this conversion, finished, but {changed} since; run "
@@ -158,8 +160,24 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool) -> bool:
         raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options "
                          "wrote (e.g. the result of prequant change-storage); pass --overwrite to replace it, or choose "
                          "an empty directory")
-    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion of another source or with other options; "
-                     "pass --overwrite to replace it, or choose an empty directory")
+    differ = _options_differ(output_dir, options or {}, cli)
+    what = f"with other options ({differ})" if differ else "of another source (or by another prequant version)"
+    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass --overwrite to replace it, "
+                     "or choose an empty directory")
+
+
+def _options_differ(output_dir: Path, options: dict, cli: bool) -> str:
+    """The options whose values differ between OUTPUT_DIR's prequant.json and `options` (this job's), in words:
+    "--quant-type: nf4 there, fp4 here"; "" when none does (or the manifest cannot be read)."""
+    try:
+        recorded = json.loads((output_dir / MANIFEST).read_text()).get("options") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    differ = [k for k, v in options.items() if k in recorded and recorded[k] != v and k != "stats"]
+    if len(differ) > 1 and "llm_int8_skip_modules" in differ:  # follows from --skip: said by the option given
+        differ.remove("llm_int8_skip_modules")
+    said = (lambda k: f"--{k.replace('_', '-')}") if cli else (lambda k: k)
+    return ", ".join(f"{said(k)}: {recorded[k]!r} there, {options[k]!r} here" for k in differ)
 
 
 def _staged_job(staging: Path) -> dict | None:
@@ -184,7 +202,7 @@ def _changed(staged: dict, job: dict | str) -> str:
     return "the options"
 
 
-def _changed_files(output_dir: Path) -> str | None:
+def changed_files(output_dir: Path) -> str | None:
     """What no longer matches the manifest's sizes in a finished output ("x is missing", ...), else None."""
     files = json.loads((output_dir / MANIFEST).read_text()).get("files", {})
     for name, entry in sorted(files.items()):

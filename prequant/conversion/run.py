@@ -37,7 +37,7 @@ from . import card, output, pipeline, readahead
 from .journal import Journal, fingerprint, job_id
 from .options import ConvertOptions
 from .plan import Plan, Step, make_plan
-from .record import Recorder, copy_side_files, side_files, write_config, write_index
+from .record import Recorder, copy_side_files, recorded_options, side_files, write_config, write_index
 from .summary import Summary
 
 if TYPE_CHECKING:
@@ -124,7 +124,9 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
 
         publisher = publish.publisher(opts.push_to_hub, progress=opts.progress)
     with publisher or nullcontext():
-        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
+        recorded = recorded_options(job.plan, record_options, stats=stats, allow_nan=opts.allow_nan)
+        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume, options=recorded,
+                          cli=opts.cli) as claim:
             if not claim.complete:  # else finished before; an interrupted push goes on below
                 with _interruptible(), Recorder(job.source, job.plan, stats=stats, job=job.id,
                                                 allow_nan=opts.allow_nan, options=record_options) as record:
