@@ -52,6 +52,7 @@ from .folder import CONFIG_NAME, WEIGHT_NAMES
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
 
 MERGED = "merged with the adapter"  # the plan's reason for each tensor the adapter changes
+COPIED = "4-bit, copied as stored"  # the plan's reason for a 4-bit base's untargeted weights (and companions) with --quantize
 
 
 def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | None = None, quantize: bool = False,
@@ -260,15 +261,31 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
     def reason(name: str, default: str) -> str:
         return MERGED if name in changed else default
 
+    def action(name: str, quantized: bool, default: str | None = None) -> str | None:
+        return default if quantized else "merge" if name in changed else default
+
     if four:
         s, transposed = _base_settings(config, four), _transposed(src)
         companions = {ref.name for w in four.values() for ref in w.companions.values()}
         if quantize:  # targets' companions are written anew; everything else copied
             companions = {ref.name for k, w in four.items() if k in changed for ref in w.companions.values()}
         kept = [t for t in tensors if t.name not in companions]
-        decisions = {t.name: Decision(quantize and t.name in changed and t.name in four,
-                                      reason(t.name, "dequantized" if t.name in four else "kept"),
-                                      transpose=t.name in transposed) for t in kept}
+        requant = {t.name for t in kept if quantize and t.name in changed and t.name in four}
+        # With --quantize, an untargeted 4-bit weight and its companions are copied as stored: still 4-bit.
+        copied = {name for k, w in four.items() if k not in requant
+                  for name in (k, *(r.name for r in w.companions.values()))} if quantize else set()
+
+        def decision(t: TensorRef) -> Decision:
+            if t.name in copied:
+                return Decision(False, COPIED, action="copy")
+            default = "dequantized" if t.name in four else "kept"
+            verb = "dequantize" if t.name in four and not quantize else None
+            return Decision(t.name in requant, reason(t.name, default), transpose=t.name in transposed,
+                            action=action(t.name, t.name in requant, verb))
+
+        decisions = {t.name: decision(t) for t in kept}
+        # A packed weight is reported by the parameter it holds, as a 16-bit base's would be (Conv1D: [in, out]).
+        shapes = {k: tuple(w.shape[::-1] if k in transposed else w.shape) for k, w in four.items()}
 
         def outputs(t: TensorRef, d: Decision) -> tuple[OutTensor, ...] | None:
             if t.name not in four:
@@ -280,18 +297,19 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
                 return None  # an untargeted 4-bit weight: copied as stored
             return (OutTensor(t.name, w.dtype, w.shape[::-1] if t.name in transposed else w.shape),)
 
-        return make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
-                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs)
+        plan = make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
+                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs, shapes=shapes)
+        return replace(plan, sixteen_bit=not quantize)
     if quantize:
         assert decided is not None
         layout, settled = decided
         require_known(layout)
-        layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason))
+        layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason), action=action(k, d.quantize))
                                             for k, d in layout.decisions.items()})
         return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip), settled=settled)
-    decisions = {t.name: Decision(False, reason(t.name, "kept")) for t in tensors}
-    return make_plan(tensors, Layout(decisions, None, "merge, written 16-bit: nothing quantized"), opts.settings,
-                     opts.shard_limit)
+    decisions = {t.name: Decision(False, reason(t.name, "kept"), action=action(t.name, False)) for t in tensors}
+    return replace(make_plan(tensors, Layout(decisions, None, "merge into the 16-bit base"),
+                             opts.settings, opts.shard_limit), sixteen_bit=True)
 
 
 def _numel(w: FourBit) -> int:

@@ -333,3 +333,34 @@ def test_gpt2_4bit_base_merges_in_the_stored_conv1d_layout(converted_gpt2, tmp_p
     for key, value in quantized.items():
         expected = reference[key] if ".c_attn.weight" in key else stored[key]
         assert torch.equal(value.view(torch.uint8), expected.view(torch.uint8)), key
+
+
+def test_a_merge_into_a_4bit_base_reports_real_parameters_shapes_and_actions(four_bit, tmp_path):
+    """The report of a merge into a 4-bit base counts the parameters a 16-bit base's report counts (not packed
+    elements), shows the weights' real shapes, says "merge" for a merged tensor, and a 16-bit output's plan names no
+    4-bit settings."""
+    base, converted, adapter = four_bit
+    args = ("merge", str(adapter), str(tmp_path / "out"), "--device", "cpu")
+    on_16 = run_cli(*args, "--base", str(base), "--dry-run", "--json")
+    on_4 = run_cli(*args, "--base", str(converted), "--dry-run", "--json")
+    assert on_16.returncode == 0 and on_4.returncode == 0, on_16.stderr + on_4.stderr
+    plan_16, plan_4 = json.loads(on_16.stdout), json.loads(on_4.stdout)
+    assert (sum(plan_4["unquantized_parameters"].values()) == sum(plan_16["unquantized_parameters"].values())
+            == sum(t.numel() for t in read_checkpoint(base).values()))
+    assert plan_4["unquantized_parameters"]["merged with the adapter"] == \
+        plan_16["unquantized_parameters"]["merged with the adapter"]
+    shapes_16 = {t["name"]: t["shape"] for t in plan_16["tensors"]}
+    assert {t["name"]: t["shape"] for t in plan_4["tensors"]} == shapes_16
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    actions = {t["name"]: t["action"] for plan in (plan_16, plan_4) for t in plan["tensors"] if t["name"] == q_proj}
+    assert actions == {q_proj: "merge"}
+    text = run_cli(*args, "--base", str(converted), "--dry-run")
+    assert text.returncode == 0, text.stderr
+    header, *rows = text.stdout.splitlines()
+    assert header.startswith("plan: 16-bit, nothing quantized;") and "nf4" not in header
+    row = next(r.split() for r in rows if q_proj in r)
+    assert row[0] == "merge" and row[3] == "64x64"
+    done = run_cli(*args, "--base", str(converted))
+    assert done.returncode == 0, done.stderr
+    merged = next(line for line in done.stdout.splitlines() if "merged with the adapter" in line)
+    assert f"{plan_16['unquantized_parameters']['merged with the adapter']:,} parameters" in merged
