@@ -54,6 +54,23 @@ OutputArg = Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="A folder w
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto (a GPU when there is one, for "
                                         "weights of 256 MiB or more: below, CUDA's start-up costs more than the CPU "
                                         "takes; same bytes), cpu, or cuda[:N].")]
+# The 4-bit settings, shared by convert and merge --quantize (where a 4-bit base's own settings apply instead).
+QuantTypeOpt = Annotated[str, typer.Option("--quant-type", metavar="nf4|fp4", help="4-bit data type (any case).")]
+DoubleQuantOpt = Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")]
+BlocksizeOpt = Annotated[int, typer.Option("--blocksize", metavar="N", help="Elements per absmax block (64..4096).")]
+ComputeDtypeOpt = Annotated[str, typer.Option("--compute-dtype", metavar="DTYPE",
+                                              help="bnb_4bit_compute_dtype written to the config.")]
+QuantStorageOpt = Annotated[str, typer.Option("--quant-storage", metavar="DTYPE", help="dtype the packed weights are "
+                            "stored as: bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, "
+                            "float32.")]
+SkipOpt = Annotated[list[str] | None, typer.Option(
+    "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")]
+StatsOpt = Annotated[bool, typer.Option(
+    "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")]
+MaxShardSizeOpt = Annotated[str, typer.Option(
+    "--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")]
+PrivateOpt = Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo as private (an "
+                                          "existing public repo is refused).")]
 
 
 @app.command(
@@ -74,20 +91,15 @@ def convert(
                        "org/name@revision), or alias (grok-1)."),
     ],
     output_dir: Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="Where to write the 4-bit checkpoint.")],
-    quant_type: Annotated[str, typer.Option(metavar="nf4|fp4", help="4-bit data type.")] = "nf4",
-    double_quant: Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")] = True,
-    blocksize: Annotated[int, typer.Option(metavar="N", help="Elements per absmax block (64..4096).")] = 64,
-    compute_dtype: Annotated[str, typer.Option(
-        metavar="DTYPE", help="bnb_4bit_compute_dtype written to the config.")] = "bfloat16",
-    quant_storage: Annotated[str, typer.Option(metavar="DTYPE", help="dtype the packed weights are stored as: "
-                             "bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, float32.")
-                             ] = "bfloat16",
+    quant_type: QuantTypeOpt = "nf4",
+    double_quant: DoubleQuantOpt = True,
+    blocksize: BlocksizeOpt = 64,
+    compute_dtype: ComputeDtypeOpt = "bfloat16",
+    quant_storage: QuantStorageOpt = "bfloat16",
     quantize_experts: Annotated[bool, typer.Option("--quantize-experts", help="Quantize MoE experts too (transformers "
         "5 keeps them): each 4-bit under its own name; load with transformers 4.57 or prequant.load_model.")] = False,
-    skip: Annotated[list[str] | None, typer.Option(
-        "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")] = None,
-    max_shard_size: Annotated[str, typer.Option(
-        metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    skip: SkipOpt = None,
+    max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option(
@@ -100,8 +112,7 @@ def convert(
         "(the same command continues one without it too).")] = False,
     trust_remote_code: Annotated[bool, typer.Option(
         "--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")] = False,
-    stats: Annotated[bool, typer.Option(
-        "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")] = True,
+    stats: StatsOpt = True,
     base_model: Annotated[
         str | None,
         typer.Option("--base-model", metavar="REPO_ID", help="The card's base_model, for a local SOURCE (a Hub "
@@ -112,6 +123,7 @@ def convert(
         typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload to this Hub repo (org/name[@branch]): each shard "
                      "once written, all in one commit once the output verifies; run again, it continues."),
     ] = None,
+    private: PrivateOpt = False,
     delete_source_shards: Annotated[
         bool,
         typer.Option("--delete-source-shards", help="Hub source: delete each shard prequant downloaded from the Hugging "
@@ -209,7 +221,9 @@ def change_storage(
     "W + (B @ A) * scaling in float32, rounded once (docs/merge.md); run again, it continues where it stopped.\n\n"
     + _examples("prequant merge ./my-adapter ./llama3-8b-merged",
                 "prequant merge my-org/llama3-8b-lora ./merged --base ./llama3-8b-nf4",
-                "prequant merge ./my-adapter ./merged-nf4 --base ./llama3-8b-nf4 --quantize")
+                "prequant merge ./my-adapter ./merged-nf4 --base ./llama3-8b-nf4 --quantize",
+                "prequant merge ./my-adapter ./merged-fp4 --base ./Meta-Llama-3-8B --quantize \\",
+                "    --quant-type fp4 --no-stats")
 )
 def merge(
     adapter: Annotated[str, typer.Argument(metavar="ADAPTER", help="A peft LoRA adapter: local folder or Hub repo "
@@ -217,10 +231,16 @@ def merge(
     output_dir: Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="Where to write the merged checkpoint.")],
     base: Annotated[str | None, typer.Option("--base", metavar="SOURCE", help="The base: local checkpoint, Hub repo "
                     "or prequant 4-bit output (default: the adapter's base_model_name_or_path).")] = None,
-    quantize: Annotated[bool, typer.Option("--quantize", help="Write 4-bit: a 4-bit base's settings, else convert's "
-                        "defaults (default: 16-bit).")] = False,
-    max_shard_size: Annotated[str, typer.Option(
-        metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    quantize: Annotated[bool, typer.Option("--quantize", help="Write 4-bit: a 4-bit base's own settings, else the "
+                        "options below (default: 16-bit).")] = False,
+    quant_type: QuantTypeOpt = "nf4",
+    double_quant: DoubleQuantOpt = True,
+    blocksize: BlocksizeOpt = 64,
+    compute_dtype: ComputeDtypeOpt = "bfloat16",
+    quant_storage: QuantStorageOpt = "bfloat16",
+    skip: SkipOpt = None,
+    stats: StatsOpt = True,
+    max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
@@ -229,6 +249,7 @@ def merge(
                       ] = False,
     push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload "
                            "to this Hub repo (org/name[@branch]).")] = None,
+    private: PrivateOpt = False,
     trust_remote_code: Annotated[bool, typer.Option(
         "--trust-remote-code", help="Allow running the base's own model code (meta device only).")] = False,
 ) -> None:

@@ -273,3 +273,16 @@ def test_an_interrupted_conversion_says_to_run_the_same_command_again(checkpoint
     line = _one_line_error(proc)
     assert "run the same command again to continue" in line and "--resume" not in line
     assert run_cli(*args).returncode == 0
+
+
+def test_quant_type_is_taken_in_any_case(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run", "--json",
+                   "--quant-type", "NF4")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["settings"]["quant_type"] == "nf4"
+
+
+def test_private_without_push_to_hub_is_a_usage_error(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run", "--private")
+    assert proc.returncode == 2
+    assert "--private applies to the repo that --push-to-hub creates" in _one_line_error(proc)

@@ -49,6 +49,7 @@ class ConvertOptions:
     progress: bool = True  # progress on stderr (the library's callers may turn it off; the CLI always shows it)
     stats: bool = True
     push_to_hub: str | None = None
+    private: bool = False  # push_to_hub creates the repo private
     delete_source_shards: bool = False
     allow_nan: bool = False  # copy a kept tensor holding NaN as it is (recorded in prequant.json) instead of refusing
     base_model: str | None = None  # the card's base_model (a Hub repo id) for a local source; a Hub source's own
@@ -64,6 +65,12 @@ class ConvertOptions:
             raise UsageError(f"{self.said('skip', self.skip)} is not a module name or pattern; pass a string or a list "
                              f"of strings, e.g. {self.said('skip', ['lm_head'] if not self.cli else 'lm_head')}")
         object.__setattr__(self, "skip", tuple(skip))
+        if isinstance(self.quant_type, str):  # "NF4" is what bitsandbytes' docs and cards print
+            object.__setattr__(self, "quant_type", self.quant_type.lower())
+        if self.private and not self.push_to_hub:
+            raise UsageError(f"{'--private' if self.cli else 'private=True'} applies to the repo that "
+                             f"{'--push-to-hub' if self.cli else 'push_to_hub'} creates; pass that too, or leave it "
+                             "out (`prequant upload --private` uploads a finished output)")
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
         for name, allowed in _CHOICES.items():

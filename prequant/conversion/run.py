@@ -122,7 +122,7 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
     if opts.push_to_hub:  # the repo created (or refused) before any work; huggingface_hub is imported only then
         from ..verify import publish
 
-        publisher = publish.publisher(opts.push_to_hub, progress=opts.progress)
+        publisher = publish.publisher(opts.push_to_hub, private=opts.private, progress=opts.progress)
     with publisher or nullcontext():
         recorded = recorded_options(job.plan, record_options, stats=stats, allow_nan=opts.allow_nan)
         with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume, options=recorded,

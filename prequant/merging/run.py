@@ -71,6 +71,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
     check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
+    _check_settings(opts, quantize, None)
     lora = open_adapter(str(adapter))
     trace.mark("adapter-read")
     base_spec = str(base) if base is not None else lora.base_model
@@ -241,6 +242,39 @@ def _transposed(src: Source) -> set[str]:
         return set()
 
 
+_SETTINGS = ("quant_type", "double_quant", "blocksize", "compute_dtype", "quant_storage", "skip")
+
+
+def _check_settings(opts: ConvertOptions, quantize: bool, base: Settings | None) -> None:
+    """Refuse 4-bit settings that would be ignored: given for a 16-bit output (no `quantize`), or differing from a
+    4-bit base's own settings (its merged weights are quantized again with them: `base`)."""
+    defaults = ConvertOptions()
+    given = [k for k in _SETTINGS if getattr(opts, k) != getattr(defaults, k)]
+    if not given:
+        return
+    if not quantize:
+        raise UsageError(f"{_said(opts, given[0])} applies to a 4-bit output only; add "
+                         f"{'--quantize' if opts.cli else 'quantize=True'} to write one, or leave it out")
+    if base is None:
+        return
+    for k in given:
+        if k == "skip" or getattr(base, k) != getattr(opts, k):
+            own = "" if k == "skip" else f" ({k} {getattr(base, k)})"
+            raise UsageError(f"{_said(opts, k)}: a merge into a 4-bit base quantizes the merged weights again with "
+                             f"the base's own settings{own}, and keeps its other modules as they are; leave the option "
+                             "out, or merge into the 16-bit base to choose the settings")
+
+
+def _said(opts: ConvertOptions, name: str) -> str:
+    """A 4-bit setting as its caller wrote it (a flag's negative form for a boolean, one --skip pattern)."""
+    value = getattr(opts, name)
+    if opts.cli and isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
+    if opts.cli and name == "skip":
+        return opts.said(name, value[0])
+    return opts.said(name, list(value) if name == "skip" else value)
+
+
 def _base_settings(config: dict, four: dict[str, FourBit]) -> Settings:
     """The 4-bit settings of a bitsandbytes base: its quantization_config, and its quant states' block size."""
     qc = config["quantization_config"]
@@ -266,6 +300,7 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
 
     if four:
         s, transposed = _base_settings(config, four), _transposed(src)
+        _check_settings(opts, quantize, s)
         companions = {ref.name for w in four.values() for ref in w.companions.values()}
         if quantize:  # targets' companions are written anew; everything else copied
             companions = {ref.name for k, w in four.items() if k in changed for ref in w.companions.values()}
