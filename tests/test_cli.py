@@ -286,3 +286,18 @@ def test_private_without_push_to_hub_is_a_usage_error(checkpoints, tmp_path):
     proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--dry-run", "--private")
     assert proc.returncode == 2
     assert "--private applies to the repo that --push-to-hub creates" in _one_line_error(proc)
+
+
+def test_overwrite_warns_about_the_files_upload_will_refuse(checkpoints, tmp_path):
+    """--overwrite keeps a user's own files (as documented); `upload` then refuses the folder: said at this run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_cli("convert", str(checkpoints("llama")), str(out), "--device", "cpu", "--overwrite", "--no-stats")
+    assert proc.returncode == 0, proc.stderr
+    warning = [line for line in proc.stderr.splitlines() if "notes.txt" in line]
+    assert len(warning) == 1 and "prequant upload` refuses" in warning[0] and "move them out" in warning[0]
+    assert (out / "notes.txt").read_text() == "mine"
+    again = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "clean"), "--device", "cpu", "--overwrite",
+                    "--no-stats")
+    assert again.returncode == 0 and "warning" not in again.stderr, again.stderr

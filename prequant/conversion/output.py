@@ -325,6 +325,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def unrelated_files(output_dir: Path) -> list[str]:
+    """The files of a finished OUTPUT_DIR that its prequant.json does not list (--overwrite keeps a user's own
+    files): what `prequant upload` refuses to publish with it."""
+    try:
+        listed = json.loads((output_dir / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    found = (p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*") if p.is_file())
+    return sorted(rel for rel in found if rel not in listed and rel not in (MANIFEST, LOCK)
+                  and not rel.startswith(STAGING + "/"))
+
+
 def publishing(staging: Path) -> bool:
     """True when an interrupted run had finished writing and was moving files into place."""
     return (staging / PUBLISHING).exists()
