@@ -18,6 +18,12 @@ def spelled(name: str, value: object, *, cli: bool) -> str:
     return f"{name}={value!r}"
 
 
+def one_of(allowed: tuple) -> str:
+    """'nf4 or fp4', 'bfloat16, float16 or float32': the values an option takes, said."""
+    names = [str(a) for a in allowed]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 class PrequantError(Exception):
     """An error meant for the user: one line saying what, why and the fix.
 

@@ -301,3 +301,38 @@ def test_overwrite_warns_about_the_files_upload_will_refuse(checkpoints, tmp_pat
     again = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "clean"), "--device", "cpu", "--overwrite",
                     "--no-stats")
     assert again.returncode == 0 and "warning" not in again.stderr, again.stderr
+
+
+# `prequant ARGS` in a subprocess, then what it held: its exit code, and whether torch was imported.
+_ARGS_PROBE = """
+import json, sys
+from prequant.cli import main
+sys.argv = ["prequant", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize("job", ["convert", "merge"])
+@pytest.mark.parametrize("option, value, says", [
+    ("--quant-type", "int3", "--quant-type int3 is not supported; use nf4 or fp4"),
+    ("--blocksize", "100", "--blocksize 100 is not supported"),
+    ("--compute-dtype", "int8", "--compute-dtype int8 is not supported"),
+    ("--quant-storage", "float64", "--quant-storage float64 is not supported"),
+])
+def test_a_bad_option_value_is_refused_before_torch_is_imported(checkpoints, tmp_path, job, option, value, says):
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    src = str(checkpoints("llama"))
+    args = [job, src, str(tmp_path / "out"), option, value] if job == "convert" else \
+        [job, src, str(tmp_path / "out"), "--base", src, "--quantize", option, value]
+    proc = subprocess.run([sys.executable, "-c", _ARGS_PROBE, *args], env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert json.loads(proc.stdout) == {"code": 2, "torch": False}, proc.stderr
+    assert says in _one_line_error(proc)

@@ -17,7 +17,7 @@ import torch
 from ..bnb.format import BLOCKSIZES, COMPUTE_NAMES, QUANT_TYPES, STORAGE_NAMES, Settings
 from ..bnb.loading import skip_problem
 from ..checkpoint.dtypes import torch_name
-from ..errors import UsageError, spelled
+from ..errors import UsageError, one_of, spelled
 from .plan import parse_size
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -108,7 +108,3 @@ class ConvertOptions:
         return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values and f.name != "cli"}, cli=True)
 
 
-def one_of(allowed: tuple) -> str:
-    """'nf4 or fp4', 'bfloat16, float16 or float32': the values an option takes, said."""
-    names = [str(a) for a in allowed]
-    return f"{', '.join(names[:-1])} or {names[-1]}"
