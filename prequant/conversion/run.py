@@ -90,7 +90,8 @@ def convert(
     """
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
-    out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
+    out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run,
+                        cli=opts.cli)
     src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
     held = contents(src)
     check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA

@@ -81,7 +81,8 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     if not isinstance(base_spec, str):
         raise UsageError(f"'base_model_name_or_path' is {json.dumps(base_spec)[:80]}, not a model's folder or Hub "
                          f"repo id; pass the base with {give_base}", where=lora.directory / CONFIG_NAME)
-    out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
+    out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run,
+                        cli=opts.cli)
     src, tensors, config, four = _base(base_spec, opts)
     if four:
         _check_quant_states(src, tensors)

@@ -85,3 +85,18 @@ def test_a_skip_that_is_no_pattern_is_a_usage_error(checkpoints, tmp_path, skip)
         prequant.convert(checkpoints("llama"), tmp_path / "out", dry_run=True, skip=skip)
     said = str(refused.value)
     assert said.startswith(f"skip={skip!r} is not a module name or pattern") and "skip=['lm_head']" in said
+
+
+def test_a_taken_output_dir_is_refused_in_python_words(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(prequant.UsageError) as refused:
+        prequant.convert(checkpoints("llama"), out, device="cpu", progress=False, resume=True)
+    said = str(refused.value)
+    assert "pass overwrite=True" in said and "resume=True only continues one" in said and "--" not in said
+    prequant.convert(checkpoints("llama"), tmp_path / "done", device="cpu", progress=False, stats=False)
+    with pytest.raises(prequant.UsageError) as refused:
+        prequant.convert(checkpoints("llama"), tmp_path / "done", device="cpu", progress=False, quant_type="fp4")
+    said = str(refused.value)
+    assert "(quant_type: 'nf4' there, 'fp4' here); pass overwrite=True" in said and "--" not in said
