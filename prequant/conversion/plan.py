@@ -233,7 +233,8 @@ class Plan:
         return "\n".join(lines)
 
 
-_DONE = {"merge": "merged", "dequantize": "dequantized", "copy": "copied 4-bit"}  # an action, as the total says it was done
+# An action, as the plan's total says it was done.
+_DONE = {"merge": "merged", "dequantize": "dequantized", "copy": "copied 4-bit"}
 
 # outputs(tensor, decision) -> its outputs, or None for those the decision implies (a merge's 4-bit base: `merging`)
 Outputs = Callable[[TensorRef, Decision], "tuple[OutTensor, ...] | None"]

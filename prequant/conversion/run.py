@@ -138,9 +138,9 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
                     trace.mark("published")
         if opts.overwrite and opts.progress and (others := output.unrelated_files(out)):
             more = f" and {len(others) - 1} more" if len(others) > 1 else ""
-            print(f"prequant: warning: {out} also holds {others[0]}{more}, which --overwrite keeps and this output does "
-                  "not list: `prequant upload` refuses a folder holding files that are not part of it; move them out "
-                  "before uploading", file=sys.stderr)
+            print(f"prequant: warning: {out} also holds {others[0]}{more}, which --overwrite keeps and this output "
+                  "does not list: `prequant upload` refuses a folder holding files that are not part of it; move them "
+                  "out before uploading", file=sys.stderr)
         hub_url = None
         if publisher is not None:  # verified, then what the Hub lacks is sent, in one commit
             hub_url = publish.push_converted(out, opts.push_to_hub, progress=opts.progress, publisher=publisher)

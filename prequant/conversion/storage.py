@@ -68,8 +68,8 @@ class StorageChange:
         what = (f"{self.packed_weights} packed weights stored as {self.new_storage} (were {self.old_storage}), "
                 f"{count(self.shards, 'shard')}")
         if self.already_complete:
-            return (f"already complete: {self.output_dir} holds this change of {self.source}, finished earlier; nothing "
-                    f"was written ({what})")
+            return (f"already complete: {self.output_dir} holds this change of {self.source}, finished earlier; "
+                    f"nothing was written ({what})")
         lines = [f"wrote {self.output_dir}: {what}, {self.bytes_copied / 1e9:.3f} GB copied in {self.seconds:.1f} s",
                  f"card: {self.card}"]
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])

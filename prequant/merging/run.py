@@ -52,7 +52,7 @@ from .folder import CONFIG_NAME, WEIGHT_NAMES
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
 
 MERGED = "merged with the adapter"  # the plan's reason for each tensor the adapter changes
-COPIED = "4-bit, copied as stored"  # the plan's reason for a 4-bit base's untargeted weights (and companions) with --quantize
+COPIED = "4-bit, copied as stored"  # the plan's reason for a 4-bit base's untargeted weights with --quantize
 
 
 def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | None = None, quantize: bool = False,
@@ -77,7 +77,8 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     base_spec = str(base) if base is not None else lora.base_model
     give_base = "--base SOURCE" if opts.cli else "base='...'"
     if not base_spec:
-        raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with {give_base}")
+        raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with "
+                         f"{give_base}")
     if not isinstance(base_spec, str):
         raise UsageError(f"'base_model_name_or_path' is {json.dumps(base_spec)[:80]}, not a model's folder or Hub "
                          f"repo id; pass the base with {give_base}", where=lora.directory / CONFIG_NAME)

@@ -27,7 +27,8 @@ def write_error(path: Path, e: OSError) -> PrequantError:
         return disk_full(path, 0)
     if isinstance(e, PermissionError):
         return PrequantError(f"permission denied writing {path.name}; choose a writable OUTPUT_DIR", where=path.parent)
-    return PrequantError(f"write failed ({e.strerror or e}); check the disk, then run the same command again", where=path)
+    return PrequantError(f"write failed ({e.strerror or e}); check the disk, then run the same command again",
+                         where=path)
 
 
 def write_json(path: Path, obj: object, *, sort_keys: bool = True) -> None:

@@ -390,7 +390,8 @@ def test_4bit_options_a_merge_would_ignore_are_refused(four_bit, tmp_path):
     base, converted, adapter = four_bit
     args = ("merge", str(adapter), str(tmp_path / "out"), "--device", "cpu", "--dry-run")
     sixteen = run_cli(*args, "--base", str(base), "--quant-type", "fp4")
-    assert sixteen.returncode == 2 and "--quant-type fp4 applies to a 4-bit output only; add --quantize" in sixteen.stderr
+    assert sixteen.returncode == 2
+    assert "--quant-type fp4 applies to a 4-bit output only; add --quantize" in sixteen.stderr
     into_4bit = run_cli(*args, "--base", str(converted), "--quantize", "--blocksize", "128")
     assert into_4bit.returncode == 2, into_4bit.stderr
     assert "--blocksize 128: a merge into a 4-bit base quantizes the merged weights again with the base's own" \
