@@ -276,6 +276,7 @@ def merge(
     from .conversion import readahead  # standard library, like merging.folder: both run before torch's import
     from .merging import folder
 
+    folder.check(adapter)  # a mistyped ADAPTER path fails here, before torch's import
     if not dry_run:
         weights, named_base = folder.peek(adapter)
         readahead.prefetch(base or named_base, first=weights)  # a local adapter and base, while the libraries load

@@ -336,3 +336,23 @@ def test_a_bad_option_value_is_refused_before_torch_is_imported(checkpoints, tmp
                           timeout=120)
     assert json.loads(proc.stdout) == {"code": 2, "torch": False}, proc.stderr
     assert says in _one_line_error(proc)
+
+
+@pytest.mark.parametrize("spec", ["work/no-such-lora", "./x", "~/x", "/no/such/lora", "a/b/c"])
+def test_a_mistyped_adapter_path_fails_before_torch_and_the_hub(checkpoints, tmp_path, spec):
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    cwd = tmp_path / "cwd"
+    (cwd / "work" / "lora").mkdir(parents=True)
+    env = cli_env({"HOME": str(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+                   "PREQUANT_HUB_RETRY_S": "5"})
+    args = ["merge", spec, "out", "--base", str(checkpoints("llama"))]
+    proc = subprocess.run([sys.executable, "-c", _ARGS_PROBE, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert json.loads(proc.stdout) == {"code": 2, "torch": False}, proc.stderr
+    line = _one_line_error(proc)
+    assert line.startswith(f"Error: ADAPTER {spec!r} does not exist"), line
+    assert ("work/ is a local folder" if spec.startswith("work/") else "no such folder") in line

@@ -179,10 +179,8 @@ def open_adapter(spec: str) -> Adapter:
         if not path.is_dir():
             raise UsageError(f"ADAPTER {spec!r} is a file; pass the folder peft's save_pretrained wrote")
         return read(path, {"spec": spec, "path": str(path)})
+    folder.check(spec)  # a mistyped path is refused here, never asked of the Hub
     repo = hub_spec(spec)
-    if repo is None:
-        raise UsageError(f"ADAPTER {spec!r} does not exist; pass a local adapter folder or a Hub repo as "
-                         "org/name[@revision]")
     from ..hub import client
 
     repo_id, revision = client.parse_repo_spec(repo[0])

@@ -97,20 +97,29 @@ def where(spec: str) -> Path | tuple[str, str | None]:
         raise PrequantError(f"source {spec!r} is not a usable path ({e}); pass a local checkpoint directory") from e
     if exists:
         return path
-    first = spec.strip().partition("/")[0]
-    named_folder = "/" in spec and first not in ALIASES and _is_dir(first)
-    repo = None if named_folder else hub_spec(spec)
+    why = mistyped_path(spec)
+    repo = None if why else hub_spec(spec)
     if repo is not None:
         return repo
     hint = did_you_mean(spec)
-    if "/" in spec or os.sep in spec or spec.startswith("~"):  # a path: the Hub is not asked
-        why = f"{first}/ is a local folder, so this is a path, not a Hub repo" if named_folder else "no such folder"
+    if why:  # a path: the Hub is not asked
         raise PrequantError(f"source {spec!r} does not exist{hint}: {why}; pass a local checkpoint directory, "
                             "or a Hub repo as org/name[@revision]")
     raise PrequantError(
         f"source {spec!r} does not exist{hint}; pass a local checkpoint directory (holding config.json and "
         f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"
     )
+
+
+def mistyped_path(spec: str) -> str | None:
+    """Why `spec`, which does not exist here, is a mistyped local path rather than a Hub repo id ("no such folder",
+    or "work/ is a local folder, ..."); None when it is spelled as no path (a name, `org/name`, an alias)."""
+    first = spec.strip().partition("/")[0]
+    if "/" in spec and not first.startswith((".", "~")) and first not in ALIASES and _is_dir(first):
+        return f"{first}/ is a local folder, so this is a path, not a Hub repo"
+    if ("/" in spec or os.sep in spec or spec.startswith("~")) and hub_spec(spec) is None:
+        return "no such folder"
+    return None
 
 
 def did_you_mean(spec: str) -> str:
