@@ -277,6 +277,10 @@ def merge(
     from .merging import folder
 
     folder.check(adapter)  # a mistyped ADAPTER path fails here, before torch's import
+    if base is not None:
+        from .source.spec import where
+
+        where(base)  # and a mistyped --base
     if not dry_run:
         weights, named_base = folder.peek(adapter)
         readahead.prefetch(base or named_base, first=weights)  # a local adapter and base, while the libraries load

@@ -356,3 +356,19 @@ def test_a_mistyped_adapter_path_fails_before_torch_and_the_hub(checkpoints, tmp
     line = _one_line_error(proc)
     assert line.startswith(f"Error: ADAPTER {spec!r} does not exist"), line
     assert ("work/ is a local folder" if spec.startswith("work/") else "no such folder") in line
+
+
+def test_a_mistyped_base_path_fails_before_torch_and_the_hub(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    cwd = tmp_path / "cwd"
+    (cwd / "work" / "tiny").mkdir(parents=True)
+    (cwd / "lora").mkdir()
+    env = cli_env({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "PREQUANT_HUB_RETRY_S": "5"})
+    proc = subprocess.run([sys.executable, "-c", _ARGS_PROBE, "merge", "lora", "out", "--base", "work/tiny-typo"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert json.loads(proc.stdout) == {"code": 1, "torch": False}, proc.stderr
+    assert "source 'work/tiny-typo' does not exist (did you mean ./work/tiny?)" in _one_line_error(proc)
