@@ -168,8 +168,8 @@ def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: Conver
     """Every output, planned on the layout transformers decides (from names alone where that is settled)."""
     layout, settled = decide(config, source_dir, tensors, list(opts.skip), opts.trust_remote_code)
     require_known(layout)
-    plan = replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, opts.quantize_experts),
-                   settled=settled)
+    plan = replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, opts.quantize_experts,
+                             cli=opts.cli), settled=settled)
     trace.mark("planned")
     if opts.progress and not opts.dry_run:  # a dry run's plan says them
         for warning in plan.warnings:

@@ -333,7 +333,8 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
             return (OutTensor(t.name, w.dtype, w.shape[::-1] if t.name in transposed else w.shape),)
 
         plan = make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
-                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs, shapes=shapes)
+                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs, shapes=shapes,
+                         cli=opts.cli)
         return replace(plan, sixteen_bit=not quantize)
     if quantize:
         assert decided is not None
@@ -341,7 +342,8 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
         require_known(layout)
         layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason), action=action(k, d.quantize))
                                             for k, d in layout.decisions.items()})
-        return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip), settled=settled)
+        return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, cli=opts.cli),
+                       settled=settled)
     decisions = {t.name: Decision(False, reason(t.name, "kept"), action=action(t.name, False)) for t in tensors}
     return replace(make_plan(tensors, Layout(decisions, None, "merge into the 16-bit base"),
                              opts.settings, opts.shard_limit), sixteen_bit=True)
