@@ -155,8 +155,7 @@ def convert(
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR (run again, it continues where it stopped)."""
     arguments = dict(locals())
-    from .conversion import output, readahead  # standard library: both run before torch's import
-
+    from .conversion import output, readahead  # standard library, like source.spec: all run before torch's import
     from .source.spec import where
 
     output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
@@ -275,11 +274,10 @@ def merge(
     arguments = dict(locals())
     from .conversion import readahead  # standard library, like merging.folder: both run before torch's import
     from .merging import folder
+    from .source.spec import where
 
     folder.check(adapter)  # a mistyped ADAPTER path fails here, before torch's import
     if base is not None:
-        from .source.spec import where
-
         where(base)  # and a mistyped --base
     if not dry_run:
         weights, named_base = folder.peek(adapter)
