@@ -13,7 +13,8 @@ import typer
 import typer.core
 
 from . import settings
-from .errors import PrequantError
+from .bnb.format import BLOCKSIZES, COMPUTE_NAMES, QUANT_TYPES, STORAGE_NAMES  # standard library only
+from .errors import PrequantError, UsageError, one_of, spelled
 
 
 class _Command(typer.core.TyperCommand):
@@ -56,6 +57,40 @@ DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto
                                         "takes; same bytes), cpu, or cuda[:N].")]
 
 
+def _one_of(name: str, allowed: tuple) -> object:
+    """An option's callback: a value outside `allowed` (compared in lower case) is refused as the library refuses
+    it, but while the command line is read, before torch's import."""
+    def check(value: object) -> object:
+        given = value.lower() if isinstance(value, str) else value
+        if value is not None and given not in allowed:
+            raise UsageError(f"{spelled(name, value, cli=True)} is not supported; use {one_of(allowed)}")
+        return given
+
+    return check
+
+
+# The 4-bit settings, shared by convert and merge --quantize (where a 4-bit base's own settings apply instead).
+QuantTypeOpt = Annotated[str, typer.Option("--quant-type", metavar="nf4|fp4", help="4-bit data type (any case).",
+                                           callback=_one_of("quant_type", QUANT_TYPES))]
+DoubleQuantOpt = Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")]
+BlocksizeOpt = Annotated[int, typer.Option("--blocksize", metavar="N", help="Elements per absmax block (64..4096).",
+                                           callback=_one_of("blocksize", BLOCKSIZES))]
+ComputeDtypeOpt = Annotated[str, typer.Option("--compute-dtype", metavar="DTYPE",
+                                              help="bnb_4bit_compute_dtype written to the config.",
+                                              callback=_one_of("compute_dtype", COMPUTE_NAMES))]
+QuantStorageOpt = Annotated[str, typer.Option("--quant-storage", metavar="DTYPE", help="dtype the packed weights are "
+                            "stored as: bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, "
+                            "float32.", callback=_one_of("quant_storage", STORAGE_NAMES))]
+SkipOpt = Annotated[list[str] | None, typer.Option(
+    "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")]
+StatsOpt = Annotated[bool, typer.Option(
+    "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")]
+MaxShardSizeOpt = Annotated[str, typer.Option(
+    "--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")]
+PrivateOpt = Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo as private (an "
+                                          "existing public repo is refused).")]
+
+
 @app.command(
     cls=_Command,
     short_help='Convert a checkpoint to bitsandbytes 4-bit.',
@@ -74,20 +109,15 @@ def convert(
                        "org/name@revision), or alias (grok-1)."),
     ],
     output_dir: Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="Where to write the 4-bit checkpoint.")],
-    quant_type: Annotated[str, typer.Option(metavar="nf4|fp4", help="4-bit data type.")] = "nf4",
-    double_quant: Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")] = True,
-    blocksize: Annotated[int, typer.Option(metavar="N", help="Elements per absmax block (64..4096).")] = 64,
-    compute_dtype: Annotated[str, typer.Option(
-        metavar="DTYPE", help="bnb_4bit_compute_dtype written to the config.")] = "bfloat16",
-    quant_storage: Annotated[str, typer.Option(metavar="DTYPE", help="dtype the packed weights are stored as: "
-                             "bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, float32.")
-                             ] = "bfloat16",
+    quant_type: QuantTypeOpt = "nf4",
+    double_quant: DoubleQuantOpt = True,
+    blocksize: BlocksizeOpt = 64,
+    compute_dtype: ComputeDtypeOpt = "bfloat16",
+    quant_storage: QuantStorageOpt = "bfloat16",
     quantize_experts: Annotated[bool, typer.Option("--quantize-experts", help="Quantize MoE experts too (transformers "
         "5 keeps them): each 4-bit under its own name; load with transformers 4.57 or prequant.load_model.")] = False,
-    skip: Annotated[list[str] | None, typer.Option(
-        "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")] = None,
-    max_shard_size: Annotated[str, typer.Option(
-        metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    skip: SkipOpt = None,
+    max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option(
@@ -100,8 +130,7 @@ def convert(
         "(the same command continues one without it too).")] = False,
     trust_remote_code: Annotated[bool, typer.Option(
         "--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")] = False,
-    stats: Annotated[bool, typer.Option(
-        "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")] = True,
+    stats: StatsOpt = True,
     base_model: Annotated[
         str | None,
         typer.Option("--base-model", metavar="REPO_ID", help="The card's base_model, for a local SOURCE (a Hub "
@@ -112,6 +141,7 @@ def convert(
         typer.Option("--push-to-hub", metavar="REPO_ID", help="Upload to this Hub repo (org/name[@branch]): each shard "
                      "once written, all in one commit once the output verifies; run again, it continues."),
     ] = None,
+    private: PrivateOpt = False,
     delete_source_shards: Annotated[
         bool,
         typer.Option("--delete-source-shards", help="Hub source: delete each shard prequant downloaded from the Hugging "
@@ -125,9 +155,11 @@ def convert(
 ) -> None:
     """Convert SOURCE into a bitsandbytes 4-bit checkpoint in OUTPUT_DIR (run again, it continues where it stopped)."""
     arguments = dict(locals())
-    from .conversion import output, readahead  # standard library: both run before torch's import
+    from .conversion import output, readahead  # standard library, like source.spec: all run before torch's import
+    from .source.spec import where
 
     output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
+    where(source)  # a SOURCE that is neither a local directory nor a Hub repo id fails here, before torch's import
     if not dry_run:
         readahead.prefetch(source)  # a local source's disk reads go on while the libraries load
     with signals.deferred():  # torch's imports; a signal there stops the command here, before any output
@@ -206,7 +238,9 @@ def change_storage(
     "W + (B @ A) * scaling in float32, rounded once (docs/merge.md); run again, it continues where it stopped.\n\n"
     + _examples("prequant merge ./my-adapter ./llama3-8b-merged",
                 "prequant merge my-org/llama3-8b-lora ./merged --base ./llama3-8b-nf4",
-                "prequant merge ./my-adapter ./merged-nf4 --base ./llama3-8b-nf4 --quantize")
+                "prequant merge ./my-adapter ./merged-nf4 --base ./llama3-8b-nf4 --quantize",
+                "prequant merge ./my-adapter ./merged-fp4 --base ./Meta-Llama-3-8B --quantize \\",
+                "    --quant-type fp4 --no-stats")
 )
 def merge(
     adapter: Annotated[str, typer.Argument(metavar="ADAPTER", help="A peft LoRA adapter: local folder or Hub repo "
@@ -214,10 +248,16 @@ def merge(
     output_dir: Annotated[str, typer.Argument(metavar="OUTPUT_DIR", help="Where to write the merged checkpoint.")],
     base: Annotated[str | None, typer.Option("--base", metavar="SOURCE", help="The base: local checkpoint, Hub repo "
                     "or prequant 4-bit output (default: the adapter's base_model_name_or_path).")] = None,
-    quantize: Annotated[bool, typer.Option("--quantize", help="Write 4-bit: a 4-bit base's settings, else convert's "
-                        "defaults (default: 16-bit).")] = False,
-    max_shard_size: Annotated[str, typer.Option(
-        metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    quantize: Annotated[bool, typer.Option("--quantize", help="Write 4-bit: a 4-bit base's own settings, else the "
+                        "options below (default: 16-bit).")] = False,
+    quant_type: QuantTypeOpt = "nf4",
+    double_quant: DoubleQuantOpt = True,
+    blocksize: BlocksizeOpt = 64,
+    compute_dtype: ComputeDtypeOpt = "bfloat16",
+    quant_storage: QuantStorageOpt = "bfloat16",
+    skip: SkipOpt = None,
+    stats: StatsOpt = True,
+    max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
@@ -226,6 +266,7 @@ def merge(
                       ] = False,
     push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload "
                            "to this Hub repo (org/name[@branch]).")] = None,
+    private: PrivateOpt = False,
     trust_remote_code: Annotated[bool, typer.Option(
         "--trust-remote-code", help="Allow running the base's own model code (meta device only).")] = False,
 ) -> None:
@@ -233,7 +274,11 @@ def merge(
     arguments = dict(locals())
     from .conversion import readahead  # standard library, like merging.folder: both run before torch's import
     from .merging import folder
+    from .source.spec import where
 
+    folder.check(adapter)  # a mistyped ADAPTER path fails here, before torch's import
+    if base is not None:
+        where(base)  # and a mistyped --base
     if not dry_run:
         weights, named_base = folder.peek(adapter)
         readahead.prefetch(base or named_base, first=weights)  # a local adapter and base, while the libraries load

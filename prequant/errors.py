@@ -7,6 +7,22 @@ it within the context of what the user asked for (`within`, `noted`) without edi
 
 from __future__ import annotations
 
+import shlex
+
+
+def spelled(name: str, value: object, *, cli: bool) -> str:
+    """Option `name` given `value`, as its caller writes it: `--max-shard-size 5GB` (the CLI, quoted for the
+    shell where needed) or `max_shard_size='5GB'` (a keyword argument)."""
+    if cli:
+        return f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
+    return f"{name}={value!r}"
+
+
+def one_of(allowed: tuple) -> str:
+    """'nf4 or fp4', 'bfloat16, float16 or float32': the values an option takes, said."""
+    names = [str(a) for a in allowed]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
 
 class PrequantError(Exception):
     """An error meant for the user: one line saying what, why and the fix.
@@ -60,12 +76,11 @@ class UsageError(PrequantError):
 
 
 class Interrupted(PrequantError):
-    """SIGINT or SIGTERM stopped a conversion; the work done so far is kept for --resume."""
+    """SIGINT or SIGTERM stopped a conversion; the work done so far is kept for the same command to continue."""
 
     def __init__(self, signal_name: str, exit_code: int) -> None:
         super().__init__(
-            f"interrupted by {signal_name}; the work done so far is kept: rerun the same command with --resume "
-            "to continue"
+            f"interrupted by {signal_name}; the work done so far is kept: run the same command again to continue"
         )
         self.exit_code = exit_code
 

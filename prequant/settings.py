@@ -82,8 +82,14 @@ def _number(name: str, default: float) -> float:
         return default
 
 
+# The values warned about already: a setting is read wherever it is needed, its warning is said once a process.
+_warned: set[tuple[str, str]] = set()
+
+
 def _unknown(name: str, value: str, default: object) -> None:
-    print(f"prequant: warning: {name}={value!r} is not understood; using {default}", file=sys.stderr)
+    if (name, value) not in _warned:
+        _warned.add((name, value))
+        print(f"prequant: warning: {name}={value!r} is not understood; using {default}", file=sys.stderr)
 
 
 # Other tools' variables that prequant must see as they do. huggingface_hub reads its own at import; these are read

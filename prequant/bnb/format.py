@@ -23,7 +23,6 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..checkpoint.dtypes import itemsize
 from ..errors import UsageError
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -34,6 +33,9 @@ NESTED_DTYPE = "float32"
 STORAGE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint8": "U8"}
 STORAGE_NAMES = tuple(STORAGE_CODES)
 COMPUTE_NAMES = ("bfloat16", "float16", "float32")  # also the dtypes a quant state may record
+# Bytes per element of each storage (this module's names import without torch: the CLI checks options with them
+# before torch loads).
+_STORAGE_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
 QUANTIZABLE = ("BF16", "F16", "F32")  # safetensors codes of the inputs bitsandbytes' kernels take
 # The companions of a packed weight, by their entry name (what follows "W." in a key).
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -114,7 +116,7 @@ def packed_length(n: int, storage_code: str) -> int:
 
     Codes take ceil(n / 2) bytes; for a storage dtype wider than a byte this rounds down, so an element count
     that is not a multiple of 2 * itemsize loses the last codes' byte (bitsandbytes' own sizing)."""
-    return (n + 1) // (2 * itemsize(storage_code))
+    return (n + 1) // (2 * _STORAGE_ITEMSIZE[storage_code])
 
 
 def packed_bytes(n: int) -> int:
@@ -126,7 +128,7 @@ def loses_codes(n: int, storage_code: str) -> bool:
     """Whether bitsandbytes' storage for `n` elements (`packed_length`) is smaller than the codes it must hold:
     the last byte is lost and the tensor cannot be dequantized (e.g. 37 x 98 in bfloat16: 1,812 of 1,813 bytes).
     A uint8 storage never loses any."""
-    return packed_length(n, storage_code) * itemsize(storage_code) < packed_bytes(n)
+    return packed_length(n, storage_code) * _STORAGE_ITEMSIZE[storage_code] < packed_bytes(n)
 
 
 @dataclass(frozen=True)

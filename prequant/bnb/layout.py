@@ -41,6 +41,7 @@ class Decision:
     transpose: bool = False  # GPT-2 Conv1D stores [in, out]; bitsandbytes wants [out, in]
     dtype: str | None = None  # safetensors code transformers casts it to on load (None: loaded as stored)
     fused: bool = False  # a native MoE expert weight transformers 5 fuses into a 3-D parameter (kept, as there)
+    action: str | None = None  # the plan's word for an unquantized tensor not kept as stored ("merge", "dequantize")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from .. import settings as env
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
-from ..errors import PrequantError, UsageError
+from ..errors import PrequantError, UsageError, spelled
 from ..util import signals
 from . import cuda, importing
 from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
@@ -26,23 +26,25 @@ AUTO_CUDA_FROM = 256 * 2**20
 MAX_KERNEL_ELEMENTS = 2**31 - 2**20
 
 
-def check_device(device: str) -> None:
-    """Refuse a --device a conversion cannot use (its spelling; for CUDA, that the GPU exists) without initialising
-    CUDA (`is_available` and `device_count` ask the driver, not a context), so a dry run refuses what a run would."""
+def check_device(device: str, *, cli: bool = True) -> None:
+    """Refuse a device a conversion cannot use (its spelling; for CUDA, that the GPU exists) without initialising
+    CUDA (`is_available` and `device_count` ask the driver, not a context), so a dry run refuses what a run would.
+    The refusal names the option as the caller writes it: `--device cuda` (`cli`) or `device='cuda'`."""
     if device == "auto":
         return
+    said = spelled("device", device, cli=cli)
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
-        raise UsageError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from e
+        raise UsageError(f"{said} is not a device; use auto, cpu or cuda[:N]") from e
     if dev.type == "cpu":
         return
     if dev.type != "cuda":
-        raise UsageError(f"--device {device!r} is not supported; use auto, cpu or cuda[:N]")
+        raise UsageError(f"{said} is not supported; use auto, cpu or cuda[:N]")
     if not torch.cuda.is_available():
-        raise UsageError(f"--device {device} asked for, but no CUDA GPU is visible; use --device cpu")
+        raise UsageError(f"{said} asked for, but no CUDA GPU is visible; use {spelled('device', 'cpu', cli=cli)}")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
+        raise UsageError(f"{said}: only {torch.cuda.device_count()} GPU(s) visible")
 
 
 def uses_cuda(device: str, weight_bytes: int | None = None) -> bool:

@@ -8,7 +8,6 @@ A library caller passes what Python code holds: torch dtypes or their names (`qu
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 from ..bnb.format import BLOCKSIZES, COMPUTE_NAMES, QUANT_TYPES, STORAGE_NAMES, Settings
 from ..bnb.loading import skip_problem
 from ..checkpoint.dtypes import torch_name
-from ..errors import UsageError
+from ..errors import UsageError, one_of, spelled
 from .plan import parse_size
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -26,14 +25,6 @@ _DEVICE = re.compile(r"^(auto|(cpu|cuda)(:\d+)?)$")
 # The options whose values are one of a few, as the quantization settings (`bnb.format`) accept them.
 _CHOICES: dict[str, tuple] = {"quant_type": QUANT_TYPES, "blocksize": BLOCKSIZES, "compute_dtype": COMPUTE_NAMES,
                               "quant_storage": STORAGE_NAMES}
-
-
-def spelled(name: str, value: object, *, cli: bool) -> str:
-    """Option `name` given `value`, as its caller writes it: `--max-shard-size 5GB` (the CLI, quoted for the
-    shell where needed) or `max_shard_size='5GB'` (a keyword argument)."""
-    if cli:
-        return f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
-    return f"{name}={value!r}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +49,7 @@ class ConvertOptions:
     progress: bool = True  # progress on stderr (the library's callers may turn it off; the CLI always shows it)
     stats: bool = True
     push_to_hub: str | None = None
+    private: bool = False  # push_to_hub creates the repo private
     delete_source_shards: bool = False
     allow_nan: bool = False  # copy a kept tensor holding NaN as it is (recorded in prequant.json) instead of refusing
     base_model: str | None = None  # the card's base_model (a Hub repo id) for a local source; a Hub source's own
@@ -68,7 +60,17 @@ class ConvertOptions:
         for name, value in given.items():
             if isinstance(value, torch.dtype):
                 object.__setattr__(self, name, torch_name(value))
-        object.__setattr__(self, "skip", (self.skip,) if isinstance(self.skip, str) else tuple(self.skip or ()))
+        skip = (self.skip,) if isinstance(self.skip, str) else self.skip or ()
+        if not isinstance(skip, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in skip):
+            raise UsageError(f"{self.said('skip', self.skip)} is not a module name or pattern; pass a string or a list "
+                             f"of strings, e.g. {self.said('skip', ['lm_head'] if not self.cli else 'lm_head')}")
+        object.__setattr__(self, "skip", tuple(skip))
+        if isinstance(self.quant_type, str):  # "NF4" is what bitsandbytes' docs and cards print
+            object.__setattr__(self, "quant_type", self.quant_type.lower())
+        if self.private and not self.push_to_hub:
+            raise UsageError(f"{'--private' if self.cli else 'private=True'} applies to the repo that "
+                             f"{'--push-to-hub' if self.cli else 'push_to_hub'} creates; pass that too, or leave it "
+                             "out (`prequant upload --private` uploads a finished output)")
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
         for name, allowed in _CHOICES.items():
@@ -106,7 +108,3 @@ class ConvertOptions:
         return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values and f.name != "cli"}, cli=True)
 
 
-def one_of(allowed: tuple) -> str:
-    """'nf4 or fp4', 'bfloat16, float16 or float32': the values an option takes, said."""
-    names = [str(a) for a in allowed]
-    return f"{', '.join(names[:-1])} or {names[-1]}"

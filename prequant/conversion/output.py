@@ -37,12 +37,13 @@ _REPLACED = (CONFIG, *INDEX_NAMES, MANIFEST)
 _REPLACED_GLOBS = ("model*.safetensors", "pytorch_model*.bin")
 
 
-def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resume: bool, dry_run: bool = False) -> Path:
+def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resume: bool, dry_run: bool = False,
+           cli: bool = True) -> Path:
     """OUTPUT_DIR as a Path, refused (UsageError, nothing touched) when a conversion of `source` (SOURCE as given, or
     a directory) must not write there: an empty name (an unset variable: it would mean the current directory), a
     file, the source directory or a folder inside it, or a directory holding anything but a prequant conversion
     without --overwrite (which conversion, `claim` says once the job is known). A dry run writes nothing: only
-    the name is checked."""
+    the name is checked. A refusal names the options as flags (`cli`) or as keywords."""
     if not str(output_dir).strip():
         raise UsageError("OUTPUT_DIR is empty (an unset variable?); pass the directory to write the checkpoint to")
     out = Path(output_dir)
@@ -58,7 +59,7 @@ def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resum
         raise UsageError(f"OUTPUT_DIR {out} is a file; choose a directory")
     if inside is not None:
         raise UsageError(inside)
-    check_contents(out, overwrite=overwrite, resume=resume)
+    check_contents(out, overwrite=overwrite, resume=resume, cli=cli)
     return out
 
 
@@ -84,7 +85,7 @@ def _inside(out: Path, source_dir: Path) -> str | None:
     return None
 
 
-def check_contents(output_dir: Path, *, overwrite: bool, resume: bool) -> None:
+def check_contents(output_dir: Path, *, overwrite: bool, resume: bool, cli: bool = True) -> None:
     """Refuse an OUTPUT_DIR that holds anything but a prequant conversion (interrupted or finished), unless
     --overwrite."""
     if not output_dir.is_dir() or overwrite:
@@ -92,10 +93,16 @@ def check_contents(output_dir: Path, *, overwrite: bool, resume: bool) -> None:
     existing = _entries(output_dir)
     if not existing or interrupted(output_dir) or (output_dir / MANIFEST).is_file():
         return
-    what = (" and holds no interrupted conversion to resume (--resume only continues one)" if resume else "")
+    what = (f" and holds no interrupted conversion to resume ({flag('resume', cli)} only continues one)"
+            if resume else "")
     held = f"{len(existing)} entries, e.g. {existing[0]}" if len(existing) > 1 else existing[0]
-    raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass --overwrite to replace the "
-                     "checkpoint in it, or choose an empty directory")
+    raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass {flag('overwrite', cli)} to "
+                     "replace the checkpoint in it, or choose an empty directory")
+
+
+def flag(name: str, cli: bool) -> str:
+    """A boolean option turned on, as its caller writes it: `--overwrite` (`cli`) or `overwrite=True`."""
+    return f"--{name.replace('_', '-')}" if cli else f"{name}=True"
 
 
 def _entries(output_dir: Path) -> list[str]:
@@ -119,47 +126,65 @@ class Claim:
 
 
 @contextmanager
-def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool) -> Iterator[Claim]:
+def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool, options: dict | None = None,
+          cli: bool = True) -> Iterator[Claim]:
     """Lock OUTPUT_DIR for the conversion whose fingerprint is `job` ("": not a conversion, nothing to continue),
     check it again under the lock, and decide what happens to what is there: an interrupted run of the same job is
     continued, a finished one is complete; another job's work is refused (UsageError, one line) unless
-    --overwrite, which starts over."""
+    --overwrite, which starts over. `options`: what this job's prequant.json will record as its options, so that a
+    refusal of a finished job names those that differ (as flags with `cli`, else as keywords)."""
     with _locked(output_dir):
-        check_contents(output_dir, overwrite=overwrite, resume=resume)
+        check_contents(output_dir, overwrite=overwrite, resume=resume, cli=cli)
         staging = output_dir / STAGING
         staged = _staged_job(staging)
         if staged is not None and staged != job and not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds an interrupted conversion of another job ({_changed(staged, job)} "
-                             "changed since it started); rerun it as it was to continue it, or pass --overwrite to "
-                             "start over")
-        complete = staged is None and _finished(output_dir, job, overwrite=overwrite)
+                             f"changed since it started); rerun it as it was to continue it, or pass "
+                             f"{flag('overwrite', cli)} to start over")
+        complete = staged is None and _finished(output_dir, job, overwrite=overwrite, options=options, cli=cli)
         if staged != job and staging.exists():
             shutil.rmtree(staging)  # another job's work (with --overwrite), or files of no job at all
         yield Claim(output_dir, staging if complete else staging_dir(output_dir), complete)
 
 
-def _finished(output_dir: Path, job: dict | str, *, overwrite: bool) -> bool:
+def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: dict | None, cli: bool) -> bool:
     """Whether OUTPUT_DIR holds `job` finished, intact; another finished checkpoint is refused unless --overwrite."""
     if not (output_dir / MANIFEST).is_file():
         if job or overwrite or not _entries(output_dir):
             return False
-        raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass --overwrite to replace the checkpoint in it, or "
-                         "choose an empty directory")
+        raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass {flag('overwrite', cli)} to replace the "
+                         "checkpoint in it, or choose an empty directory")
     found = _job_of(output_dir)
     if found is not None and job and found == job_id(job):
-        if not (changed := _changed_files(output_dir)):
+        if not (changed := changed_files(output_dir)):
             return True
         if not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds this conversion, finished, but {changed} since; run "
-                             "`prequant verify` on it, or pass --overwrite to convert again")
+                             f"`prequant verify` on it, or pass {flag('overwrite', cli)} to convert again")
     if overwrite:
         return False
     if found is None:
         raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options "
-                         "wrote (e.g. the result of prequant change-storage); pass --overwrite to replace it, or choose "
-                         "an empty directory")
-    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion of another source or with other options; "
-                     "pass --overwrite to replace it, or choose an empty directory")
+                         f"wrote (e.g. the result of prequant change-storage); pass {flag('overwrite', cli)} to "
+                         "replace it, or choose an empty directory")
+    differ = _options_differ(output_dir, options or {}, cli)
+    what = f"with other options ({differ})" if differ else "of another source (or by another prequant version)"
+    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass {flag('overwrite', cli)} to "
+                     "replace it, or choose an empty directory")
+
+
+def _options_differ(output_dir: Path, options: dict, cli: bool) -> str:
+    """The options whose values differ between OUTPUT_DIR's prequant.json and `options` (this job's), in words:
+    "--quant-type: nf4 there, fp4 here"; "" when none does (or the manifest cannot be read)."""
+    try:
+        recorded = json.loads((output_dir / MANIFEST).read_text()).get("options") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    differ = [k for k, v in options.items() if k in recorded and recorded[k] != v and k != "stats"]
+    if len(differ) > 1 and "llm_int8_skip_modules" in differ:  # follows from --skip: said by the option given
+        differ.remove("llm_int8_skip_modules")
+    said = (lambda k: f"--{k.replace('_', '-')}") if cli else (lambda k: k)
+    return ", ".join(f"{said(k)}: {recorded[k]!r} there, {options[k]!r} here" for k in differ)
 
 
 def _staged_job(staging: Path) -> dict | None:
@@ -184,7 +209,7 @@ def _changed(staged: dict, job: dict | str) -> str:
     return "the options"
 
 
-def _changed_files(output_dir: Path) -> str | None:
+def changed_files(output_dir: Path) -> str | None:
     """What no longer matches the manifest's sizes in a finished output ("x is missing", ...), else None."""
     files = json.loads((output_dir / MANIFEST).read_text()).get("files", {})
     for name, entry in sorted(files.items()):
@@ -305,6 +330,18 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def unrelated_files(output_dir: Path) -> list[str]:
+    """The files of a finished OUTPUT_DIR that its prequant.json does not list (--overwrite keeps a user's own
+    files): what `prequant upload` refuses to publish with it."""
+    try:
+        listed = json.loads((output_dir / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    found = (p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*") if p.is_file())
+    return sorted(rel for rel in found if rel not in listed and rel not in (MANIFEST, LOCK)
+                  and not rel.startswith(STAGING + "/"))
 
 
 def publishing(staging: Path) -> bool:

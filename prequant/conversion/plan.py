@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -22,7 +22,7 @@ from ..checkpoint import quantized
 from ..checkpoint.dtypes import itemsize
 from ..checkpoint.hf_files import shard_name
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError, UsageError
+from ..errors import PrequantError, UsageError, spelled
 from .writer import ShardLayout
 
 QUANT_STATE_ESTIMATE = 170  # bytes of quant-state JSON, typical; the exact length is known only after quantizing
@@ -51,10 +51,26 @@ class Step:
     decision: Decision
     outputs: tuple[OutTensor, ...]
     shard: str
+    shape: tuple[int, ...] | None = None  # the parameter's shape when the source stores it packed (a 4-bit base)
 
     @property
     def quantize(self) -> bool:
         return self.decision.quantize
+
+    @property
+    def action(self) -> str:
+        """What happens to the tensor, in one word: quantize, keep, or the decision's own (merge, dequantize)."""
+        return "quantize" if self.quantize else self.decision.action or "keep"
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        """The parameter's shape (a packed 4-bit weight's as unpacked), as the report shows it."""
+        return self.shape if self.shape is not None else tuple(self.source.shape)
+
+    @property
+    def numel(self) -> int:
+        """The parameter's element count (a packed 4-bit weight's as unpacked, not its packed bytes)."""
+        return math.prod(self.shape) if self.shape is not None else self.source.numel
 
     @property
     def out_bytes(self) -> int:
@@ -75,6 +91,7 @@ class Plan:
     # The layout is transformers' without its model having been built (`predict.settled`): said in the text, not
     # in to_dict(), whose hash a resume compares (how the same layout was arrived at does not change the job).
     settled: bool = False
+    sixteen_bit: bool = False  # the output is 16-bit (a merge without --quantize): no 4-bit settings apply
     quantize_experts: bool = False  # --quantize-experts: every MoE expert weight 4-bit, under its own name
     # With MoE experts kept (transformers 5 fuses them): the output's size with --quantize-experts, when that
     # layout is handled (None otherwise).
@@ -110,12 +127,12 @@ class Plan:
         return {name: ShardLayout(outs).data_start + sum(o.nbytes for o in outs) for name, outs in outputs.items()}
 
     def unquantized(self) -> dict[str, int]:
-        """Parameters left unquantized, counted by reason."""
+        """Parameters left unquantized, counted by reason (4-bit data copied as stored is not)."""
         counts: dict[str, int] = {}
         for s in self.steps:
-            if not s.quantize:
+            if not s.quantize and s.action != "copy":
                 reason = re.sub(r" into .*;", ";", s.decision.reason)  # group fused experts under one reason
-                counts[reason] = counts.get(reason, 0) + s.source.numel
+                counts[reason] = counts.get(reason, 0) + s.numel
         return counts
 
     def all_notes(self) -> list[str]:
@@ -156,11 +173,11 @@ class Plan:
             "tensors": [
                 {
                     "name": s.source.name,
-                    "action": "quantize" if s.quantize else "keep",
+                    "action": s.action,
                     "reason": s.decision.reason,
                     "dtype": s.source.dtype,
                     **({"cast_to": s.decision.dtype} if s.decision.dtype else {}),  # as transformers loads it
-                    "shape": list(s.source.shape),
+                    "shape": list(s.param_shape),
                     "input_bytes": s.source.nbytes,
                     "output_bytes": s.out_bytes,
                     "shard": s.shard,
@@ -170,7 +187,7 @@ class Plan:
             "shards": self.shard_bytes(),
             "quantized_tensors": sum(s.quantize for s in self.steps),
             "kept_tensors": sum(not s.quantize for s in self.steps),
-            "quantized_parameters": sum(s.source.numel for s in self.steps if s.quantize),
+            "quantized_parameters": sum(s.numel for s in self.steps if s.quantize),
             "unquantized_parameters": self.unquantized(),
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
@@ -178,9 +195,11 @@ class Plan:
 
     def to_text(self) -> str:
         s = self.settings
+        written = ("16-bit, nothing quantized" if self.sixteen_bit else
+                   f"{s.quant_type}, blocksize {s.blocksize}, double quant {'on' if s.double_quant else 'off'}, "
+                   f"storage {s.quant_storage}, compute {s.compute_dtype}")
         lines = [
-            f"plan: {s.quant_type}, blocksize {s.blocksize}, double quant {'on' if s.double_quant else 'off'}, "
-            f"storage {s.quant_storage}, compute {s.compute_dtype}"
+            f"plan: {written}"
             + (f", MoE experts 4-bit ({experts.FLAG})" if self.quantize_experts else "")
             + f"; decided by {self.method}"
             + (" (its rules, from names and config.json: verified for this transformers)" if self.settled else ""),
@@ -188,12 +207,12 @@ class Plan:
             *(f"warning: {w}" for w in self.warnings),
         ]
         width = max((len(st.source.name) for st in self.steps), default=10)
+        action_width = max((len(st.action) for st in self.steps), default=8)
         for st in self.steps:
-            shape = "x".join(map(str, st.source.shape)) or "scalar"
-            action = "quantize" if st.quantize else "keep"
+            shape = "x".join(map(str, st.param_shape)) or "scalar"
             dtype = st.source.dtype + (f"->{st.decision.dtype}" if st.decision.dtype else "")
             lines.append(
-                f"  {action:8} {st.source.name:{width}}  {dtype:>4} {shape:>14}  "
+                f"  {st.action:{max(action_width, 8)}} {st.source.name:{width}}  {dtype:>4} {shape:>14}  "
                 f"{_human(st.source.nbytes):>9} -> {_human(st.out_bytes):>9}  {st.shard}  ({st.decision.reason})"
             )
         for name, size in self.shard_bytes().items():
@@ -201,30 +220,40 @@ class Plan:
         for reason, n in self.unquantized().items():
             lines.append(f"unquantized: {n:,} parameters ({reason})")
         q = sum(st.quantize for st in self.steps)
+        others = {}  # merged, dequantized: neither quantized nor kept as stored
+        for st in self.steps:
+            if st.action not in ("quantize", "keep"):
+                others[st.action] = others.get(st.action, 0) + 1
         lines.append(
-            f"total: {q} tensors quantized, {len(self.steps) - q} kept, "
-            f"{_human(self.input_bytes)} -> {_human(self.output_bytes)} in {len(self.shards)} "
+            f"total: {q} tensors quantized, {len(self.steps) - q - sum(others.values())} kept, "
+            + "".join(f"{n} {_DONE.get(a, a)}, " for a, n in others.items())
+            + f"{_human(self.input_bytes)} -> {_human(self.output_bytes)} in {len(self.shards)} "
             + ("shard" if len(self.shards) == 1 else "shards")
         )
         return "\n".join(lines)
 
+
+# An action, as the plan's total says it was done.
+_DONE = {"merge": "merged", "dequantize": "dequantized", "copy": "copied 4-bit"}
 
 # outputs(tensor, decision) -> its outputs, or None for those the decision implies (a merge's 4-bit base: `merging`)
 Outputs = Callable[[TensorRef, Decision], "tuple[OutTensor, ...] | None"]
 
 
 def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
-              skip: Sequence[str] = (), quantize_experts: bool = False, outputs: Outputs | None = None) -> Plan:
+              skip: Sequence[str] = (), quantize_experts: bool = False, outputs: Outputs | None = None,
+              shapes: Mapping[str, tuple[int, ...]] | None = None, cli: bool = True) -> Plan:
     """Decide every output tensor and its shard. Pure: same inputs, same plan. `skip`: the user's skip patterns,
     each warned about when it matches no module of the checkpoint (a typo keeps nothing). `quantize_experts`: MoE
     expert weights 4-bit too (`bnb.experts`; a layout it does not handle is refused). `outputs`: a tensor's outputs
-    when they are not what its decision implies."""
+    when they are not what its decision implies; `shapes`: the parameter shapes of tensors stored packed. A refusal
+    names the options as flags (`cli`) or as keywords."""
     if outputs is not None:
-        return _make_plan(tensors, layout, settings, max_shard_size, skip, outputs)
+        return _make_plan(tensors, layout, settings, max_shard_size, skip, outputs, shapes or {}, cli=cli)
     if quantize_experts:
-        return replace(_make_plan(tensors, experts.quantize_experts(layout, tensors), settings, max_shard_size, skip),
-                       quantize_experts=True)
-    plan = _make_plan(tensors, layout, settings, max_shard_size, skip)
+        return replace(_make_plan(tensors, experts.quantize_experts(layout, tensors), settings, max_shard_size, skip,
+                                  cli=cli), quantize_experts=True)
+    plan = _make_plan(tensors, layout, settings, max_shard_size, skip, cli=cli)
     if plan.fused_experts_note() is None:
         return plan
     try:  # what the flag would give, said in the note
@@ -235,7 +264,8 @@ def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_
 
 
 def _make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
-               skip: Sequence[str], given: Outputs | None = None) -> Plan:
+               skip: Sequence[str], given: Outputs | None = None,
+               shapes: Mapping[str, tuple[int, ...]] | None = None, *, cli: bool = True) -> Plan:
     if not tensors:
         raise PrequantError("the source holds no tensors; check that the weight files are not empty")
     groups: list[tuple[TensorRef, Decision, tuple[OutTensor, ...]]] = []
@@ -243,14 +273,15 @@ def _make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max
         decision = layout.decisions[t.name]
         outputs = given(t, decision) if given is not None else None
         if outputs is None and decision.quantize:
-            outputs = quantized_outputs(t, decision, settings)
+            outputs = quantized_outputs(t, decision, settings, cli=cli)
         elif outputs is None:
             outputs = (OutTensor(t.name, decision.dtype or t.dtype, t.shape),)  # as transformers loads it
         groups.append((t, decision, outputs))
     shard_of = _assign_shards([sum(o.nbytes for o in outs) for _, _, outs in groups], max_shard_size)
     count = max(shard_of) + 1
     names = tuple(shard_name(i, count) for i in range(count))
-    steps = tuple(Step(t, d, outs, names[shard_of[i]]) for i, (t, d, outs) in enumerate(groups))
+    shapes = shapes or {}
+    steps = tuple(Step(t, d, outs, names[shard_of[i]], shapes.get(t.name)) for i, (t, d, outs) in enumerate(groups))
     warnings = [*layout.warnings, *unmatched_skips(skip, tensors)]
     return Plan(settings, steps, names, layout.skip_modules, layout.method, list(layout.notes), warnings)
 
@@ -264,25 +295,27 @@ def unmatched_skips(skip: Sequence[str], tensors: list[TensorRef]) -> list[str]:
             for pattern in dict.fromkeys(skip) if all(should_convert(m, [pattern]) for m in modules)]
 
 
-def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings) -> None:
+def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings, cli: bool) -> None:
     """Refuse, before any work, a weight bitsandbytes cannot quantize, or whose packed storage would lose bytes."""
+    module = t.name.removesuffix(".weight")
+    skip = spelled("skip", module if cli else [module], cli=cli)
     if (decision.dtype or t.dtype) not in QUANTIZABLE:
         raise PrequantError(
             f"tensor {t.name!r} has dtype {t.dtype}; only F32, F16 and BF16 weights can be quantized to 4 bit "
-            "(convert the checkpoint first, or --skip that module)"
+            f"(convert the checkpoint first, or keep that module with {skip})"
         )
     if loses_codes(t.numel, settings.storage_code):
         raise PrequantError(
             f"tensor {t.name!r} has {t.numel:,} elements ({'x'.join(map(str, t.shape))}), and bitsandbytes' "
             f"{settings.quant_storage} storage for that many 4-bit codes is a byte short: the tensor could not be "
-            f"dequantized; use --quant-storage uint8 (or --skip {t.name.removesuffix('.weight')})"
+            f"dequantized; use {spelled('quant_storage', 'uint8', cli=cli)} (or {skip})"
         )
 
 
-def quantized_outputs(t: TensorRef, decision: Decision, s: Settings) -> tuple[OutTensor, ...]:
+def quantized_outputs(t: TensorRef, decision: Decision, s: Settings, *, cli: bool = True) -> tuple[OutTensor, ...]:
     """The keys transformers writes for a 4-bit weight, with their dtypes and shapes (`bnb.format`'s layout); a
     weight that has none is refused here, before any work (`_check_quantizable`)."""
-    _check_quantizable(t, decision, s)
+    _check_quantizable(t, decision, s, cli)
     return tuple(OutTensor(e.key, e.dtype, e.shape) for e in settings_entries(t.name, t.numel, s))
 
 

@@ -176,6 +176,12 @@ class KeptCheck:
 # ---------------------------------------------------------------------------------------- prequant.json
 
 
+def recorded_options(plan: Plan, options: dict | None, *, stats: bool, allow_nan: bool) -> dict:
+    """The options prequant.json records: the plan's settings, the caller's `options`, and what the plan decided."""
+    return {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
+            "quantize_experts": plan.quantize_experts, "stats": stats, "allow_nan": allow_nan}
+
+
 class Recorder:
     """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `on_follow` hooks, its
     `stats` and its `check` of kept tensors), then writes the model card and prequant.json into the staging folder."""
@@ -183,8 +189,7 @@ class Recorder:
     def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None,
                  job: str | None = None, allow_nan: bool = False) -> None:
         self.source, self.plan, self.job = source, plan, job
-        self.options = {**vars(plan.settings), **(options or {}), "llm_int8_skip_modules": plan.skip_modules,
-                        "quantize_experts": plan.quantize_experts, "stats": stats, "allow_nan": allow_nan}
+        self.options = recorded_options(plan, options, stats=stats, allow_nan=allow_nan)
         self.stats = Collector() if stats else None
         self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest
         self._hashes: dict[str, Future[str]] = {}

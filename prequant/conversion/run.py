@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from .. import settings
 from .._version import __version__
 from ..bnb import starting
 from ..bnb.layout import require_known
@@ -38,7 +37,7 @@ from . import card, output, pipeline, readahead
 from .journal import Journal, fingerprint, job_id
 from .options import ConvertOptions
 from .plan import Plan, Step, make_plan
-from .record import Recorder, copy_side_files, side_files, write_config, write_index
+from .record import Recorder, copy_side_files, recorded_options, side_files, write_config, write_index
 from .summary import Summary
 
 if TYPE_CHECKING:
@@ -91,10 +90,11 @@ def convert(
     """
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
-    out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
+    out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run,
+                        cli=opts.cli)
     src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
     held = contents(src)
-    check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
+    check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
     weight_bytes = sum(t.nbytes for t in held.tensors)  # what `--device auto` weighs
     quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, weight_bytes)
@@ -123,9 +123,11 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
     if opts.push_to_hub:  # the repo created (or refused) before any work; huggingface_hub is imported only then
         from ..verify import publish
 
-        publisher = publish.publisher(opts.push_to_hub, progress=opts.progress)
+        publisher = publish.publisher(opts.push_to_hub, private=opts.private, progress=opts.progress)
     with publisher or nullcontext():
-        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume) as claim:
+        recorded = recorded_options(job.plan, record_options, stats=stats, allow_nan=opts.allow_nan)
+        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume, options=recorded,
+                          cli=opts.cli) as claim:
             if not claim.complete:  # else finished before; an interrupted push goes on below
                 with _interruptible(), Recorder(job.source, job.plan, stats=stats, job=job.id,
                                                 allow_nan=opts.allow_nan, options=record_options) as record:
@@ -134,6 +136,11 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
                         trace.mark("manifest-written")
                     output.publish(out, claim.staging)
                     trace.mark("published")
+        if opts.overwrite and opts.progress and (others := output.unrelated_files(out)):
+            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+            print(f"prequant: warning: {out} also holds {others[0]}{more}, which --overwrite keeps and this output "
+                  "does not list: `prequant upload` refuses a folder holding files that are not part of it; move them "
+                  "out before uploading", file=sys.stderr)
         hub_url = None
         if publisher is not None:  # verified, then what the Hub lacks is sent, in one commit
             hub_url = publish.push_converted(out, opts.push_to_hub, progress=opts.progress, publisher=publisher)
@@ -152,11 +159,8 @@ def _write(job: Job, quantizer: Quantizer | Starting, record: Recorder, staging:
 
 
 def _base_model_hint(opts: ConvertOptions, written: dict) -> list[str]:
-    """The note for a card that names no base model: in the summary's notes, and on stderr unless progress is
-    JSON (the summary carries it then)."""
+    """The note for a card that names no base model: one of the summary's notes (on stdout with the summary)."""
     hint = card.base_model_note(written, opts.said("base_model", "org/name"))
-    if hint and opts.progress and settings.progress() != "json":
-        print(f"prequant: note: {hint}", file=sys.stderr)
     return [hint] if hint else []
 
 
@@ -164,8 +168,8 @@ def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: Conver
     """Every output, planned on the layout transformers decides (from names alone where that is settled)."""
     layout, settled = decide(config, source_dir, tensors, list(opts.skip), opts.trust_remote_code)
     require_known(layout)
-    plan = replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, opts.quantize_experts),
-                   settled=settled)
+    plan = replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, opts.quantize_experts,
+                             cli=opts.cli), settled=settled)
     trace.mark("planned")
     if opts.progress and not opts.dry_run:  # a dry run's plan says them
         for warning in plan.warnings:

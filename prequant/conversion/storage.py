@@ -56,14 +56,22 @@ class StorageChange:
     seconds: float
     card: str  # "rewritten", or "kept as edited" (a card edited after the conversion is left alone)
     warnings: list[str] = field(default_factory=list)
+    already_complete: bool = False  # DEST held this change, finished: nothing was written
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["already_complete"]:  # said only when there is something to say, as convert's summary does
+            del d["already_complete"]
+        return d
 
     def to_text(self) -> str:
-        lines = [f"wrote {self.output_dir}: {self.packed_weights} packed weights stored as {self.new_storage} "
-                 f"(were {self.old_storage}), {count(self.shards, 'shard')}, {self.bytes_copied / 1e9:.3f} GB copied "
-                 f"in {self.seconds:.1f} s", f"card: {self.card}"]
+        what = (f"{self.packed_weights} packed weights stored as {self.new_storage} (were {self.old_storage}), "
+                f"{count(self.shards, 'shard')}")
+        if self.already_complete:
+            return (f"already complete: {self.output_dir} holds this change of {self.source}, finished earlier; "
+                    f"nothing was written ({what})")
+        lines = [f"wrote {self.output_dir}: {what}, {self.bytes_copied / 1e9:.3f} GB copied in {self.seconds:.1f} s",
+                 f"card: {self.card}"]
         return "\n".join(lines + [f"warning: {w}" for w in self.warnings])
 
 
@@ -113,6 +121,11 @@ def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_
     shards = _shard_names(src)
     code = STORAGE_CODES[quant_storage]
     plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
+    packed = sum(len(p) for _, _, p in plans.values())
+    if _written_before(src, out, manifest, quant_storage, shards):  # as convert and merge say of a finished job
+        card_state = "rewritten" if (out / CARD).is_file() else "none"
+        return StorageChange(str(out), str(src), old, quant_storage, len(shards), packed, 0,
+                             time.monotonic() - started, card_state, already_complete=True)
     # One writer per DEST, as for convert (the lock is not a job: no --resume here).
     with output.claim(out, "", overwrite=overwrite, resume=False):
         staging = output.staging_dir(out)
@@ -131,9 +144,8 @@ def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_
                 shutil.copyfile(src / name, staging / name)  # copy_file_range / sendfile under the hood on Linux
         _write_manifest(staging, manifest, quant_storage, digests, card_state)
         output.publish(out, staging)
-    return StorageChange(str(out), str(src), old, quant_storage, len(shards),
-                         sum(len(packed) for _, _, packed in plans.values()), total, time.monotonic() - started,
-                         card_state, warnings)
+    return StorageChange(str(out), str(src), old, quant_storage, len(shards), packed, total,
+                         time.monotonic() - started, card_state, warnings)
 
 
 def _shard_names(src: Path) -> list[str]:
@@ -219,9 +231,28 @@ def _card(src: Path, staging: Path, manifest: dict, old: str, new: str, config: 
     return "rewritten", []
 
 
-def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[str, str], card_state: str) -> None:
-    """prequant.json of the new files: the conversion's record, with the storage and the files' hashes changed (an
-    edited card keeps its recorded hash, so that verify still says it was edited)."""
+def _written_before(src: Path, out: Path, manifest: dict, storage: str, shards: list[str]) -> bool:
+    """Whether DEST holds this change of `src`, finished and intact: its prequant.json is what this change writes
+    (everything but the hashes of the files it rewrites: shards, config.json, card), and its files have the sizes
+    it lists, as a finished conversion is recognised (`output`)."""
+    try:
+        done = json.loads((out / MANIFEST).read_text())
+        stored = json.loads((out / CONFIG).read_text())["quantization_config"]["bnb_4bit_quant_storage"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(done, dict) or not isinstance(done.get("files"), dict) or stored != storage:
+        return False
+    rewritten = {*shards, CONFIG, CARD}
+
+    def kept(m: dict) -> dict:
+        return {**m, "files": {k: v for k, v in m["files"].items() if k not in rewritten}}
+
+    return (set(done["files"]) == set(manifest["files"]) and kept(done) == kept(_changed_manifest(manifest, storage))
+            and output.changed_files(out) is None)
+
+
+def _changed_manifest(manifest: dict, storage: str) -> dict:
+    """The conversion's record with the storage changed (the files' hashes as they were)."""
     new = copy.deepcopy(manifest)
     old_storage = new["options"]["quant_storage"]
     new["options"]["quant_storage"] = storage
@@ -236,6 +267,13 @@ def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[s
         new["job"] = jobs.pop(storage, None)
         if jobs:
             new[JOBS_BY_STORAGE] = jobs
+    return new
+
+
+def _write_manifest(staging: Path, manifest: dict, storage: str, digests: dict[str, str], card_state: str) -> None:
+    """prequant.json of the new files: the conversion's record, with the storage and the files' hashes changed (an
+    edited card keeps its recorded hash, so that verify still says it was edited)."""
+    new = _changed_manifest(manifest, storage)
     changed = [*digests, CONFIG, *([CARD] if card_state == "rewritten" else [])]
     for name in changed:
         path = staging / name

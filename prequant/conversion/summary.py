@@ -28,11 +28,15 @@ class Summary:
     notes: list[str] = field(default_factory=list)  # the plan's notes (e.g. most parameters kept: fused experts)
 
     @property
-    def gb_per_s(self) -> float:
+    def gb_per_s(self) -> float | None:
+        """The rate the input was converted at; None when nothing was converted (found complete)."""
+        if self.already_complete:
+            return None
         return self.input_bytes / 1e9 / self.seconds if self.seconds else 0.0
 
     def to_dict(self) -> dict:
-        d = {**asdict(self), "gb_per_s": round(self.gb_per_s, 3)}
+        rate = self.gb_per_s
+        d = {**asdict(self), "gb_per_s": None if rate is None else round(rate, 3)}
         for key in ("already_complete", "non_finite"):  # said only when there is something to say
             if not d[key]:
                 del d[key]
@@ -46,9 +50,10 @@ class Summary:
             *(f"note: {n}" for n in self.notes),  # first: what most of the output is (MoE experts)
             f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
             f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
-            f"time: {self.seconds:.1f} s on {self.device}, {_rate(self.input_bytes / self.seconds if self.seconds else 0)} "
-            "of input",
         ]
+        if not self.already_complete:  # else no input was read: a rate would be meaningless
+            lines.append(f"time: {self.seconds:.1f} s on {self.device}, "
+                         f"{_rate(self.input_bytes / self.seconds if self.seconds else 0)} of input")
         lines += [f"unquantized: {n:,} parameters: {why}" for why, n in self.unquantized_parameters.items()]
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import sys
 import traceback
 import urllib.error
@@ -52,7 +53,10 @@ def is_incomplete(error: BaseException) -> bool:
 def is_transient(error: BaseException) -> bool:
     """Whether trying again may succeed: a connection refused, reset, cut or timed out, an answer 408, 429 or 5xx,
     a body that ended short. Never a missing repo, revision or file, a refused token, or a local failure (a full
-    disk). The first error of the chain that says either way decides (huggingface_hub wraps the network's)."""
+    disk), nor a host name that does not resolve: no network, or a wrong HF_ENDPOINT, neither of which passes in
+    seconds. The first error of the chain that says either way decides (huggingface_hub wraps the network's)."""
+    if any(isinstance(e, socket.gaierror) for e in _chain(error)):
+        return False
     for e in _chain(error):
         if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, OfflineModeIsEnabled)):
             return False

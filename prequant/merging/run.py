@@ -29,6 +29,7 @@ from ..bnb import starting
 from ..bnb.format import Settings, settings_entries
 from ..bnb.layout import Decision, Layout, require_known
 from ..bnb.predict import decide
+from ..bnb.quantize import check_device
 from ..checkpoint import manifest
 from ..checkpoint.hf_files import CARD, CONFIG, INDEX_NAMES
 from ..checkpoint.reader import TensorReader
@@ -51,6 +52,7 @@ from .folder import CONFIG_NAME, WEIGHT_NAMES
 from .rule import FourBit, dequantized, float32_products, four_bit_weights, merged
 
 MERGED = "merged with the adapter"  # the plan's reason for each tensor the adapter changes
+COPIED = "4-bit, copied as stored"  # the plan's reason for a 4-bit base's untargeted weights with --quantize
 
 
 def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | None = None, quantize: bool = False,
@@ -68,15 +70,20 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     `trust_remote_code`."""
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
+    check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
+    _check_settings(opts, quantize, None)
     lora = open_adapter(str(adapter))
     trace.mark("adapter-read")
     base_spec = str(base) if base is not None else lora.base_model
+    give_base = "--base SOURCE" if opts.cli else "base='...'"
     if not base_spec:
-        raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with --base")
+        raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with "
+                         f"{give_base}")
     if not isinstance(base_spec, str):
         raise UsageError(f"'base_model_name_or_path' is {json.dumps(base_spec)[:80]}, not a model's folder or Hub "
-                         "repo id; pass the base with --base", where=lora.directory / CONFIG_NAME)
-    out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
+                         f"repo id; pass the base with {give_base}", where=lora.directory / CONFIG_NAME)
+    out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run,
+                        cli=opts.cli)
     src, tensors, config, four = _base(base_spec, opts)
     if four:
         _check_quant_states(src, tensors)
@@ -172,10 +179,8 @@ def open_adapter(spec: str) -> Adapter:
         if not path.is_dir():
             raise UsageError(f"ADAPTER {spec!r} is a file; pass the folder peft's save_pretrained wrote")
         return read(path, {"spec": spec, "path": str(path)})
+    folder.check(spec)  # a mistyped path is refused here, never asked of the Hub
     repo = hub_spec(spec)
-    if repo is None:
-        raise UsageError(f"ADAPTER {spec!r} does not exist; pass a local adapter folder or a Hub repo as "
-                         "org/name[@revision]")
     from ..hub import client
 
     repo_id, revision = client.parse_repo_spec(repo[0])
@@ -237,6 +242,39 @@ def _transposed(src: Source) -> set[str]:
         return set()
 
 
+_SETTINGS = ("quant_type", "double_quant", "blocksize", "compute_dtype", "quant_storage", "skip")
+
+
+def _check_settings(opts: ConvertOptions, quantize: bool, base: Settings | None) -> None:
+    """Refuse 4-bit settings that would be ignored: given for a 16-bit output (no `quantize`), or differing from a
+    4-bit base's own settings (its merged weights are quantized again with them: `base`)."""
+    defaults = ConvertOptions()
+    given = [k for k in _SETTINGS if getattr(opts, k) != getattr(defaults, k)]
+    if not given:
+        return
+    if not quantize:
+        raise UsageError(f"{_said(opts, given[0])} applies to a 4-bit output only; add "
+                         f"{'--quantize' if opts.cli else 'quantize=True'} to write one, or leave it out")
+    if base is None:
+        return
+    for k in given:
+        if k == "skip" or getattr(base, k) != getattr(opts, k):
+            own = "" if k == "skip" else f" ({k} {getattr(base, k)})"
+            raise UsageError(f"{_said(opts, k)}: a merge into a 4-bit base quantizes the merged weights again with "
+                             f"the base's own settings{own}, and keeps its other modules as they are; leave the option "
+                             "out, or merge into the 16-bit base to choose the settings")
+
+
+def _said(opts: ConvertOptions, name: str) -> str:
+    """A 4-bit setting as its caller wrote it (a flag's negative form for a boolean, one --skip pattern)."""
+    value = getattr(opts, name)
+    if opts.cli and isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
+    if opts.cli and name == "skip":
+        return opts.said(name, value[0])
+    return opts.said(name, list(value) if name == "skip" else value)
+
+
 def _base_settings(config: dict, four: dict[str, FourBit]) -> Settings:
     """The 4-bit settings of a bitsandbytes base: its quantization_config, and its quant states' block size."""
     qc = config["quantization_config"]
@@ -257,15 +295,32 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
     def reason(name: str, default: str) -> str:
         return MERGED if name in changed else default
 
+    def action(name: str, quantized: bool, default: str | None = None) -> str | None:
+        return default if quantized else "merge" if name in changed else default
+
     if four:
         s, transposed = _base_settings(config, four), _transposed(src)
+        _check_settings(opts, quantize, s)
         companions = {ref.name for w in four.values() for ref in w.companions.values()}
         if quantize:  # targets' companions are written anew; everything else copied
             companions = {ref.name for k, w in four.items() if k in changed for ref in w.companions.values()}
         kept = [t for t in tensors if t.name not in companions]
-        decisions = {t.name: Decision(quantize and t.name in changed and t.name in four,
-                                      reason(t.name, "dequantized" if t.name in four else "kept"),
-                                      transpose=t.name in transposed) for t in kept}
+        requant = {t.name for t in kept if quantize and t.name in changed and t.name in four}
+        # With --quantize, an untargeted 4-bit weight and its companions are copied as stored: still 4-bit.
+        copied = {name for k, w in four.items() if k not in requant
+                  for name in (k, *(r.name for r in w.companions.values()))} if quantize else set()
+
+        def decision(t: TensorRef) -> Decision:
+            if t.name in copied:
+                return Decision(False, COPIED, action="copy")
+            default = "dequantized" if t.name in four else "kept"
+            verb = "dequantize" if t.name in four and not quantize else None
+            return Decision(t.name in requant, reason(t.name, default), transpose=t.name in transposed,
+                            action=action(t.name, t.name in requant, verb))
+
+        decisions = {t.name: decision(t) for t in kept}
+        # A packed weight is reported by the parameter it holds, as a 16-bit base's would be (Conv1D: [in, out]).
+        shapes = {k: tuple(w.shape[::-1] if k in transposed else w.shape) for k, w in four.items()}
 
         def outputs(t: TensorRef, d: Decision) -> tuple[OutTensor, ...] | None:
             if t.name not in four:
@@ -277,18 +332,21 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
                 return None  # an untargeted 4-bit weight: copied as stored
             return (OutTensor(t.name, w.dtype, w.shape[::-1] if t.name in transposed else w.shape),)
 
-        return make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
-                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs)
+        plan = make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
+                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs, shapes=shapes,
+                         cli=opts.cli)
+        return replace(plan, sixteen_bit=not quantize)
     if quantize:
         assert decided is not None
         layout, settled = decided
         require_known(layout)
-        layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason))
+        layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason), action=action(k, d.quantize))
                                             for k, d in layout.decisions.items()})
-        return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip), settled=settled)
-    decisions = {t.name: Decision(False, reason(t.name, "kept")) for t in tensors}
-    return make_plan(tensors, Layout(decisions, None, "merge, written 16-bit: nothing quantized"), opts.settings,
-                     opts.shard_limit)
+        return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, cli=opts.cli),
+                       settled=settled)
+    decisions = {t.name: Decision(False, reason(t.name, "kept"), action=action(t.name, False)) for t in tensors}
+    return replace(make_plan(tensors, Layout(decisions, None, "merge into the 16-bit base"),
+                             opts.settings, opts.shard_limit), sixteen_bit=True)
 
 
 def _numel(w: FourBit) -> int:

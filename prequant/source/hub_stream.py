@@ -251,8 +251,8 @@ class HubShardReader(TensorReader):
             blob = self._download(path)
         except BaseException as e:  # noqa: BLE001 - raised by each read of this and later shards
             if isinstance(e, PrequantError) and not self._closed:
-                e = e.noted("; the tensors converted so far are kept: rerun the same command with --resume to "
-                            "continue from them")
+                e = e.noted("; the tensors converted so far are kept: run the same command again to continue "
+                            "from them")
             with self._cond:
                 self.scratch.downloading.discard(path)
                 self._failed = True

@@ -17,7 +17,7 @@ from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError, UsageError
-from .spec import ALIASES, Contents, Source, hub, hub_spec, local
+from .spec import Contents, Source, hub, local, where
 
 
 def resolve(spec: str, *, stream: bool = False, delete: bool = False) -> Source:
@@ -29,22 +29,12 @@ def resolve(spec: str, *, stream: bool = False, delete: bool = False) -> Source:
     downloads them one by one as a conversion reaches them). `delete`: the caller will delete the shards it
     downloads (`check_delete`: refused for a local directory).
     """
-    try:
-        path = Path(spec).expanduser()
-        exists = path.exists()
-    except (OSError, ValueError, RuntimeError) as e:  # name too long, NUL byte, ~unknown-user
-        raise PrequantError(f"source {spec!r} is not a usable path ({e}); pass a local checkpoint directory") from e
-    if exists:
-        src = local(spec, path)
+    found = where(spec)
+    if isinstance(found, Path):
+        src = local(spec, found)
         check_delete(src, delete)
         return src
-    repo = hub_spec(spec)
-    if repo is not None:
-        return hub(spec, *repo, stream=stream)
-    raise PrequantError(
-        f"source {spec!r} does not exist; pass a local checkpoint directory (holding config.json and "
-        f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"
-    )
+    return hub(spec, *found, stream=stream)
 
 
 def scan(src: Source) -> list[TensorRef]:

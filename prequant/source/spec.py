@@ -8,6 +8,9 @@ source's files before torch loads.
 
 from __future__ import annotations
 
+import difflib
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,14 +69,94 @@ class Contents:
     config: dict  # config.json, checked: a JSON object, not quantized already
 
 
+# One part of a Hub repo id, as the Hub accepts it: letters, digits, "-", "_", ".", neither "--" nor "..", not
+# starting or ending with "-" or ".", at most 96 characters.
+_REPO_PART = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?$")
+
+
 def hub_spec(spec: str) -> tuple[str, str | None] | None:
     """``(org/name[@revision], alias or None)`` when `spec` names a Hub repo or an alias, else None."""
     name, at, revision = spec.strip().partition("@")
     if name in ALIASES:
         return ALIASES[name] + at + revision, name
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith("/"):
+    org, _, repo = name.partition("/")
+    if _REPO_PART.match(org) and _REPO_PART.match(repo) and (not at or revision.strip()):
         return spec.strip(), None
     return None
+
+
+def where(spec: str) -> Path | tuple[str, str | None]:
+    """Where SOURCE `spec` is, from its spelling and the local disk alone (no network, standard library only): the
+    local directory's path when it exists, else ``(org/name[@revision], alias or None)`` for a Hub repo id or an
+    alias. Anything else fails here, at once, in one line: a path that does not exist (``./x``, ``~/x``, ``/x``,
+    ``a/b/c``, or ``work/x`` where ``work`` is a local folder) is a typo, never a question for the Hub."""
+    try:
+        path = Path(spec).expanduser()
+        exists = path.exists()
+    except (OSError, ValueError, RuntimeError) as e:  # name too long, NUL byte, ~unknown-user
+        raise PrequantError(f"source {spec!r} is not a usable path ({e}); pass a local checkpoint directory") from e
+    if exists:
+        return path
+    why = mistyped_path(spec)
+    repo = None if why else hub_spec(spec)
+    if repo is not None:
+        return repo
+    hint = did_you_mean(spec)
+    if why:  # a path: the Hub is not asked
+        raise PrequantError(f"source {spec!r} does not exist{hint}: {why}; pass a local checkpoint directory, "
+                            "or a Hub repo as org/name[@revision]")
+    raise PrequantError(
+        f"source {spec!r} does not exist{hint}; pass a local checkpoint directory (holding config.json and "
+        f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"
+    )
+
+
+def mistyped_path(spec: str) -> str | None:
+    """Why `spec`, which does not exist here, is a mistyped local path rather than a Hub repo id ("no such folder",
+    or "work/ is a local folder, ..."); None when it is spelled as no path (a name, `org/name`, an alias)."""
+    first = spec.strip().partition("/")[0]
+    if "/" in spec and not first.startswith((".", "~")) and first not in ALIASES and _is_dir(first):
+        return f"{first}/ is a local folder, so this is a path, not a Hub repo"
+    if ("/" in spec or os.sep in spec or spec.startswith("~")) and hub_spec(spec) is None:
+        return "no such folder"
+    return None
+
+
+def did_you_mean(spec: str) -> str:
+    """`` (did you mean ./work/tiny?)`` when a local folder is named much like the missing `spec`, else ""."""
+    try:
+        guess = _close_path(Path(spec).expanduser())
+    except (OSError, ValueError, RuntimeError):
+        return ""
+    return f" (did you mean {guess}?)" if guess else ""
+
+
+def _is_dir(name: str) -> bool:
+    try:
+        return bool(name) and Path(name).expanduser().is_dir()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def _close_path(path: Path) -> str | None:
+    """An existing folder whose name is close to the missing `path`'s, in its nearest existing parent, written as
+    a path to pass (``./work/tiny``), or None."""
+    parent = path.parent
+    try:
+        while not parent.is_dir():
+            if parent == parent.parent:
+                return None
+            parent = parent.parent
+        names = [p.name for p in parent.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return None
+    missing = path.relative_to(parent).parts[0] if path.is_relative_to(parent) else path.name
+    close = difflib.get_close_matches(missing, names, n=1, cutoff=0.6)
+    if not close:
+        return None
+    found = parent / close[0]
+    shown = str(found)
+    return shown if found.is_absolute() or shown.startswith((".", "~")) else f"./{shown}"
 
 
 def local(spec: str, path: Path) -> Source:
@@ -134,7 +217,7 @@ def hub(spec: str, repo_spec: str, alias: str | None, *, stream: bool) -> Source
 
         exists = isinstance(e.__cause__, (GatedRepoError, RevisionNotFoundError))
         if alias is None and not exists:
-            raise e.within(f"source {spec!r} is not a local directory, and ") from e
+            raise e.within(f"source {spec!r} is not a local directory{did_you_mean(spec)}, and ") from e
         raise
     label = f"{alias} ({repo_id}@{listing.sha[:12]})" if alias else f"{repo_id}@{listing.sha[:12]}"
     files = listing.files

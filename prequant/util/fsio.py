@@ -17,7 +17,7 @@ def disk_full(path: Path, needed: int) -> PrequantError:
     """The error for a write into `path` that found no room (`needed`: bytes still to write, 0 if unknown)."""
     more = f"needed {needed:,} more bytes for {path.name}" if needed else f"writing {path.name}"
     return PrequantError(
-        f"no space left on the device ({more}); free space and rerun the same command with --resume", where=path.parent
+        f"no space left on the device ({more}); free space and run the same command again", where=path.parent
     )
 
 
@@ -27,7 +27,8 @@ def write_error(path: Path, e: OSError) -> PrequantError:
         return disk_full(path, 0)
     if isinstance(e, PermissionError):
         return PrequantError(f"permission denied writing {path.name}; choose a writable OUTPUT_DIR", where=path.parent)
-    return PrequantError(f"write failed ({e.strerror or e}); check the disk, then rerun with --resume", where=path)
+    return PrequantError(f"write failed ({e.strerror or e}); check the disk, then run the same command again",
+                         where=path)
 
 
 def write_json(path: Path, obj: object, *, sort_keys: bool = True) -> None:

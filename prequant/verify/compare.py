@@ -148,6 +148,11 @@ def _compare_quantized(
 def _judge(name: str, st: stats.TensorStats, expected: float, limit: float, report: Report) -> None:
     if not st.finite:
         report.fail(name, "dequantizes to NaN or Inf; the 4-bit data or its scales are damaged, reconvert")
+    elif limit < st.rel_error <= OUTLIER_FACTOR * expected and st.error_ratio <= MAX_ERROR_RATIO:
+        # 4-bit rounding as these settings give it, every element within its block's scale: the limit is too tight
+        report.fail(name, f"relative error {st.rel_error:.4f} exceeds the limit {limit}, but is the rounding error "
+                    f"these 4-bit settings give (about {expected} expected): the data matches the source; set a limit "
+                    "above the format's error, or convert with a smaller block size for less of it")
     elif st.rel_error > limit:
         report.fail(name, f"relative error {st.rel_error:.4f} exceeds the limit {limit} (expected about "
                     f"{expected}); the 4-bit data does not match the source")

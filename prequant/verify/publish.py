@@ -84,7 +84,7 @@ def push_converted(output_dir: Path, repo_id: str, *, progress: bool = True,
         ) from e
 
 
-def publisher(repo_id: str, *, progress: bool = True) -> hub_upload.Publisher:
-    """convert --push-to-hub's upload, opened before the conversion: the repo is created (or refused) first, and
-    each shard is sent once it is sealed."""
-    return hub_upload.Publisher(repo_id, progress=progress).open()
+def publisher(repo_id: str, *, private: bool = False, progress: bool = True) -> hub_upload.Publisher:
+    """convert --push-to-hub's upload, opened before the conversion: the repo is created (private with `private`;
+    an existing public one is then refused) first, and each shard is sent once it is sealed."""
+    return hub_upload.Publisher(repo_id, private=private, progress=progress).open()

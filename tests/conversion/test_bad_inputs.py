@@ -512,6 +512,7 @@ class Case:
 
 
 REDOWNLOAD = "re-download"
+AGAIN = "run the same command again"  # what a failure that leaves work to continue says
 CASES = [
     Case(truncated_shard, 1, "model.safetensors", ("truncated", REDOWNLOAD)),
     Case(header_length_beyond_file, 1, "model.safetensors", ("header length", REDOWNLOAD)),
@@ -545,10 +546,10 @@ CASES = [
     Case(config_not_readable, 1, "config.json", ("permission denied", "make it readable")),
     Case(side_file_not_readable, 1, "tokenizer_config.json", ("cannot read", "make it readable")),
     Case(output_parent_not_writable, 1, "{output}", ("permission denied", "writable")),
-    Case(disk_full_file_size_limit, 1, "model.safetensors", ("no space left", "free space", "--resume")),
-    Case(disk_full_copying_side_files, 1, "tokenizer.json", ("no space left", "free space", "--resume")),
-    Case(disk_full_tmpfs, 1, "model-0000", ("no space left", "free space", "--resume")),
-    Case(disk_full_in_the_journal, 1, "journal.jsonl", ("no space left", "free space", "--resume")),
+    Case(disk_full_file_size_limit, 1, "model.safetensors", ("no space left", "free space", AGAIN)),
+    Case(disk_full_copying_side_files, 1, "tokenizer.json", ("no space left", "free space", AGAIN)),
+    Case(disk_full_tmpfs, 1, "model-0000", ("no space left", "free space", AGAIN)),
+    Case(disk_full_in_the_journal, 1, "journal.jsonl", ("no space left", "free space", AGAIN)),
     Case(transposed_weight, 1, GATE_PROJ, ("has shape [64, 128]", "expects [128, 64] (it is stored transposed)",
                                            "config.json")),
     Case(trailing_bytes_after_the_data, 1, "model.safetensors", ("4 bytes follow the last tensor", REDOWNLOAD)),

@@ -343,8 +343,8 @@ def test_odd_element_count_converts_with_uint8_storage(tmp_path):
                          num_key_value_heads=1, vocab_size=64)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "src")
-    with pytest.raises(prequant.PrequantError, match=r"--quant-storage uint8"):
-        prequant.convert(tmp_path / "src", tmp_path / "bf16", device="cpu", progress=False)
+    with pytest.raises(prequant.PrequantError, match=r"use quant_storage='uint8' \(or skip=\['model"):
+        prequant.convert(tmp_path / "src", tmp_path / "bf16", device="cpu", progress=False)  # in Python's words
     assert not (tmp_path / "bf16").exists()  # refused before any work
     prequant.convert(tmp_path / "src", tmp_path / "out", device="cpu", progress=False, quant_storage="uint8")
     ours = read_checkpoint(tmp_path / "out")

@@ -64,3 +64,39 @@ def test_a_refusal_names_the_option_as_its_caller_wrote_it(checkpoints, tmp_path
     lines = stderr.strip().splitlines()
     assert code == 2 and stdout == "" and len(lines) == 1 and lines[0].startswith("Error: "), stderr
     assert cli_says in lines[0] and f"{next(iter(keywords))}=" not in lines[0], lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("job", ["convert", "merge"])
+def test_a_gpu_asked_for_from_python_is_refused_in_python_words(checkpoints, tmp_path, job):
+    from adapters import make_adapter
+
+    run = (prequant.convert if job == "convert" else
+           lambda src, out, **kw: prequant.merge(make_adapter(src, tmp_path / "lora"), out, base=src, **kw))
+    with pytest.raises(prequant.UsageError) as refused:
+        run(checkpoints("llama"), tmp_path / "out", dry_run=True, device="cuda")
+    said = str(refused.value)
+    assert "device='cuda' asked for, but no CUDA GPU is visible; use device='cpu'" in said and "--" not in said
+
+
+@pytest.mark.parametrize("skip", [123, [1, 2], {"lm_head": 1}])
+def test_a_skip_that_is_no_pattern_is_a_usage_error(checkpoints, tmp_path, skip):
+    with pytest.raises(prequant.UsageError) as refused:
+        prequant.convert(checkpoints("llama"), tmp_path / "out", dry_run=True, skip=skip)
+    said = str(refused.value)
+    assert said.startswith(f"skip={skip!r} is not a module name or pattern") and "skip=['lm_head']" in said
+
+
+def test_a_taken_output_dir_is_refused_in_python_words(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(prequant.UsageError) as refused:
+        prequant.convert(checkpoints("llama"), out, device="cpu", progress=False, resume=True)
+    said = str(refused.value)
+    assert "pass overwrite=True" in said and "resume=True only continues one" in said and "--" not in said
+    prequant.convert(checkpoints("llama"), tmp_path / "done", device="cpu", progress=False, stats=False)
+    with pytest.raises(prequant.UsageError) as refused:
+        prequant.convert(checkpoints("llama"), tmp_path / "done", device="cpu", progress=False, quant_type="fp4")
+    said = str(refused.value)
+    assert "(quant_type: 'nf4' there, 'fp4' here); pass overwrite=True" in said and "--" not in said

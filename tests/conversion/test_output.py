@@ -5,6 +5,7 @@ before torch is imported or the Hub is asked; in each refused case nothing is to
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -53,7 +54,8 @@ def test_resume_into_a_finished_conversion_of_another_job_is_refused_untouched(c
     before = _snapshot(finished)
     proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--quant-type", "fp4", "--resume")
     assert proc.returncode == 2
-    assert "holds a finished conversion of another source or with other options" in _one_line_error(proc)
+    assert ("holds a finished conversion with other options (--quant-type: 'nf4' there, 'fp4' here)"
+            in _one_line_error(proc))
     assert _snapshot(finished) == before and sorted(os.listdir(finished)) == sorted(before)
 
 
@@ -65,6 +67,15 @@ def test_resume_of_a_finished_conversion_says_already_complete_and_writes_nothin
     assert _snapshot(finished) == before and sorted(os.listdir(finished)) == sorted(before)
     as_json = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--resume", "--json")
     assert '"already_complete": true' in as_json.stdout
+
+
+def test_an_already_complete_run_says_no_speed(checkpoints, finished):
+    """Nothing was read: a rate ("0.0 s, 67.9 GB/s of input") would be meaningless, in the text and in the JSON."""
+    proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS)
+    assert proc.returncode == 0 and proc.stdout.startswith("already complete:"), proc.stderr
+    assert "time:" not in proc.stdout and "/s" not in proc.stdout, proc.stdout
+    as_json = json.loads(run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--json").stdout)
+    assert as_json["already_complete"] is True and as_json["gb_per_s"] is None
 
 
 def test_the_same_conversion_run_again_says_already_complete_and_writes_nothing(checkpoints, finished):
@@ -80,7 +91,8 @@ def test_a_finished_conversion_of_another_job_is_refused_without_resume_too(chec
     before = _snapshot(finished)
     proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS, "--quant-type", "fp4")
     assert proc.returncode == 2
-    assert "holds a finished conversion of another source or with other options" in _one_line_error(proc)
+    assert ("holds a finished conversion with other options (--quant-type: 'nf4' there, 'fp4' here)"
+            in _one_line_error(proc))
     assert _snapshot(finished) == before
 
 

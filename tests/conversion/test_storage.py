@@ -214,3 +214,27 @@ def test_the_destination_is_called_dest_not_output_dir(both, tmp_path):
     assert "OUTPUT_DIR" not in stderr and not (bf16 / "inside").exists()
     code, stdout, _ = run_main("change-storage", "--help")
     assert "DEST" in stdout and "a new or empty" in " ".join(stdout.split())
+
+
+def test_a_finished_change_run_again_says_already_complete_and_writes_nothing(both, tmp_path):
+    """As convert and merge say of a finished job: the same command again exits 0, writes nothing, says no speed."""
+    _, bf16, _ = both
+    args = ("change-storage", str(bf16), str(tmp_path / "u8"), "--quant-storage", "uint8")
+    code, _, err = run_main(*args)
+    assert code == 0, err
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "u8").iterdir()}
+    code, out, err = run_main(*args)
+    assert code == 0, err
+    assert out.startswith(f"already complete: {tmp_path / 'u8'} holds this change of {bf16}"), out
+    assert "GB copied" not in out and " s" not in out.split("(")[0]
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "u8").iterdir()} == before
+    code, out, err = run_main(*args, "--json")
+    assert code == 0 and json.loads(out)["already_complete"] is True, err
+
+
+def test_another_change_into_a_finished_dest_is_still_refused(both, tmp_path):
+    _, bf16, _ = both
+    code, _, err = run_main("change-storage", str(bf16), str(tmp_path / "out"), "--quant-storage", "uint8")
+    assert code == 0, err
+    code, _, err = run_main("change-storage", str(bf16), str(tmp_path / "out"), "--quant-storage", "float16")
+    assert code == 2 and "DEST" in err and "--overwrite" in err, err

@@ -5,6 +5,7 @@ under torchrun on 2 gloo ranks on the shipped conversations (scripts/data/chats.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,36 @@ def test_examples_started_without_a_launcher_say_what_to_run_in_one_line(script,
     assert len(lines) == 1 and lines[0].startswith(f"Error: {SCRIPTS / script} runs on every rank of a launcher; run: "
                                                    f"torchrun --nproc_per_node 2 {SCRIPTS / script} demo/tiny-llama-nf4 "
                                                    "--steps 2"), proc.stderr
+
+
+def _python_block(page: Path, marker: str) -> str:
+    """The ```python block of `page` that holds `marker`."""
+    blocks = page.read_text().split("```python\n")[1:]
+    return next(b.split("```", 1)[0] for b in blocks if marker in b)
+
+
+# What the snippets leave to the reader's script: its data and tokenizer (the demo's), and a run of one step.
+_PROLOGUE = """\
+from datasets import load_dataset
+from transformers import AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("demo/tiny-llama-nf4")
+dataset = load_dataset("json", data_files={chats!r}, split="train")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", ["README.md", "docs/fsdp.md"])
+def test_the_sft_trainer_snippet_runs_on_the_cpu(demo, page):
+    """README invites users to try training on the CPU first: its SFTTrainer snippet (and docs/fsdp.md's), on the
+    demo checkpoint, run as written (a step instead of 500) under torchrun on 2 gloo ranks."""
+    snippet = _python_block(ROOT / page, "SFTConfig(")
+    assert '"llama3-8b-nf4"' in snippet and "max_steps=500" in snippet
+    script = _PROLOGUE.format(chats=str(SCRIPTS / "data" / "chats.jsonl")) + snippet.replace(
+        '"llama3-8b-nf4"', '"demo/tiny-llama-nf4"').replace("max_steps=500", "max_steps=1")
+    (demo / "snippet.py").write_text(script)
+    shutil.rmtree(demo / "lora", ignore_errors=True)  # the other page's
+    proc = _run("-m", "torch.distributed.run", "--nproc_per_node", "2", "snippet.py", cwd=demo)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert (demo / "lora" / "adapter_model.safetensors").is_file()
+    _trained_adapter(demo, demo / "lora")

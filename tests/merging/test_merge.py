@@ -333,3 +333,68 @@ def test_gpt2_4bit_base_merges_in_the_stored_conv1d_layout(converted_gpt2, tmp_p
     for key, value in quantized.items():
         expected = reference[key] if ".c_attn.weight" in key else stored[key]
         assert torch.equal(value.view(torch.uint8), expected.view(torch.uint8)), key
+
+
+def test_a_merge_into_a_4bit_base_reports_real_parameters_shapes_and_actions(four_bit, tmp_path):
+    """The report of a merge into a 4-bit base counts the parameters a 16-bit base's report counts (not packed
+    elements), shows the weights' real shapes, says "merge" for a merged tensor, and a 16-bit output's plan names no
+    4-bit settings."""
+    base, converted, adapter = four_bit
+    args = ("merge", str(adapter), str(tmp_path / "out"), "--device", "cpu")
+    on_16 = run_cli(*args, "--base", str(base), "--dry-run", "--json")
+    on_4 = run_cli(*args, "--base", str(converted), "--dry-run", "--json")
+    assert on_16.returncode == 0 and on_4.returncode == 0, on_16.stderr + on_4.stderr
+    plan_16, plan_4 = json.loads(on_16.stdout), json.loads(on_4.stdout)
+    assert (sum(plan_4["unquantized_parameters"].values()) == sum(plan_16["unquantized_parameters"].values())
+            == sum(t.numel() for t in read_checkpoint(base).values()))
+    assert plan_4["unquantized_parameters"]["merged with the adapter"] == \
+        plan_16["unquantized_parameters"]["merged with the adapter"]
+    shapes_16 = {t["name"]: t["shape"] for t in plan_16["tensors"]}
+    assert {t["name"]: t["shape"] for t in plan_4["tensors"]} == shapes_16
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    actions = {t["name"]: t["action"] for plan in (plan_16, plan_4) for t in plan["tensors"] if t["name"] == q_proj}
+    assert actions == {q_proj: "merge"}
+    text = run_cli(*args, "--base", str(converted), "--dry-run")
+    assert text.returncode == 0, text.stderr
+    header, *rows = text.stdout.splitlines()
+    assert header.startswith("plan: 16-bit, nothing quantized;") and "nf4" not in header
+    row = next(r.split() for r in rows if q_proj in r)
+    assert row[0] == "merge" and row[3] == "64x64"
+    done = run_cli(*args, "--base", str(converted))
+    assert done.returncode == 0, done.stderr
+    merged = next(line for line in done.stdout.splitlines() if "merged with the adapter" in line)
+    assert f"{plan_16['unquantized_parameters']['merged with the adapter']:,} parameters" in merged
+
+
+def test_merge_quantize_takes_convert_s_4bit_options_on_the_command_line(checkpoints, tmp_path):
+    """--quant-type (any case), --blocksize, --quant-storage, --skip and --no-stats: the same output as Python's
+    keywords."""
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj", "o_proj"])
+    proc = run_cli("merge", str(adapter), str(tmp_path / "cli"), "--base", str(base), "--device", "cpu", "--quantize",
+                   "--quant-type", "FP4", "--blocksize", "128", "--quant-storage", "uint8", "--skip", "o_proj",
+                   "--no-stats")
+    assert proc.returncode == 0, proc.stderr
+    prequant.merge(adapter, tmp_path / "py", base=base, quantize=True, device="cpu", progress=False, quant_type="fp4",
+                   blocksize=128, quant_storage="uint8", skip=["o_proj"], stats=False)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "py" / name).read_bytes(), name
+    qc = json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]
+    assert (qc["bnb_4bit_quant_type"], qc["bnb_4bit_quant_storage"]) == ("fp4", "uint8")
+    assert "o_proj" in qc["llm_int8_skip_modules"]
+    manifest = json.loads((tmp_path / "cli" / "prequant.json").read_text())
+    assert manifest["options"]["blocksize"] == 128 and manifest["stats"]["enabled"] is False
+
+
+def test_4bit_options_a_merge_would_ignore_are_refused(four_bit, tmp_path):
+    base, converted, adapter = four_bit
+    args = ("merge", str(adapter), str(tmp_path / "out"), "--device", "cpu", "--dry-run")
+    sixteen = run_cli(*args, "--base", str(base), "--quant-type", "fp4")
+    assert sixteen.returncode == 2
+    assert "--quant-type fp4 applies to a 4-bit output only; add --quantize" in sixteen.stderr
+    into_4bit = run_cli(*args, "--base", str(converted), "--quantize", "--blocksize", "128")
+    assert into_4bit.returncode == 2, into_4bit.stderr
+    assert "--blocksize 128: a merge into a 4-bit base quantizes the merged weights again with the base's own" \
+        in into_4bit.stderr
+    same = run_cli(*args, "--base", str(converted), "--quantize", "--quant-type", "NF4")  # the base's own: fine
+    assert same.returncode == 0, same.stderr

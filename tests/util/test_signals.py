@@ -91,7 +91,8 @@ def test_conversion_pipeline(checkpoints, tmp_path, sig):
     """Inside the pipeline (the writer thread sends it after a tensor): the resume hint comes with the line."""
     env = {"PREQUANT_FAILPOINT": f"step-journaled:2:{signal.Signals(sig).name}"}
     proc = start_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu", env=env)
-    assert "--resume" in _interrupted(proc, sig, send=False)
+    said = _interrupted(proc, sig, send=False)
+    assert "run the same command again to continue" in said and "--resume" not in said  # as README says
 
 
 def test_a_swallowed_signal_still_ends_the_command_with_its_status():

@@ -256,3 +256,18 @@ def test_an_edited_card_is_uploaded_as_edited(logged_in: HubServer, out: Path):
     code, stdout, stderr = run_main("upload", str(out), "me/edited", "--json")
     assert code == 0, stderr
     assert logged_in.files("me/edited")["README.md"].endswith(b"Edited before publishing.\n")
+
+
+@pytest.mark.parametrize("job", ["convert", "merge"])
+def test_push_to_hub_private_creates_a_private_repo(logged_in: HubServer, carded_source: Path, tmp_path, job):
+    """A converted (or merged) gated model pushed with --push-to-hub --private lands in a new private repo."""
+    from adapters import make_adapter
+
+    first = (str(carded_source),) if job == "convert" else (
+        str(make_adapter(carded_source, tmp_path / "adapter", target_modules=["q_proj"])),)
+    base = () if job == "convert" else ("--base", str(carded_source))
+    proc = run_cli(job, *first, str(tmp_path / "out"), *base, "--device", "cpu", "--push-to-hub", "me/secret",
+                   "--private")
+    assert proc.returncode == 0, proc.stderr
+    assert logged_in._find("me/secret").private
+    assert logged_in.files("me/secret")["prequant.json"] == (tmp_path / "out" / "prequant.json").read_bytes()

@@ -190,6 +190,16 @@ def test_rel_error_limit_is_configurable(converted_llama):
     assert all("exceeds the limit 0.05" in p["message"] for p in json.loads(stdout)["problems"])
 
 
+def test_a_limit_below_the_formats_own_error_does_not_call_the_data_wrong(converted_llama):
+    """NF4's normal rounding error (about 0.092 at block 64) over a tight limit: the data matches the source."""
+    src, out = converted_llama
+    code, stdout, stderr = run_main("verify", str(out), "--source", str(src), "--max-rel-error", "0.05", "--json")
+    assert code == 1, stderr
+    problems = json.loads(stdout)["problems"]
+    assert problems and all("is the rounding error these 4-bit settings give" in p["message"] for p in problems)
+    assert "does not match the source" not in stdout + stderr
+
+
 def test_heavy_tailed_tensor_is_flagged_as_outlier_not_failed():
     torch.manual_seed(0)
     x = (torch.distributions.StudentT(3.0).sample((256, 1024)) * 0.02).bfloat16()
