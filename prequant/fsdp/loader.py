@@ -103,6 +103,7 @@ def load_for_fsdp(
 
     device = torch.device(device) if device is not None else default_device()
     ensure_process_group(device)
+    _destroy_at_exit()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device_mesh is None:
@@ -371,6 +372,31 @@ def ensure_process_group(device: torch.device) -> None:
     PartialState(cpu=device.type == "cpu")
     if not dist.is_initialized():
         raise UsageError(f"accelerate set up no process group for device {device}; call init_process_group first")
+
+
+_EXIT_REGISTERED = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, if the script has not. A script that ends
+    after `trainer.save_model()` (as Trainer's own examples do) otherwise leaves the group to the interpreter's
+    finalization, where gloo's worker threads may still hold work whose tensors are released without a live
+    interpreter: that rank aborts ("terminate called without an active exception", SIGABRT; pytorch PR 179291
+    describes it) and the launcher fails the whole run after it succeeded. Destroying the group while the
+    interpreter is alive is what a script's own `destroy_process_group()` would do; after it, this does nothing."""
+    global _EXIT_REGISTERED
+    if _EXIT_REGISTERED:
+        return
+    import atexit
+
+    def destroy() -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+    _EXIT_REGISTERED = True
 
 
 def default_device() -> torch.device:
