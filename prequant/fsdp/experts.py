@@ -94,18 +94,19 @@ def lora_targets_as_named(model: nn.Module) -> Iterator[None]:
 
 def _refuse_fused_lora(model: nn.Module) -> None:
     """Raise PrequantError when an adapter on `model` (peft's `peft_config`, set on the model it wraps) names a
-    fused experts parameter (`target_parameters`) of a layer that holds its experts per expert."""
-    configs = getattr(model, "peft_config", None) or {}
-    for name, module in model.named_modules():
-        if not isinstance(module, PerExpert):
-            continue
-        for adapter, config in configs.items():
-            for target in getattr(config, "target_parameters", None) or []:
-                param = f"{name}.{target.rpartition('.')[2]}"
-                if target.rpartition(".")[2] in ("gate_up_proj", "down_proj") and (param == target or
-                                                                                  param.endswith(f".{target}")):
+    fused experts parameter (`target_parameters`, matched as peft matches them: the name or a dotted suffix of it)
+    of a layer that holds its experts per expert."""
+    per_expert = [name for name, module in model.named_modules() if isinstance(module, PerExpert)]
+    for adapter, config in (getattr(model, "peft_config", None) or {}).items():
+        for target in getattr(config, "target_parameters", None) or []:
+            leaf = target.rpartition(".")[2]
+            if leaf not in ("gate_up_proj", "down_proj"):
+                continue
+            for name in per_expert:
+                param = f"{name}.{leaf}"
+                if param == target or param.endswith(f".{target}"):
                     raise PrequantError(
-                        f"adapter {adapter!r} holds LoRA of {param}, fused 16-bit experts, but this model's "
-                        f"{name} holds 4-bit experts one linear each: peft would drop those LoRA weights. Load it "
-                        "on prequant.load_model of the checkpoint it was trained on (converted without "
+                        f"adapter {adapter!r} holds LoRA of {param}, fused 16-bit experts, but this model's {name} "
+                        "holds 4-bit experts one linear each: peft would drop those LoRA weights. Load it on "
+                        "prequant.load_model of the checkpoint it was trained on (converted without "
                         "--quantize-experts), or merge it into this one with `prequant merge`")

@@ -23,6 +23,7 @@ a two-line fix from `prequant.fsdp.compat`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zlib
@@ -374,19 +375,14 @@ def ensure_process_group(device: torch.device) -> None:
         raise UsageError(f"accelerate set up no process group for device {device}; call init_process_group first")
 
 
-_EXIT_REGISTERED = False
-
-
+@functools.cache
 def _destroy_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, if the script has not. A script that ends
-    after `trainer.save_model()` (as Trainer's own examples do) otherwise leaves the group to the interpreter's
-    finalization, where gloo's worker threads may still hold work whose tensors are released without a live
-    interpreter: that rank aborts ("terminate called without an active exception", SIGABRT; pytorch PR 179291
-    describes it) and the launcher fails the whole run after it succeeded. Destroying the group while the
+    """Destroy the default process group when the interpreter exits, if the script has not (registered once). A
+    script that ends after `trainer.save_model()` (as Trainer's own examples do) otherwise leaves the group to the
+    interpreter's finalization, where gloo's worker threads may still hold work whose tensors are released without
+    a live interpreter: that rank aborts ("terminate called without an active exception", SIGABRT; pytorch PR
+    179291 describes it) and the launcher fails the whole run after it succeeded. Destroying the group while the
     interpreter is alive is what a script's own `destroy_process_group()` would do; after it, this does nothing."""
-    global _EXIT_REGISTERED
-    if _EXIT_REGISTERED:
-        return
     import atexit
 
     def destroy() -> None:
@@ -396,7 +392,6 @@ def _destroy_at_exit() -> None:
             dist.destroy_process_group()
 
     atexit.register(destroy)
-    _EXIT_REGISTERED = True
 
 
 def default_device() -> torch.device:
