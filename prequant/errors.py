@@ -18,6 +18,18 @@ def spelled(name: str, value: object, *, cli: bool) -> str:
     return f"{name}={value!r}"
 
 
+def flag(name: str, value: bool | None = True, *, cli: bool) -> str:
+    """Option `name` as its caller writes it: a boolean turned on or off (`--overwrite`, `--no-double-quant`; or
+    `overwrite=True`, `double_quant=False`), or, with `value` None, the option's name alone (`--quant-type`;
+    `quant_type`)."""
+    dashed = name.replace("_", "-")
+    if value is None:
+        return f"--{dashed}" if cli else name
+    if cli:
+        return f"--{'' if value else 'no-'}{dashed}"
+    return f"{name}={value!r}"
+
+
 def one_of(allowed: tuple) -> str:
     """'nf4 or fp4', 'bfloat16, float16 or float32': the values an option takes, said."""
     names = [str(a) for a in allowed]

@@ -24,7 +24,7 @@ from filelock import FileLock, Timeout
 
 from ..checkpoint.hf_files import CONFIG, INDEX_NAMES
 from ..checkpoint.manifest import MANIFEST
-from ..errors import PrequantError, UsageError
+from ..errors import PrequantError, UsageError, flag
 from ..util import failpoints
 from .journal import JOB, JOURNAL, job_id
 
@@ -93,16 +93,11 @@ def check_contents(output_dir: Path, *, overwrite: bool, resume: bool, cli: bool
     existing = _entries(output_dir)
     if not existing or interrupted(output_dir) or (output_dir / MANIFEST).is_file():
         return
-    what = (f" and holds no interrupted conversion to resume ({flag('resume', cli)} only continues one)"
+    what = (f" and holds no interrupted conversion to resume ({flag('resume', cli=cli)} only continues one)"
             if resume else "")
     held = f"{len(existing)} entries, e.g. {existing[0]}" if len(existing) > 1 else existing[0]
-    raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass {flag('overwrite', cli)} to "
+    raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass {flag('overwrite', cli=cli)} to "
                      "replace the checkpoint in it, or choose an empty directory")
-
-
-def flag(name: str, cli: bool) -> str:
-    """A boolean option turned on, as its caller writes it: `--overwrite` (`cli`) or `overwrite=True`."""
-    return f"--{name.replace('_', '-')}" if cli else f"{name}=True"
 
 
 def _entries(output_dir: Path) -> list[str]:
@@ -140,7 +135,7 @@ def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool, o
         if staged is not None and staged != job and not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds an interrupted conversion of another job ({_changed(staged, job)} "
                              f"changed since it started); rerun it as it was to continue it, or pass "
-                             f"{flag('overwrite', cli)} to start over")
+                             f"{flag('overwrite', cli=cli)} to start over")
         complete = staged is None and _finished(output_dir, job, overwrite=overwrite, options=options, cli=cli)
         if staged != job and staging.exists():
             shutil.rmtree(staging)  # another job's work (with --overwrite), or files of no job at all
@@ -152,7 +147,7 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: di
     if not (output_dir / MANIFEST).is_file():
         if job or overwrite or not _entries(output_dir):
             return False
-        raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass {flag('overwrite', cli)} to replace the "
+        raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass {flag('overwrite', cli=cli)} to replace the "
                          "checkpoint in it, or choose an empty directory")
     found = _job_of(output_dir)
     if found is not None and job and found == job_id(job):
@@ -160,16 +155,16 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: di
             return True
         if not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds this conversion, finished, but {changed} since; run "
-                             f"`prequant verify` on it, or pass {flag('overwrite', cli)} to convert again")
+                             f"`prequant verify` on it, or pass {flag('overwrite', cli=cli)} to convert again")
     if overwrite:
         return False
     if found is None:
         raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options "
-                         f"wrote (e.g. the result of prequant change-storage); pass {flag('overwrite', cli)} to "
+                         f"wrote (e.g. the result of prequant change-storage); pass {flag('overwrite', cli=cli)} to "
                          "replace it, or choose an empty directory")
     differ = _options_differ(output_dir, options or {}, cli)
     what = f"with other options ({differ})" if differ else "of another source (or by another prequant version)"
-    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass {flag('overwrite', cli)} to "
+    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass {flag('overwrite', cli=cli)} to "
                      "replace it, or choose an empty directory")
 
 
@@ -183,8 +178,7 @@ def _options_differ(output_dir: Path, options: dict, cli: bool) -> str:
     differ = [k for k, v in options.items() if k in recorded and recorded[k] != v and k != "stats"]
     if len(differ) > 1 and "llm_int8_skip_modules" in differ:  # follows from --skip: said by the option given
         differ.remove("llm_int8_skip_modules")
-    said = (lambda k: f"--{k.replace('_', '-')}") if cli else (lambda k: k)
-    return ", ".join(f"{said(k)}: {recorded[k]!r} there, {options[k]!r} here" for k in differ)
+    return ", ".join(f"{flag(k, None, cli=cli)}: {recorded[k]!r} there, {options[k]!r} here" for k in differ)
 
 
 def _staged_job(staging: Path) -> dict | None:

@@ -28,7 +28,7 @@ from ..bnb.quantize import Quantizer, check_device
 from ..bnb.starting import Starting
 from ..checkpoint import manifest, quantized
 from ..checkpoint.tensors import TensorRef
-from ..errors import Interrupted
+from ..errors import Interrupted, flag
 from ..source.resolve import contents, reader, resolve
 from ..source.spec import Source
 from ..util import signals, trace
@@ -138,7 +138,7 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
                     trace.mark("published")
         if opts.overwrite and opts.progress and (others := output.unrelated_files(out)):
             more = f" and {len(others) - 1} more" if len(others) > 1 else ""
-            print(f"prequant: warning: {out} also holds {others[0]}{more}, which --overwrite keeps and this output "
+            print(f"prequant: warning: {out} also holds {others[0]}{more}, which {flag('overwrite', cli=opts.cli)} keeps and this output "
                   "does not list: `prequant upload` refuses a folder holding files that are not part of it; move them "
                   "out before uploading", file=sys.stderr)
         hub_url = None

@@ -40,7 +40,7 @@ from ..conversion.plan import OutTensor, Plan, Step, make_plan
 from ..conversion.record import KeptCheck, Recorder, source_identity, write_config
 from ..conversion.run import Job, run_job
 from ..conversion.summary import Summary
-from ..errors import PrequantError, UsageError
+from ..errors import PrequantError, UsageError, flag, spelled
 from ..source.resolve import contents, resolve, scan
 from ..source.spec import Source, hub_spec
 from ..util import trace
@@ -75,7 +75,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     lora = open_adapter(str(adapter))
     trace.mark("adapter-read")
     base_spec = str(base) if base is not None else lora.base_model
-    give_base = "--base SOURCE" if opts.cli else "base='...'"
+    give_base = spelled("base", "SOURCE", cli=opts.cli)
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with "
                          f"{give_base}")
@@ -254,7 +254,7 @@ def _check_settings(opts: ConvertOptions, quantize: bool, base: Settings | None)
         return
     if not quantize:
         raise UsageError(f"{_said(opts, given[0])} applies to a 4-bit output only; add "
-                         f"{'--quantize' if opts.cli else 'quantize=True'} to write one, or leave it out")
+                         f"{flag('quantize', cli=opts.cli)} to write one, or leave it out")
     if base is None:
         return
     for k in given:
@@ -268,8 +268,8 @@ def _check_settings(opts: ConvertOptions, quantize: bool, base: Settings | None)
 def _said(opts: ConvertOptions, name: str) -> str:
     """A 4-bit setting as its caller wrote it (a flag's negative form for a boolean, one --skip pattern)."""
     value = getattr(opts, name)
-    if opts.cli and isinstance(value, bool):
-        return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
+    if isinstance(value, bool):
+        return flag(name, value, cli=opts.cli)
     if opts.cli and name == "skip":
         return opts.said(name, value[0])
     return opts.said(name, list(value) if name == "skip" else value)
