@@ -17,12 +17,14 @@ has those rules).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
@@ -79,15 +81,26 @@ def analyze(
 # --- 1. transformers on the meta device -------------------------------------------------------
 
 
-def _from_transformers(
-    source_dir: Path, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool, dtype: str | None
-) -> Layout | None:
+def meta_model(source_dir: Path, trust_remote_code: bool, dtype: str | None) -> Any | None:
+    """The model transformers builds for the checkpoint in `source_dir`, on the meta device, in `dtype` (the
+    safetensors code from_pretrained loads it in; None: the config's default); None when this transformers cannot
+    build it. The last build is kept, keyed by the folder, its config.json and the arguments: a merge asks for it
+    twice (the layout, then transformers 5's renaming of the base's keys)."""
+    try:
+        config = (source_dir / "config.json").read_bytes()
+    except OSError:
+        config = b""
+    return _built(source_dir, config, trust_remote_code, dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _built(source_dir: Path, config: bytes, trust_remote_code: bool, dtype: str | None) -> Any | None:
     try:
         import torch
         import transformers
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ..checkpoint.dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
+        from ..checkpoint.dtypes import SAFETENSORS_DTYPES
     except ImportError:
         return None
     try:
@@ -100,12 +113,20 @@ def _from_transformers(
             kwargs = {} if dtype is None else {"dtype": SAFETENSORS_DTYPES[dtype]}
             with torch.device("meta"):
                 if cls is not None and hasattr(cls, "_from_config"):
-                    model = cls._from_config(cfg, **kwargs)
-                else:
-                    model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs)
-    except Exception as e:  # an architecture this transformers does not know: fall back to name rules
-        log.info("transformers cannot build this model on the meta device (%s); using name rules", e)
+                    return cls._from_config(cfg, **kwargs)
+                return AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as e:  # an architecture this transformers does not know
+        log.info("transformers cannot build this model on the meta device (%s)", e)
         return None
+
+
+def _from_transformers(
+    source_dir: Path, tensors: list[TensorRef], skip: list[str], trust_remote_code: bool, dtype: str | None
+) -> Layout | None:
+    model = meta_model(source_dir, trust_remote_code, dtype)
+    if model is None:  # fall back to name rules
+        return None
+    from ..checkpoint.dtypes import TORCH_TO_SAFETENSORS
 
     defaults = _transformers_default_skips(model)
     keep_fp32 = list(getattr(model, "_keep_in_fp32_modules", None) or [])

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bnb.experts import ROLES, expert_match
+from ..bnb.layout import meta_model
 from ..checkpoint.reader import scan_files
 from ..checkpoint.tensors import TensorRef, quote
 from ..errors import PrequantError
@@ -409,30 +410,24 @@ def _pattern(cfg: dict, which: str, module: str, default: float) -> float:
     return default
 
 
-def base_names(keys: list[str], config_dir: Path, wanted: list[str], trust_remote_code: bool) -> dict[str, str]:
+def base_names(keys: list[str], config_dir: Path, wanted: list[str], trust_remote_code: bool,
+               dtype: str | None = None) -> dict[str, str]:
     """{a tensor's name in the trained model: its key in the base checkpoint}. Names are the checkpoint's own
     (transformers 4, and models transformers 5 does not rename); when one of `wanted` is not among `keys`, the
     checkpoint's keys are also renamed as transformers 5 renames them on load (its renaming tables, on the model
-    built on the meta device), so adapters trained on either match. A base's own code (auto_map) runs only with
-    `trust_remote_code`; without it, transformers is told so and never asks."""
+    built on the meta device: `layout.meta_model`, the one the layout was decided on when `dtype` is the same),
+    so adapters trained on either match. A base's own code (auto_map) runs only with `trust_remote_code`; without
+    it, transformers is told so and never asks."""
     names = {k: k for k in keys}
     if all(w in names for w in wanted):
         return names
     try:
-        import torch
-        import transformers
-        from transformers import AutoConfig
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError:  # no transformers 5: the checkpoint's names are the only ones
         return names
-    try:
-        cfg = AutoConfig.from_pretrained(config_dir, trust_remote_code=trust_remote_code)
-        cls = getattr(transformers, (getattr(cfg, "architectures", None) or [""])[0], None)
-        with torch.device("meta"):
-            model = cls._from_config(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(
-                cfg, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001 - an architecture this transformers cannot build: no renaming known
+    model = meta_model(config_dir, trust_remote_code, dtype)
+    if model is None:  # an architecture this transformers cannot build: no renaming known
         return names
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
     params = dict.fromkeys(k for k, _ in model.named_parameters())

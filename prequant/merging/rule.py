@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..bnb import cuda
-from ..bnb.format import NESTED_BLOCKSIZE, decode_quant_state, entry_name
+from ..bnb.format import NESTED_BLOCKSIZE, entry_name
 from ..bnb.stats import dequantize, dequantize_absmax
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
 from ..checkpoint.reader import TensorReader
@@ -54,25 +54,12 @@ class FourBit:
         return tuple(self.state["shape"])
 
 
-def four_bit_weights(tensors: list[TensorRef], data: TensorReader) -> dict[str, FourBit]:
-    """The 4-bit weights of a bitsandbytes checkpoint, by their packed codes' key (quant states read here: a few
-    hundred bytes each)."""
+def four_bit_weights(tensors: list[TensorRef], states: dict[str, dict]) -> dict[str, FourBit]:
+    """The 4-bit weights of a bitsandbytes checkpoint, by their packed codes' key: `states`, each one's quant state
+    as verify's check parsed it (`check_quantized`, which also found its companions), with its companion tensors."""
     by_name = {t.name: t for t in tensors}
-    found: dict[str, FourBit] = {}
-    for t in tensors:
-        marker = ".weight.quant_state.bitsandbytes__"
-        if marker not in t.name:
-            continue
-        key = t.name[: t.name.index(marker) + len(".weight")]
-        companions = {entry_name(key, n): by_name[n] for n in by_name if n.startswith(key + ".") and n != key}
-        try:
-            state = decode_quant_state(data.view(t).numpy().tobytes())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise PrequantError(f"its quant state is not JSON ({e}); the base is damaged", where=t.name) from e
-        if key not in by_name:
-            raise PrequantError(f"{quote(t.name)} has no packed weight {quote(key)}; the base is damaged")
-        found[key] = FourBit(key, companions, state)
-    return found
+    return {key: FourBit(key, {entry_name(key, n): by_name[n] for n in by_name if n.startswith(key + ".")}, state)
+            for key, state in states.items()}
 
 
 def dequantized(packed: torch.Tensor, weight: FourBit, data: TensorReader) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Any
 from ..bnb import starting
 from ..bnb.format import Settings, settings_entries
 from ..bnb.layout import Decision, Layout, require_known
+from ..bnb.loading import load_dtype
 from ..bnb.predict import decide
 from ..bnb.quantize import check_device
 from ..checkpoint import manifest
@@ -71,7 +72,7 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
     check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
-    _check_settings(opts, quantize, None)
+    _check_settings(opts, quantize)
     lora = open_adapter(str(adapter))
     trace.mark("adapter-read")
     base_spec = str(base) if base is not None else lora.base_model
@@ -85,19 +86,25 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run,
                         cli=opts.cli)
     src, tensors, config, four = _base(base_spec, opts)
-    if four:
-        _check_quant_states(src, tensors)
     # Which weights are GPT-2 Conv1D (stored [in, out]): a 4-bit base's prequant.json says, else the layout
     # transformers gives the base (a 16-bit base's is needed anyway to quantize it).
-    decided = None if four else decide(config, src.path, tensors, list(opts.skip), opts.trust_remote_code)
-    conv1d = _transposed(src) if decided is None else {k for k, d in decided[0].decisions.items() if d.transpose}
+    if four:
+        four_bit = four_bit_weights(tensors, _check_quant_states(src, tensors))
+        decided, conv1d = None, _transposed(src)
+        if quantize:
+            _check_base_settings(opts, _base_settings(config, four_bit))
+    else:
+        four_bit = {}
+        decided = decide(config, src.path, tensors, list(opts.skip), opts.trust_remote_code)
+        conv1d = {k for k, d in decided[0].decisions.items() if d.transpose}
+    shapes = {t.name: tuple(t.shape) for t in tensors}  # as merged: a 4-bit weight dequantized, a Conv1D [in, out]
+    shapes.update((k, w.shape[::-1] if k in conv1d else w.shape) for k, w in four_bit.items())
+    # The meta model `decide` built for a 16-bit base (same dtype) serves the renaming too.
+    names = base_names([t.name for t in tensors], src.path, wanted(lora), opts.trust_remote_code,
+                       None if four else load_dtype(config, tensors))
+    changed = targets(lora, names, shapes, conv1d)
     with TensorReader() as data:  # the adapter's tensors, and a 4-bit base's quant states and block scales
-        four_bit = four_bit_weights(tensors, data) if four else {}
-        shapes = {t.name: tuple(t.shape) for t in tensors}  # as merged: a 4-bit weight dequantized, a Conv1D [in, out]
-        shapes.update((k, w.shape[::-1] if k in conv1d else w.shape) for k, w in four_bit.items())
-        names = base_names([t.name for t in tensors], src.path, wanted(lora), opts.trust_remote_code)
-        changed = targets(lora, names, shapes, conv1d)
-        plan = _plan(tensors, config, src, changed, four_bit, quantize, opts, decided)
+        plan = _plan(tensors, config, changed, four_bit, quantize, opts, decided, conv1d, shapes)
         trace.mark("planned")
         if opts.dry_run:
             return plan
@@ -222,16 +229,18 @@ def _base(spec: str, opts: ConvertOptions) -> tuple[Source, list[TensorRef], dic
     return src, scan(src), config, True
 
 
-def _check_quant_states(src: Source, tensors: list[TensorRef]) -> None:
-    """A 4-bit base's quant states against their codes and companions, by verify's own check: a state that claims
-    more than its codes hold would dequantize to zeros where the codes end."""
+def _check_quant_states(src: Source, tensors: list[TensorRef]) -> dict[str, dict]:
+    """A 4-bit base's quant states, by their packed weight's key, checked against their codes and companions by
+    verify's own check (which parses them): a state that claims more than its codes hold would dequantize to zeros
+    where the codes end."""
     report = Report(str(src.path))
-    check_quantized({t.name: t for t in tensors}, {t.name: t.file.name for t in tensors}, report)
+    groups = check_quantized({t.name: t for t in tensors}, {t.name: t.file.name for t in tensors}, report)
     if report.problems:
         first, more = report.problems[0], len(report.problems) - 1
         raise PrequantError(f"{first.message}{f' (and {more} more problems)' if more else ''}; the 4-bit base is "
                             f"damaged ({src.path}): use an intact copy, or merge into its 16-bit original",
                             where=first.where)
+    return {weight: g.state for weight, g in groups.items()}
 
 
 def _transposed(src: Source) -> set[str]:
@@ -245,24 +254,28 @@ def _transposed(src: Source) -> set[str]:
 _SETTINGS = ("quant_type", "double_quant", "blocksize", "compute_dtype", "quant_storage", "skip")
 
 
-def _check_settings(opts: ConvertOptions, quantize: bool, base: Settings | None) -> None:
-    """Refuse 4-bit settings that would be ignored: given for a 16-bit output (no `quantize`), or differing from a
-    4-bit base's own settings (its merged weights are quantized again with them: `base`)."""
-    defaults = ConvertOptions()
-    given = [k for k in _SETTINGS if getattr(opts, k) != getattr(defaults, k)]
-    if not given:
-        return
-    if not quantize:
+def _check_settings(opts: ConvertOptions, quantize: bool) -> None:
+    """Refuse 4-bit settings given for a 16-bit output (no `quantize`): they would be ignored."""
+    if (given := _given(opts)) and not quantize:
         raise UsageError(f"{_said(opts, given[0])} applies to a 4-bit output only; add "
                          f"{flag('quantize', cli=opts.cli)} to write one, or leave it out")
-    if base is None:
-        return
-    for k in given:
+
+
+def _check_base_settings(opts: ConvertOptions, base: Settings) -> None:
+    """Refuse 4-bit settings that differ from a 4-bit base's own (`base`): its merged weights are quantized again
+    with the base's, so the given ones would be ignored."""
+    for k in _given(opts):
         if k == "skip" or getattr(base, k) != getattr(opts, k):
             own = "" if k == "skip" else f" ({k} {getattr(base, k)})"
             raise UsageError(f"{_said(opts, k)}: a merge into a 4-bit base quantizes the merged weights again with "
                              f"the base's own settings{own}, and keeps its other modules as they are; leave the option "
                              "out, or merge into the 16-bit base to choose the settings")
+
+
+def _given(opts: ConvertOptions) -> list[str]:
+    """The 4-bit settings given other than their defaults."""
+    defaults = ConvertOptions()
+    return [k for k in _SETTINGS if getattr(opts, k) != getattr(defaults, k)]
 
 
 def _said(opts: ConvertOptions, name: str) -> str:
@@ -286,21 +299,20 @@ def _base_settings(config: dict, four: dict[str, FourBit]) -> Settings:
                     quant_storage=qc.get("bnb_4bit_quant_storage") or "uint8")
 
 
-def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str, Target],
-          four: dict[str, FourBit], quantize: bool, opts: ConvertOptions,
-          decided: tuple[Layout, bool] | None) -> Plan:
+def _plan(tensors: list[TensorRef], config: dict, changed: dict[str, Target], four: dict[str, FourBit],
+          quantize: bool, opts: ConvertOptions, decided: tuple[Layout, bool] | None, conv1d: set[str],
+          shapes: dict[str, tuple[int, ...]]) -> Plan:
     """Every output: 16-bit (a 4-bit base's weights dequantized), or 4-bit with `quantize` (a 4-bit base's
     targets quantized again with its settings, the rest copied; a 16-bit base planned as `convert` plans it, with
-    the layout `decided` for it)."""
+    the layout `decided` for it). `conv1d`: the GPT-2 Conv1D weights; `shapes`: every tensor's as merged."""
     def reason(name: str, default: str) -> str:
         return MERGED if name in changed else default
 
     def action(name: str, quantized: bool, default: str | None = None) -> str | None:
-        return default if quantized else "merge" if name in changed else default
+        return "merge" if name in changed and not quantized else default
 
     if four:
-        s, transposed = _base_settings(config, four), _transposed(src)
-        _check_settings(opts, quantize, s)
+        s = _base_settings(config, four)
         companions = {ref.name for w in four.values() for ref in w.companions.values()}
         if quantize:  # targets' companions are written anew; everything else copied
             companions = {ref.name for k, w in four.items() if k in changed for ref in w.companions.values()}
@@ -315,12 +327,10 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
                 return Decision(False, COPIED, action="copy")
             default = "dequantized" if t.name in four else "kept"
             verb = "dequantize" if t.name in four and not quantize else None
-            return Decision(t.name in requant, reason(t.name, default), transpose=t.name in transposed,
+            return Decision(t.name in requant, reason(t.name, default), transpose=t.name in conv1d,
                             action=action(t.name, t.name in requant, verb))
 
         decisions = {t.name: decision(t) for t in kept}
-        # A packed weight is reported by the parameter it holds, as a 16-bit base's would be (Conv1D: [in, out]).
-        shapes = {k: tuple(w.shape[::-1] if k in transposed else w.shape) for k, w in four.items()}
 
         def outputs(t: TensorRef, d: Decision) -> tuple[OutTensor, ...] | None:
             if t.name not in four:
@@ -330,10 +340,12 @@ def _plan(tensors: list[TensorRef], config: dict, src: Source, changed: dict[str
                 return tuple(OutTensor(e.key, e.dtype, e.shape) for e in settings_entries(t.name, _numel(w), s))
             if quantize:
                 return None  # an untargeted 4-bit weight: copied as stored
-            return (OutTensor(t.name, w.dtype, w.shape[::-1] if t.name in transposed else w.shape),)
+            return (OutTensor(t.name, w.dtype, shapes[t.name]),)
 
         plan = make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
-                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs, shapes=shapes,
+                                      "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs,
+                         # A packed weight is reported by the parameter it holds, as a 16-bit base's would be
+                         shapes={k: shapes[k] for k in four},
                          cli=opts.cli)
         return replace(plan, sixteen_bit=not quantize)
     if quantize:
