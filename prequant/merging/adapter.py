@@ -297,10 +297,7 @@ def _check_shapes(target: Target, shape: tuple[int, ...], adapter: Adapter) -> N
         if len(ref.shape) != 2:
             raise PrequantError(f"adapter tensor {quote(ref.name)} has shape {tuple(ref.shape)}, not 2-D; the "
                                 "adapter is damaged: save it again with peft", where=where)
-    r = a.shape[0]
-    if r == 0:
-        raise PrequantError(f"adapter tensor {quote(a.name)} has shape {tuple(a.shape)}: rank 0, which changes "
-                            "nothing and peft refuses; save the adapter again with peft", where=where)
+    r = a.shape[0]  # rank 0 is refused by the check against the config's rank, which is positive
     if b.shape[1] != r:
         raise PrequantError(f"adapter tensor {quote(b.name)} has shape {tuple(b.shape)}, rank {b.shape[1]}, but its "
                             f"lora_A {quote(a.name)} has rank {r} {tuple(a.shape)}; the adapter is damaged: save it "

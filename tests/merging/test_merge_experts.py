@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapters import TOKENS, load_base, logits, make_adapter, peft_logits
+from adapters import TOKENS, assert_logits_close, load_base, logits, make_adapter, peft_logits
 from helpers import read_checkpoint
 from moe_checkpoints import build_moe, dequantized, entries_of
 
@@ -53,10 +53,6 @@ def assert_equals_fused_merge(out: Path, base: Path, adapter: Path) -> set[str]:
         expected = fused_slice(reference, key) if expert_match(key) else reference[key.replace(".block_sparse_moe.", ".mlp.")]
         assert torch.equal(value, expected.to(value.dtype)), key
     return {k for k in ours if not torch.equal(ours[k], source[k])}
-
-
-def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
-    assert (ours - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
 
 
 @pytest.fixture(scope="module", params=list(PROJECTIONS))
