@@ -149,9 +149,10 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: di
             return False
         raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass {flag('overwrite', cli=cli)} to replace the "
                          "checkpoint in it, or choose an empty directory")
-    found = _job_of(output_dir)
+    written = _manifest(output_dir)
+    found = written.get("job") if written is not None else None
     if found is not None and job and found == job_id(job):
-        if not (changed := changed_files(output_dir)):
+        if not (changed := changed_files(output_dir, written)):
             return True
         if not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds this conversion, finished, but {changed} since; run "
@@ -162,22 +163,30 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: di
         raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options "
                          f"wrote (e.g. the result of prequant change-storage); pass {flag('overwrite', cli=cli)} to "
                          "replace it, or choose an empty directory")
-    differ = _options_differ(output_dir, options or {}, cli)
-    what = f"with other options ({differ})" if differ else "of another source (or by another prequant version)"
-    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass {flag('overwrite', cli=cli)} to "
-                     "replace it, or choose an empty directory")
+    assert written is not None
+    if differ := _options_differ(written, options or {}, cli):
+        what = f"with other options ({differ})"
+    elif isinstance(job, dict) and "adapter" in job and isinstance(written.get("adapter"), dict) \
+            and written["adapter"].get("sha256") != job["adapter"].get("sha256"):
+        what = "of another adapter (its files differ from this one's)"
+    else:
+        what = "of another source (or by another prequant version)"
+    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass {flag('overwrite', cli=cli)} "
+                     "to replace it, or choose an empty directory")
 
 
-def _options_differ(output_dir: Path, options: dict, cli: bool) -> str:
-    """The options whose values differ between OUTPUT_DIR's prequant.json and `options` (this job's), in words:
-    "--quant-type: nf4 there, fp4 here"; "" when none does (or the manifest cannot be read)."""
-    try:
-        recorded = json.loads((output_dir / MANIFEST).read_text()).get("options") or {}
-    except (OSError, ValueError, AttributeError):
+# Options prequant.json records that a refusal leaves unnamed: the skip list transformers is given follows from
+# --skip (named instead), and --no-stats changes no weight.
+_NOT_SAID = ("stats", "llm_int8_skip_modules")
+
+
+def _options_differ(written: dict, options: dict, cli: bool) -> str:
+    """The options whose values differ between OUTPUT_DIR's prequant.json (`written`) and `options` (this job's),
+    in words: "--quant-type: nf4 there, fp4 here"; "" when none does."""
+    recorded = written.get("options")
+    if not isinstance(recorded, dict):
         return ""
-    differ = [k for k, v in options.items() if k in recorded and recorded[k] != v and k != "stats"]
-    if len(differ) > 1 and "llm_int8_skip_modules" in differ:  # follows from --skip: said by the option given
-        differ.remove("llm_int8_skip_modules")
+    differ = [k for k, v in options.items() if k in recorded and recorded[k] != v and k not in _NOT_SAID]
     return ", ".join(f"{flag(k, None, cli=cli)}: {recorded[k]!r} there, {options[k]!r} here" for k in differ)
 
 
@@ -203,9 +212,10 @@ def _changed(staged: dict, job: dict | str) -> str:
     return "the options"
 
 
-def changed_files(output_dir: Path) -> str | None:
-    """What no longer matches the manifest's sizes in a finished output ("x is missing", ...), else None."""
-    files = json.loads((output_dir / MANIFEST).read_text()).get("files", {})
+def changed_files(output_dir: Path, written: dict | None = None) -> str | None:
+    """What no longer matches the manifest's sizes in a finished output ("x is missing", ...), else None.
+    `written`: its prequant.json, when read already."""
+    files = (written if written is not None else json.loads((output_dir / MANIFEST).read_text())).get("files", {})
     for name, entry in sorted(files.items()):
         path = output_dir / name
         if not path.is_file():
@@ -215,12 +225,13 @@ def changed_files(output_dir: Path) -> str | None:
     return None
 
 
-def _job_of(output_dir: Path) -> str | None:
+def _manifest(output_dir: Path) -> dict | None:
+    """OUTPUT_DIR's prequant.json, None when it is unreadable or not an object."""
     try:
         manifest = json.loads((output_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    return manifest.get("job") if isinstance(manifest, dict) else None
+    return manifest if isinstance(manifest, dict) else None
 
 
 @contextmanager

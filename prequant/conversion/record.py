@@ -78,9 +78,10 @@ def side_files(source_dir: Path) -> list[Path]:
     snapshot of the Hugging Face cache, inside that repo's blobs folder (the snapshot's own links): one that leads
     elsewhere (a secret linked in, say) is left out, said on stderr."""
     roots = _allowed_roots(source_dir)
-    adapters = [p.parent.relative_to(source_dir) for p in source_dir.rglob(ADAPTER_CONFIG) if p.parent != source_dir]
+    paths = sorted(source_dir.rglob("*"))
+    adapters = [p.parent.relative_to(source_dir) for p in paths if p.name == ADAPTER_CONFIG and p.parent != source_dir]
     found = []
-    for path in sorted(source_dir.rglob("*")):
+    for path in paths:
         rel = path.relative_to(source_dir)
         if any(part.startswith(".") for part in rel.parts) or not path.is_file():
             continue  # .git, .cache (the Hub's download metadata), editor files
@@ -186,12 +187,12 @@ class Recorder:
     """Collects what the manifest needs while convert runs (the pipeline's `on_shard` and `on_follow` hooks, its
     `stats` and its `check` of kept tensors), then writes the model card and prequant.json into the staging folder."""
 
-    def __init__(self, source: Source, plan: Plan, *, stats: bool = True, options: dict | None = None,
-                 job: str | None = None, allow_nan: bool = False) -> None:
-        self.source, self.plan, self.job = source, plan, job
-        self.options = recorded_options(plan, options, stats=stats, allow_nan=allow_nan)
-        self.stats = Collector() if stats else None
-        self.kept = KeptCheck(allow_nan)  # the pipeline's `check` of kept tensors; what it finds goes in the manifest
+    def __init__(self, source: Source, plan: Plan, options: dict, *, job: str | None = None) -> None:
+        """`options`: what prequant.json records as the job's options (`recorded_options`), its stats and allow_nan
+        among them."""
+        self.source, self.plan, self.job, self.options = source, plan, job, options
+        self.stats = Collector() if options["stats"] else None
+        self.kept = KeptCheck(options["allow_nan"])  # the pipeline's `check` of kept tensors, its findings recorded
         self._hashes: dict[str, Future[str]] = {}
         self._queue: queue.Queue[tuple[BinaryIO | FollowHash, Future[str]] | None] = queue.Queue()
         # Shards are hashed side by side: one hashing thread is slower than a fast disk writes shards. Daemon

@@ -129,8 +129,7 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
         with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume, options=recorded,
                           cli=opts.cli) as claim:
             if not claim.complete:  # else finished before; an interrupted push goes on below
-                with _interruptible(), Recorder(job.source, job.plan, stats=stats, job=job.id,
-                                                allow_nan=opts.allow_nan, options=record_options) as record:
+                with _interruptible(), Recorder(job.source, job.plan, recorded, job=job.id) as record:
                     if not output.publishing(claim.staging):  # else an interrupted run had written everything
                         write(record, claim.staging, partial(_stream, job, quantizer, record, claim.staging, publisher))
                         trace.mark("manifest-written")

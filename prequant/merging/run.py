@@ -126,7 +126,8 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
 
         note = f"merged: {len(changed)} tensors changed by the adapter, written {'4-bit' if quantize else '16-bit'}"
         return run_job(job, quantizer, write, stats=opts.stats and quantize,
-                       record_options={"max_shard_size": opts.shard_limit, "quantize": quantize},
+                       record_options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit,
+                                       "quantize": quantize},
                        notes=lambda written: [note])
 
 

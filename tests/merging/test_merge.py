@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapters import TOKENS, assert_logits_close, assert_same_as_peft, logits, make_adapter, peft_logits, peft_merged
-from helpers import read_checkpoint, run_cli
+from adapters import TOKENS, altered, assert_logits_close, assert_same_as_peft, logits, make_adapter, peft_logits, peft_merged
+from helpers import read_checkpoint, run_cli, run_main
 
 import prequant
-from prequant.errors import PrequantError
+from prequant.errors import PrequantError, UsageError
 
 
 FLAVOURS = {
@@ -195,6 +195,27 @@ def test_rerun_is_complete_and_the_cli_merges_with_an_honest_exit(checkpoints, t
     assert again.already_complete
     missing = run_cli("merge", str(tmp_path / "nothing"), str(tmp_path / "out2"))
     assert missing.returncode == 2 and "ADAPTER" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_finished_merge_run_again_with_another_skip_names_skip(checkpoints, tmp_path):
+    base = checkpoints("llama")
+    adapter = make_adapter(base, tmp_path / "adapter", target_modules=["q_proj"])
+    args = ("merge", str(adapter), str(tmp_path / "out"), "--base", str(base), "--device", "cpu", "--quantize")
+    code, _, err = run_main(*args)
+    assert code == 0, err
+    code, _, err = run_main(*args, "--skip", "o_proj")
+    assert code == 2, err
+    assert "holds a finished conversion with other options (--skip: [] there, ['o_proj'] here)" in err, err
+
+
+def test_a_finished_merge_run_again_with_another_adapter_says_the_adapter_differs(checkpoints, tmp_path):
+    base = checkpoints("llama")
+    first = make_adapter(base, tmp_path / "first", target_modules=["q_proj"])
+    second = altered(first, tmp_path / "second", config={"lora_alpha": 16})
+    prequant.merge(first, tmp_path / "out", base=base, device="cpu", progress=False)
+    with pytest.raises(UsageError, match="holds a finished conversion of another adapter") as refused:
+        prequant.merge(second, tmp_path / "out", base=base, device="cpu", progress=False)
+    assert "another source" not in str(refused.value) and "overwrite=True" in str(refused.value)
 
 
 @pytest.mark.parametrize("kind", ["LOHA", "VERA"])
