@@ -14,6 +14,7 @@ import mmap
 import os
 import platform
 from importlib import metadata as importlib_metadata
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -67,6 +68,15 @@ def versions() -> dict[str, str | None]:
         except importlib_metadata.PackageNotFoundError:
             found[name] = None
     return found
+
+
+def unlisted(output_dir: Path, listed: Iterable[str]) -> list[str]:
+    """The files under OUTPUT_DIR (relative paths) that are not part of its checkpoint: neither among `listed` (its
+    prequant.json's files) nor prequant.json itself. What verify reports and `prequant upload` refuses to publish
+    with the checkpoint."""
+    names = {*listed, MANIFEST}
+    found = (p.relative_to(output_dir).as_posix() for p in sorted(output_dir.rglob("*")) if p.is_file())
+    return [rel for rel in found if rel not in names]
 
 
 def load(output_dir: Path) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from ..checkpoint.hf_files import CONFIG, INDEX_NAMES
-from ..checkpoint.manifest import MANIFEST
+from ..checkpoint.manifest import MANIFEST, unlisted
 from ..errors import PrequantError, UsageError, flag
 from ..util import failpoints
 from .journal import JOB, JOURNAL, job_id
@@ -339,14 +339,10 @@ def _fsync_dir(path: Path) -> None:
 
 def unrelated_files(output_dir: Path) -> list[str]:
     """The files of a finished OUTPUT_DIR that its prequant.json does not list (--overwrite keeps a user's own
-    files): what `prequant upload` refuses to publish with it."""
-    try:
-        listed = json.loads((output_dir / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    found = (p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*") if p.is_file())
-    return sorted(rel for rel in found if rel not in listed and rel not in (MANIFEST, LOCK)
-                  and not rel.startswith(STAGING + "/"))
+    files): what `prequant upload` refuses to publish with it (`manifest.unlisted`, as verify finds them)."""
+    written = _manifest(output_dir)
+    listed = written.get("files") if written is not None else None
+    return unlisted(output_dir, listed) if isinstance(listed, dict) else []
 
 
 def publishing(staging: Path) -> bool:

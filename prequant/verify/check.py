@@ -27,7 +27,7 @@ from ..bnb.format import (
 )
 from ..bnb.loading import should_convert
 from ..checkpoint.hf_files import CARD, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
-from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
+from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file, unlisted
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.safetensors import read_header
 from ..checkpoint.tensors import TensorRef
@@ -195,14 +195,12 @@ def check_files(out: Path, manifest: dict, report: Report, progress: bool) -> se
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
-    for path in sorted(out.rglob("*")):
-        rel = path.relative_to(out).as_posix()
-        if path.is_file() and rel not in listed and rel != MANIFEST:
-            report.extra_files.append(rel)
-            if rel.endswith((".safetensors", ".bin")) or rel in (CONFIG, SAFETENSORS_INDEX):
-                report.fail(rel, "not listed in prequant.json: a stray checkpoint file; remove it or reconvert")
-            else:
-                report.warn(rel, "not listed in prequant.json (not part of the conversion)")
+    for rel in unlisted(out, listed):
+        report.extra_files.append(rel)
+        if rel.endswith((".safetensors", ".bin")) or rel in (CONFIG, SAFETENSORS_INDEX):
+            report.fail(rel, "not listed in prequant.json: a stray checkpoint file; remove it or reconvert")
+        else:
+            report.warn(rel, "not listed in prequant.json (not part of the conversion)")
     report.files = {
         "listed": len(listed),
         "checked": len(listed) - len(bad),
