@@ -29,6 +29,16 @@ ADAPTER_FILES = (ADAPTER_CONFIG, "adapter_model.safetensors", "adapter_model.bin
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
 
 
+def cache_repo_dir(path: str | Path) -> Path | None:
+    """The repo folder of the Hugging Face cache snapshot that `path` names (`<cache>/models--org--name/snapshots/
+    <commit>`: a folder named snapshots inside one named models--...), else None. A folder named snapshots elsewhere
+    is no snapshot: its parent's blobs/ is nothing the Hub put there."""
+    parts = Path(path).absolute().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return Path(*parts[:-2])
+    return None
+
+
 def weight_layout(names: Collection[str]) -> tuple[str | None, str, str] | None:
     """Which weights a checkpoint whose files are `names` holds: (its index, or None for a single file; the single
     file's name; the format), from the first of WEIGHT_LAYOUTS whose index or single file is among them (a Hub

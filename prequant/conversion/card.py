@@ -16,7 +16,7 @@ from pathlib import Path
 from .._version import __version__
 from ..bnb.stats import expected_rel_error
 from ..checkpoint import quantized
-from ..checkpoint.hf_files import CARD, read_config
+from ..checkpoint.hf_files import CARD, cache_repo_dir, read_config
 from ..errors import PrequantError
 from .plan import Plan
 
@@ -102,13 +102,10 @@ def base_model_id(source: dict, source_dir: Path) -> str | None:
 
 def _cache_repo(path: object) -> str | None:
     """org/name from a Hugging Face cache snapshot path (`.../models--org--name/snapshots/<commit>`), else None."""
-    if not isinstance(path, str):
+    if not isinstance(path, str) or (repo := cache_repo_dir(path)) is None:
         return None
-    parts = Path(path).absolute().parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        org, sep, name = parts[-3].removeprefix("models--").partition("--")
-        return f"{org}/{name}" if sep and org and name else None
-    return None
+    org, sep, name = repo.name.removeprefix("models--").partition("--")
+    return f"{org}/{name}" if sep and org and name else None
 
 
 def base_model_note(manifest: dict, option: str) -> str | None:

@@ -36,6 +36,7 @@ from ..checkpoint.hf_files import (
     INDEX_NAMES,
     SAFETENSORS_INDEX,
     WEIGHT_SUFFIXES,
+    cache_repo_dir,
 )
 from ..checkpoint.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file, versions
 from ..checkpoint.reader import TensorReader
@@ -100,10 +101,11 @@ def side_files(source_dir: Path) -> list[Path]:
 
 def _allowed_roots(source_dir: Path) -> list[Path]:
     """Where a side file's real path may lie: SOURCE; and for a Hugging Face cache snapshot
-    (<repo>/snapshots/<commit>), that repo's blobs folder (<repo>/blobs), where the snapshot's files link to."""
+    (models--org--name/snapshots/<commit>), that repo's blobs folder (models--org--name/blobs), where the snapshot's
+    files link to."""
     roots = [Path(os.path.realpath(source_dir))]
-    if source_dir.parent.name == "snapshots":
-        roots.append(Path(os.path.realpath(source_dir.parent.parent / "blobs")))
+    if (repo := cache_repo_dir(source_dir)) is not None:
+        roots.append(Path(os.path.realpath(repo / "blobs")))
     return roots
 
 

@@ -326,3 +326,14 @@ def test_a_cache_snapshot_s_links_into_its_blobs_are_followed_and_no_others(tmp_
     (tmp_path / "key").write_text("secret")
     (snapshot / "key.txt").symlink_to(tmp_path / "key")
     assert record.side_files(snapshot) == [Path("tokenizer_config.json")]
+
+
+def test_a_folder_named_snapshots_outside_a_cache_lets_no_link_into_its_sibling_blobs_through(tmp_path):
+    """Only a snapshot of a cache repo (models--org--name/snapshots/<commit>) may link into that repo's blobs/."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "key").write_text("secret")
+    source = tmp_path / "snapshots" / "model"
+    source.mkdir(parents=True)
+    (source / "tokenizer_config.json").write_text("{}")
+    (source / "key.txt").symlink_to("../../blobs/key")
+    assert record.side_files(source) == [Path("tokenizer_config.json")]
