@@ -158,7 +158,8 @@ def convert(
     from .conversion import output, readahead  # standard library, like source.spec: all run before torch's import
     from .source.spec import where
 
-    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
+    # before anything slow
+    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run, cli=True)
     where(source)  # a SOURCE that is neither a local directory nor a Hub repo id fails here, before torch's import
     if not dry_run:
         readahead.prefetch(source)  # a local source's disk reads go on while the libraries load
@@ -225,9 +226,9 @@ def change_storage(
 ) -> None:
     """Copy OUTPUT_DIR to DEST with its packed weights stored as another dtype (headers, config, card rewritten)."""
     with signals.deferred():  # torch's imports (see convert)
-        from .conversion.storage import change_storage as run_change, storage_name
+        from .conversion.storage import change_storage as run_change
 
-    result = run_change(output_dir, dest, storage_name(quant_storage, cli=True), overwrite=overwrite)
+    result = run_change(output_dir, dest, quant_storage, overwrite=overwrite, cli=True)
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 
 

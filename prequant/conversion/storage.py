@@ -89,15 +89,15 @@ def storage_name(value: str | torch.dtype, *, cli: bool = False) -> str:
 
 def change_storage(
     output_dir: str | Path, dest: str | Path, quant_storage: str | torch.dtype, *, overwrite: bool = False,
-    progress: bool = True,
+    progress: bool = True, cli: bool = False,
 ) -> StorageChange:
     """Write into `dest` the checkpoint of `output_dir` (a prequant output) with its packed weights stored as
     `quant_storage` ("bfloat16", "float16", "float32" or "uint8", or that torch dtype). Raises PrequantError when
     the input does not verify or a packed weight's codes do not fit the new storage exactly (named, with the
-    fix)."""
+    fix). A refusal names the options as flags (`cli`: `--overwrite`) or as keywords (`overwrite=True`)."""
     started = time.monotonic()
     src, out = Path(output_dir), Path(dest)
-    quant_storage = storage_name(quant_storage)
+    quant_storage = storage_name(quant_storage, cli=cli)
     report = verify(src, progress=progress)
     if not report.ok:
         raise VerificationFailed(report, f"refusing to change the storage of {src}, it does not verify")
@@ -107,7 +107,7 @@ def change_storage(
     if old == quant_storage:
         raise UsageError(f"{src} is already stored as {quant_storage}; nothing to change")
     try:
-        return _change(src, out, manifest, config, old, quant_storage, overwrite, progress, started)
+        return _change(src, out, manifest, config, old, quant_storage, overwrite, progress, started, cli)
     except PrequantError as e:  # `output` calls the folder it writes OUTPUT_DIR, which here is the input
         if "OUTPUT_DIR" not in e.detail:
             raise
@@ -116,8 +116,8 @@ def change_storage(
 
 
 def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_storage: str, overwrite: bool,
-            progress: bool, started: float) -> StorageChange:
-    out = output.target(out, src, overwrite=overwrite, resume=False)  # refused as convert refuses it
+            progress: bool, started: float, cli: bool) -> StorageChange:
+    out = output.target(out, src, overwrite=overwrite, resume=False, cli=cli)  # refused as convert refuses it
     shards = _shard_names(src)
     code = STORAGE_CODES[quant_storage]
     plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
@@ -127,7 +127,7 @@ def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_
         return StorageChange(str(out), str(src), old, quant_storage, len(shards), packed, 0,
                              time.monotonic() - started, card_state, already_complete=True)
     # One writer per DEST, as for convert (the lock is not a job: no --resume here).
-    with output.claim(out, "", overwrite=overwrite, resume=False):
+    with output.claim(out, "", overwrite=overwrite, resume=False, cli=cli):
         staging = output.staging_dir(out)
         digests: dict[str, str] = {}
         total = sum((src / name).stat().st_size for name in shards)

@@ -216,6 +216,17 @@ def test_the_destination_is_called_dest_not_output_dir(both, tmp_path):
     assert "DEST" in stdout and "a new or empty" in " ".join(stdout.split())
 
 
+def test_a_taken_dest_refused_in_python_names_the_keyword(both, tmp_path):
+    _, bf16, _ = both
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError) as error:
+        change_storage(bf16, taken, "uint8", progress=False)
+    assert "pass overwrite=True" in str(error.value) and "--overwrite" not in str(error.value)
+    assert (taken / "notes.txt").read_text() == "mine"
+
+
 def test_a_finished_change_run_again_says_already_complete_and_writes_nothing(both, tmp_path):
     """As convert and merge say of a finished job: the same command again exits 0, writes nothing, says no speed."""
     _, bf16, _ = both
