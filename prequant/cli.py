@@ -13,8 +13,8 @@ import typer
 import typer.core
 
 from . import settings
-from .bnb.format import BLOCKSIZES, COMPUTE_NAMES, QUANT_TYPES, STORAGE_NAMES  # standard library only
-from .errors import PrequantError, UsageError, one_of, spelled
+from .bnb.format import choice  # standard library only
+from .errors import PrequantError, UsageError
 
 
 class _Command(typer.core.TyperCommand):
@@ -57,30 +57,27 @@ DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto
                                         "takes; same bytes), cpu, or cuda[:N].")]
 
 
-def _one_of(name: str, allowed: tuple) -> object:
-    """An option's callback: a value outside `allowed` (compared in lower case) is refused as the library refuses
-    it, but while the command line is read, before torch's import."""
+def _choice(name: str) -> object:
+    """An option's callback: a value `choice` refuses is refused as the library refuses it, but while the command
+    line is read, before torch's import."""
     def check(value: object) -> object:
-        given = value.lower() if isinstance(value, str) else value
-        if value is not None and given not in allowed:
-            raise UsageError(f"{spelled(name, value, cli=True)} is not supported; use {one_of(allowed)}")
-        return given
+        return value if value is None else choice(name, value, cli=True)
 
     return check
 
 
 # The 4-bit settings, shared by convert and merge --quantize (where a 4-bit base's own settings apply instead).
 QuantTypeOpt = Annotated[str, typer.Option("--quant-type", metavar="nf4|fp4", help="4-bit data type (any case).",
-                                           callback=_one_of("quant_type", QUANT_TYPES))]
+                                           callback=_choice("quant_type"))]
 DoubleQuantOpt = Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")]
 BlocksizeOpt = Annotated[int, typer.Option("--blocksize", metavar="N", help="Elements per absmax block (64..4096).",
-                                           callback=_one_of("blocksize", BLOCKSIZES))]
+                                           callback=_choice("blocksize"))]
 ComputeDtypeOpt = Annotated[str, typer.Option("--compute-dtype", metavar="DTYPE",
                                               help="bnb_4bit_compute_dtype written to the config.",
-                                              callback=_one_of("compute_dtype", COMPUTE_NAMES))]
+                                              callback=_choice("compute_dtype"))]
 QuantStorageOpt = Annotated[str, typer.Option("--quant-storage", metavar="DTYPE", help="dtype the packed weights are "
                             "stored as: bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, "
-                            "float32.", callback=_one_of("quant_storage", STORAGE_NAMES))]
+                            "float32.", callback=_choice("quant_storage"))]
 SkipOpt = Annotated[list[str] | None, typer.Option(
     "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")]
 StatsOpt = Annotated[bool, typer.Option(

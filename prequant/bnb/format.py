@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..errors import UsageError, one_of, spelled
 
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -33,6 +33,9 @@ NESTED_DTYPE = "float32"
 STORAGE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint8": "U8"}
 STORAGE_NAMES = tuple(STORAGE_CODES)
 COMPUTE_NAMES = ("bfloat16", "float16", "float32")  # also the dtypes a quant state may record
+# The options whose values are one of a few; names in lower case ("NF4" is what bitsandbytes' docs and cards print).
+CHOICES: dict[str, tuple] = {"quant_type": QUANT_TYPES, "blocksize": BLOCKSIZES, "compute_dtype": COMPUTE_NAMES,
+                             "quant_storage": STORAGE_NAMES}
 # Bytes per element of each storage (this module's names import without torch: the CLI checks options with them
 # before torch loads).
 _STORAGE_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
@@ -44,6 +47,17 @@ _STATE_MARK = "." + STATE_PREFIX
 # The keys of a quant state's JSON, in the order bitsandbytes writes them.
 STATE_KEYS = ("quant_type", "blocksize", "dtype", "shape")
 NESTED_STATE_KEYS = ("nested_blocksize", "nested_dtype", "nested_offset")
+
+
+def choice(name: str, value: object, *, cli: bool, given: object = None) -> object:
+    """`value` of option `name` (a key of CHOICES) as the table writes it, a name in any case taken; a UsageError
+    names the option as its caller wrote it (`cli`: `--quant-type NF5`, else `quant_type='NF5'`; `given`: the
+    value the caller passed, when `value` is its name)."""
+    normal = value.lower() if isinstance(value, str) else value
+    if normal not in CHOICES[name]:
+        shown = value if given is None else given
+        raise UsageError(f"{spelled(name, shown, cli=cli)} is not supported; use {one_of(CHOICES[name])}")
+    return normal
 
 
 @dataclass(frozen=True)

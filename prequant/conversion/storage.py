@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..bnb.format import STORAGE_CODES, STORAGE_NAMES, decode_quant_state, packed_bytes, packed_length, split_state_key
+from ..bnb.format import STORAGE_CODES, choice, decode_quant_state, packed_bytes, packed_length, split_state_key
 from ..checkpoint.dtypes import itemsize, torch_name
 from ..checkpoint.hf_files import CARD, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
 from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
@@ -37,7 +37,6 @@ from ..util.progress import Progress
 from ..verify.check import VerificationFailed, count
 from ..verify.run import verify
 from . import card, output
-from .options import one_of, spelled
 from .plan import OutTensor
 from .writer import ShardWriter
 
@@ -79,12 +78,10 @@ JOBS_BY_STORAGE = "job_by_storage"  # prequant.json: storage -> the job fingerpr
 
 
 def storage_name(value: str | torch.dtype, *, cli: bool = False) -> str:
-    """A packed-weight storage given as its name ("uint8") or a torch dtype (torch.uint8), as its name; a
+    """A packed-weight storage given as its name ("uint8", any case) or a torch dtype (torch.uint8), as its name; a
     UsageError names the option as its caller wrote it (`cli`: `--quant-storage`, else `quant_storage=`)."""
     name = torch_name(value) if isinstance(value, torch.dtype) else value
-    if name not in STORAGE_NAMES:
-        raise UsageError(f"{spelled('quant_storage', value, cli=cli)} is not supported; use {one_of(STORAGE_NAMES)}")
-    return name
+    return choice("quant_storage", name, cli=cli, given=value)
 
 
 def change_storage(

@@ -187,6 +187,13 @@ def test_unknown_storage_is_a_usage_error(both, tmp_path):
         change_storage(both[1], tmp_path / "out", "int4", progress=False)
 
 
+def test_the_cli_takes_a_storage_name_in_any_case_as_convert_does(both, tmp_path):
+    _, bf16, uint8 = both
+    code, _, stderr = run_main("change-storage", str(bf16), str(tmp_path / "out"), "--quant-storage", "UINT8")
+    assert code == 0, stderr
+    assert _but_the_job(tmp_path / "out")[0] == _but_the_job(uint8)[0]
+
+
 def test_a_torch_dtype_is_taken_and_a_refusal_names_the_option_as_its_caller_wrote_it(both, tmp_path):
     _, bf16, uint8 = both
     change_storage(bf16, tmp_path / "out", torch.uint8, progress=False)
