@@ -352,7 +352,7 @@ def test_a_mistyped_adapter_path_fails_before_torch_and_the_hub(checkpoints, tmp
     args = ["merge", spec, "out", "--base", str(checkpoints("llama"))]
     proc = subprocess.run([sys.executable, "-c", _ARGS_PROBE, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
-    assert json.loads(proc.stdout) == {"code": 2, "torch": False}, proc.stderr
+    assert json.loads(proc.stdout) == {"code": 1, "torch": False}, proc.stderr
     line = _one_line_error(proc)
     assert line.startswith(f"Error: ADAPTER {spec!r} does not exist"), line
     assert ("work/ is a local folder" if spec.startswith("work/") else "no such folder") in line

@@ -85,28 +85,34 @@ def hub_spec(spec: str) -> tuple[str, str | None] | None:
     return None
 
 
-def where(spec: str) -> Path | tuple[str, str | None]:
-    """Where SOURCE `spec` is, from its spelling and the local disk alone (no network, standard library only): the
-    local directory's path when it exists, else ``(org/name[@revision], alias or None)`` for a Hub repo id or an
-    alias. Anything else fails here, at once, in one line: a path that does not exist (``./x``, ``~/x``, ``/x``,
-    ``a/b/c``, or ``work/x`` where ``work`` is a local folder) is a typo, never a question for the Hub."""
+def where(spec: str, *, what: str = "source", aliases: bool = True,
+          local: str = "local checkpoint directory") -> Path | tuple[str, str | None]:
+    """Where `spec` (SOURCE, or what `what` names: "ADAPTER") is, from its spelling and the local disk alone (no
+    network, standard library only): the local directory's path when it exists, else ``(org/name[@revision],
+    alias or None)`` for a Hub repo id or, with `aliases`, an alias. Anything else fails here, at once, in one line
+    that names it as `what` and asks for a `local` folder or a repo id: a path that does not exist (``./x``,
+    ``~/x``, ``/x``, ``a/b/c``, or ``work/x`` where ``work`` is a local folder) is a typo, never a question for the
+    Hub."""
     try:
         path = Path(spec).expanduser()
         exists = path.exists()
     except (OSError, ValueError, RuntimeError) as e:  # name too long, NUL byte, ~unknown-user
-        raise PrequantError(f"source {spec!r} is not a usable path ({e}); pass a local checkpoint directory") from e
+        raise PrequantError(f"{what} {spec!r} is not a usable path ({e}); pass a {local}") from e
     if exists:
         return path
     why = mistyped_path(spec)
     repo = None if why else hub_spec(spec)
-    if repo is not None:
+    if repo is not None and (aliases or repo[1] is None):
         return repo
     hint = did_you_mean(spec)
     if why:  # a path: the Hub is not asked
-        raise PrequantError(f"source {spec!r} does not exist{hint}: {why}; pass a local checkpoint directory, "
+        raise PrequantError(f"{what} {spec!r} does not exist{hint}: {why}; pass a {local}, "
                             "or a Hub repo as org/name[@revision]")
+    if not aliases:
+        raise PrequantError(f"{what} {spec!r} does not exist{hint}; pass a {local}, or a Hub repo as "
+                            "org/name[@revision]")
     raise PrequantError(
-        f"source {spec!r} does not exist{hint}; pass a local checkpoint directory (holding config.json and "
+        f"{what} {spec!r} does not exist{hint}; pass a {local} (holding config.json and "
         f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"
     )
 
