@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from ..checkpoint.codes import ITEMSIZE
 from ..errors import UsageError, one_of, spelled
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -36,9 +37,6 @@ COMPUTE_NAMES = ("bfloat16", "float16", "float32")  # also the dtypes a quant st
 # The options whose values are one of a few; names in lower case ("NF4" is what bitsandbytes' docs and cards print).
 CHOICES: dict[str, tuple] = {"quant_type": QUANT_TYPES, "blocksize": BLOCKSIZES, "compute_dtype": COMPUTE_NAMES,
                              "quant_storage": STORAGE_NAMES}
-# Bytes per element of each storage (this module's names import without torch: the CLI checks options with them
-# before torch loads).
-_STORAGE_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
 QUANTIZABLE = ("BF16", "F16", "F32")  # safetensors codes of the inputs bitsandbytes' kernels take
 # The companions of a packed weight, by their entry name (what follows "W." in a key).
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -130,7 +128,7 @@ def packed_length(n: int, storage_code: str) -> int:
 
     Codes take ceil(n / 2) bytes; for a storage dtype wider than a byte this rounds down, so an element count
     that is not a multiple of 2 * itemsize loses the last codes' byte (bitsandbytes' own sizing)."""
-    return (n + 1) // (2 * _STORAGE_ITEMSIZE[storage_code])
+    return (n + 1) // (2 * ITEMSIZE[storage_code])
 
 
 def packed_bytes(n: int) -> int:
@@ -142,7 +140,7 @@ def loses_codes(n: int, storage_code: str) -> bool:
     """Whether bitsandbytes' storage for `n` elements (`packed_length`) is smaller than the codes it must hold:
     the last byte is lost and the tensor cannot be dequantized (e.g. 37 x 98 in bfloat16: 1,812 of 1,813 bytes).
     A uint8 storage never loses any."""
-    return packed_length(n, storage_code) * _STORAGE_ITEMSIZE[storage_code] < packed_bytes(n)
+    return packed_length(n, storage_code) * ITEMSIZE[storage_code] < packed_bytes(n)
 
 
 @dataclass(frozen=True)
