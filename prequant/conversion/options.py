@@ -18,9 +18,9 @@ from ..bnb.format import CHOICES, Settings, choice
 from ..bnb.loading import skip_problem
 from ..checkpoint.dtypes import torch_name
 from ..errors import UsageError, spelled
+from ..source.spec import is_repo_id
 from .plan import parse_size
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _DEVICE = re.compile(r"^(auto|(cpu|cuda)(:\d+)?)$")
 
 
@@ -72,7 +72,7 @@ class ConvertOptions:
             object.__setattr__(self, name, choice(name, getattr(self, name), cli=self.cli, given=given.get(name)))
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise UsageError(f"{self.said('device', self.device)} is not a device; use auto, cpu or cuda[:N]")
-        if self.base_model is not None and not _REPO_ID.match(self.base_model):
+        if self.base_model is not None and not is_repo_id(self.base_model):
             raise UsageError(f"{self.said('base_model', self.base_model)} is not a Hub repo id; write it as org/name")
         parse_size(self.max_shard_size, self.said("max_shard_size", self.max_shard_size))
         for pattern in self.skip:  # transformers compiles each as a regex when it loads the output

@@ -74,13 +74,18 @@ class Contents:
 _REPO_PART = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?$")
 
 
+def is_repo_id(text: str) -> bool:
+    """Whether `text` is a Hub repo id, `org/name` (no revision), each part as the Hub accepts it."""
+    org, slash, name = text.partition("/")
+    return bool(slash and _REPO_PART.match(org) and _REPO_PART.match(name))
+
+
 def hub_spec(spec: str) -> tuple[str, str | None] | None:
     """``(org/name[@revision], alias or None)`` when `spec` names a Hub repo or an alias, else None."""
     name, at, revision = spec.strip().partition("@")
     if name in ALIASES:
         return ALIASES[name] + at + revision, name
-    org, _, repo = name.partition("/")
-    if _REPO_PART.match(org) and _REPO_PART.match(repo) and (not at or revision.strip()):
+    if is_repo_id(name) and (not at or revision.strip()):
         return spec.strip(), None
     return None
 
