@@ -84,6 +84,9 @@ StatsOpt = Annotated[bool, typer.Option(
     "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")]
 MaxShardSizeOpt = Annotated[str, typer.Option(
     "--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow running the checkpoint's own "
+                                                  "model code (merge: the base's; meta device only).")]
 PrivateOpt = Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo as private (an "
                                           "existing public repo is refused).")]
 
@@ -116,7 +119,7 @@ def convert(
     skip: SkipOpt = None,
     max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    dry_run: DryRunOpt = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the summary (with --dry-run, the plan) as JSON on stdout.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what a non-empty OUTPUT_DIR holds (another "
@@ -125,8 +128,7 @@ def convert(
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an interrupted conversion into OUTPUT_DIR, or fail if there is none to continue "
         "(the same command continues one without it too).")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(
-        "--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")] = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     stats: StatsOpt = True,
     base_model: Annotated[
         str | None,
@@ -257,7 +259,7 @@ def merge(
     stats: StatsOpt = True,
     max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    dry_run: DryRunOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what a non-empty OUTPUT_DIR holds.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted merge, or fail if there is none.")
@@ -265,8 +267,7 @@ def merge(
     push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload "
                            "to this Hub repo (org/name[@branch]).")] = None,
     private: PrivateOpt = False,
-    trust_remote_code: Annotated[bool, typer.Option(
-        "--trust-remote-code", help="Allow running the base's own model code (meta device only).")] = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
     """Merge the LoRA adapter ADAPTER into its base and write the result to OUTPUT_DIR, one tensor at a time."""
     arguments = dict(locals())
