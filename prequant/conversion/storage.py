@@ -95,6 +95,8 @@ def change_storage(
     started = time.monotonic()
     src, out = Path(output_dir), Path(dest)
     quant_storage = storage_name(quant_storage, cli=cli)
+    if (complete := _complete(src, out, quant_storage, started)) is not None:  # nothing to read, hash or write
+        return complete
     report = verify(src, progress=progress)
     if not report.ok:
         raise VerificationFailed(report, f"refusing to change the storage of {src}, it does not verify")
@@ -119,10 +121,6 @@ def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_
     code = STORAGE_CODES[quant_storage]
     plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
     packed = sum(len(p) for _, _, p in plans.values())
-    if _written_before(src, out, manifest, quant_storage, shards):  # as convert and merge say of a finished job
-        card_state = "rewritten" if (out / CARD).is_file() else "none"
-        return StorageChange(str(out), str(src), old, quant_storage, len(shards), packed, 0,
-                             time.monotonic() - started, card_state, already_complete=True)
     # One writer per DEST, as for convert (the lock is not a job: no --resume here).
     with output.claim(out, "", overwrite=overwrite, resume=False, cli=cli):
         staging = output.staging_dir(out)
@@ -228,24 +226,45 @@ def _card(src: Path, staging: Path, manifest: dict, old: str, new: str, config: 
     return "rewritten", []
 
 
-def _written_before(src: Path, out: Path, manifest: dict, storage: str, shards: list[str]) -> bool:
-    """Whether DEST holds this change of `src`, finished and intact: its prequant.json is what this change writes
-    (everything but the hashes of the files it rewrites: shards, config.json, card), and its files have the sizes
-    it lists, as a finished conversion is recognised (`output`)."""
+def _complete(src: Path, out: Path, storage: str, started: float) -> StorageChange | None:
+    """What DEST holds when it is this change of `src`, finished earlier (as convert and merge say of a finished
+    job), found from the records and the headers alone; None otherwise (a `src` that is no prequant output
+    included: verify says what is wrong with it)."""
+    try:
+        manifest = load_manifest(src)
+        old = json.loads((src / CONFIG).read_text())["quantization_config"].get("bnb_4bit_quant_storage", "uint8")
+        shards = _shard_names(src)
+        done = None if old == storage else _written_before(src, out, manifest, storage, shards)
+        if done is None:
+            return None
+        packed = sum(split_state_key(r.name) is not None for name in shards for r in read_header(out / name)[0])
+    except (PrequantError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    recorded = done["files"].get(CARD)  # a rewritten card's hash is its own, an edited one keeps the source's
+    card_state = ("none" if not (out / CARD).is_file() else
+                  "rewritten" if recorded is not None and recorded != manifest["files"].get(CARD) else "kept as edited")
+    return StorageChange(str(out), str(src), old, storage, len(shards), packed, 0, time.monotonic() - started,
+                         card_state, already_complete=True)
+
+
+def _written_before(src: Path, out: Path, manifest: dict, storage: str, shards: list[str]) -> dict | None:
+    """DEST's prequant.json when DEST holds this change of `src`, finished and intact: that record is what this
+    change writes (everything but the hashes of the files it rewrites: shards, config.json, card), and its files
+    have the sizes it lists, as a finished conversion is recognised (`output`); else None."""
     try:
         done = json.loads((out / MANIFEST).read_text())
         stored = json.loads((out / CONFIG).read_text())["quantization_config"]["bnb_4bit_quant_storage"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
     if not isinstance(done, dict) or not isinstance(done.get("files"), dict) or stored != storage:
-        return False
+        return None
     rewritten = {*shards, CONFIG, CARD}
 
     def kept(m: dict) -> dict:
         return {**m, "files": {k: v for k, v in m["files"].items() if k not in rewritten}}
 
-    return (set(done["files"]) == set(manifest["files"]) and kept(done) == kept(_changed_manifest(manifest, storage))
-            and output.changed_files(out) is None)
+    same = set(done["files"]) == set(manifest["files"]) and kept(done) == kept(_changed_manifest(manifest, storage))
+    return done if same and output.changed_files(out) is None else None
 
 
 def _changed_manifest(manifest: dict, storage: str) -> dict:

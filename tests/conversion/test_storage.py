@@ -250,6 +250,28 @@ def test_a_finished_change_run_again_says_already_complete_and_writes_nothing(bo
     assert code == 0 and json.loads(out)["already_complete"] is True, err
 
 
+def test_a_finished_change_is_found_without_verifying_the_input_again(both, tmp_path, monkeypatch):
+    """Finding DEST complete reads the records and headers only: no shard of the input is hashed again."""
+    _, bf16, _ = both
+    first = change_storage(bf16, tmp_path / "u8", "uint8", progress=False)
+    monkeypatch.setattr("prequant.conversion.storage.verify", lambda *a, **k: pytest.fail("verified again"))
+    again = change_storage(bf16, tmp_path / "u8", "uint8", progress=False)
+    assert again.already_complete and (again.card, again.packed_weights, again.shards) == (
+        first.card, first.packed_weights, first.shards)
+
+
+def test_a_finished_change_with_an_edited_card_says_it_was_kept(both, tmp_path):
+    _, bf16, _ = both
+    edited = tmp_path / "edited"
+    shutil.copytree(bf16, edited)
+    text = (edited / "README.md").read_text()
+    (edited / "README.md").write_text(text.replace("bitsandbytes", "BitsAndBytes", 1))  # the size it records
+    assert (edited / "README.md").read_text() != text
+    first = change_storage(edited, tmp_path / "u8", "uint8", progress=False)
+    again = change_storage(edited, tmp_path / "u8", "uint8", progress=False)
+    assert first.card == "kept as edited" and again.already_complete and again.card == "kept as edited"
+
+
 def test_another_change_into_a_finished_dest_is_still_refused(both, tmp_path):
     _, bf16, _ = both
     code, _, err = run_main("change-storage", str(bf16), str(tmp_path / "out"), "--quant-storage", "uint8")
