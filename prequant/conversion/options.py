@@ -60,7 +60,7 @@ class ConvertOptions:
         skip = (self.skip,) if isinstance(self.skip, str) else self.skip or ()
         if not isinstance(skip, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in skip):
             raise UsageError(f"{self.said('skip', self.skip)} is not a module name or pattern; pass a string or a list "
-                             f"of strings, e.g. {self.said('skip', ['lm_head'] if not self.cli else 'lm_head')}")
+                             f"of strings, e.g. {self.said('skip', ['lm_head'])}")  # the CLI's are strings
         object.__setattr__(self, "skip", tuple(skip))
         if self.private and not self.push_to_hub:
             raise UsageError(f"{'--private' if self.cli else 'private=True'} applies to the repo that "

@@ -161,7 +161,7 @@ def _close_path(path: Path) -> str | None:
         names = [p.name for p in parent.iterdir() if p.is_dir() and not p.name.startswith(".")]
     except OSError:
         return None
-    missing = path.relative_to(parent).parts[0] if path.is_relative_to(parent) else path.name
+    missing = path.relative_to(parent).parts[0]  # `parent` is one of path's own parents
     close = difflib.get_close_matches(missing, names, n=1, cutoff=0.6)
     if not close:
         return None
