@@ -13,8 +13,8 @@ import typer
 import typer.core
 
 from . import settings
-from .bnb.format import BLOCKSIZES, COMPUTE_NAMES, QUANT_TYPES, STORAGE_NAMES  # standard library only
-from .errors import PrequantError, UsageError, one_of, spelled
+from .bnb.format import choice  # standard library only
+from .errors import PrequantError, UsageError
 
 
 class _Command(typer.core.TyperCommand):
@@ -57,36 +57,36 @@ DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto
                                         "takes; same bytes), cpu, or cuda[:N].")]
 
 
-def _one_of(name: str, allowed: tuple) -> object:
-    """An option's callback: a value outside `allowed` (compared in lower case) is refused as the library refuses
-    it, but while the command line is read, before torch's import."""
+def _choice(name: str) -> object:
+    """An option's callback: a value `choice` refuses is refused as the library refuses it, but while the command
+    line is read, before torch's import."""
     def check(value: object) -> object:
-        given = value.lower() if isinstance(value, str) else value
-        if value is not None and given not in allowed:
-            raise UsageError(f"{spelled(name, value, cli=True)} is not supported; use {one_of(allowed)}")
-        return given
+        return value if value is None else choice(name, value, cli=True)
 
     return check
 
 
 # The 4-bit settings, shared by convert and merge --quantize (where a 4-bit base's own settings apply instead).
 QuantTypeOpt = Annotated[str, typer.Option("--quant-type", metavar="nf4|fp4", help="4-bit data type (any case).",
-                                           callback=_one_of("quant_type", QUANT_TYPES))]
+                                           callback=_choice("quant_type"))]
 DoubleQuantOpt = Annotated[bool, typer.Option("--double-quant/--no-double-quant", help="Quantize the absmax too.")]
 BlocksizeOpt = Annotated[int, typer.Option("--blocksize", metavar="N", help="Elements per absmax block (64..4096).",
-                                           callback=_one_of("blocksize", BLOCKSIZES))]
+                                           callback=_choice("blocksize"))]
 ComputeDtypeOpt = Annotated[str, typer.Option("--compute-dtype", metavar="DTYPE",
                                               help="bnb_4bit_compute_dtype written to the config.",
-                                              callback=_one_of("compute_dtype", COMPUTE_NAMES))]
+                                              callback=_choice("compute_dtype"))]
 QuantStorageOpt = Annotated[str, typer.Option("--quant-storage", metavar="DTYPE", help="dtype the packed weights are "
                             "stored as: bfloat16 for FSDP (your training dtype), uint8 for vLLM/SGLang, float16, "
-                            "float32.", callback=_one_of("quant_storage", STORAGE_NAMES))]
+                            "float32.", callback=_choice("quant_storage"))]
 SkipOpt = Annotated[list[str] | None, typer.Option(
     "--skip", metavar="PATTERN", help="Module name or pattern to keep unquantized (repeatable).")]
 StatsOpt = Annotated[bool, typer.Option(
     "--stats/--no-stats", help="Measure each quantized tensor's error against the source (prequant.json).")]
 MaxShardSizeOpt = Annotated[str, typer.Option(
     "--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow running the checkpoint's own "
+                                                  "model code (merge: the base's; meta device only).")]
 PrivateOpt = Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo as private (an "
                                           "existing public repo is refused).")]
 
@@ -119,7 +119,7 @@ def convert(
     skip: SkipOpt = None,
     max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    dry_run: DryRunOpt = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the summary (with --dry-run, the plan) as JSON on stdout.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what a non-empty OUTPUT_DIR holds (another "
@@ -128,8 +128,7 @@ def convert(
     resume: Annotated[bool, typer.Option(
         "--resume", help="Continue an interrupted conversion into OUTPUT_DIR, or fail if there is none to continue "
         "(the same command continues one without it too).")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(
-        "--trust-remote-code", help="Allow running the checkpoint's own model code (meta device only).")] = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     stats: StatsOpt = True,
     base_model: Annotated[
         str | None,
@@ -158,7 +157,8 @@ def convert(
     from .conversion import output, readahead  # standard library, like source.spec: all run before torch's import
     from .source.spec import where
 
-    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)  # before anything slow
+    # before anything slow
+    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run, cli=True)
     where(source)  # a SOURCE that is neither a local directory nor a Hub repo id fails here, before torch's import
     if not dry_run:
         readahead.prefetch(source)  # a local source's disk reads go on while the libraries load
@@ -225,9 +225,9 @@ def change_storage(
 ) -> None:
     """Copy OUTPUT_DIR to DEST with its packed weights stored as another dtype (headers, config, card rewritten)."""
     with signals.deferred():  # torch's imports (see convert)
-        from .conversion.storage import change_storage as run_change, storage_name
+        from .conversion.storage import change_storage as run_change
 
-    result = run_change(output_dir, dest, storage_name(quant_storage, cli=True), overwrite=overwrite)
+    result = run_change(output_dir, dest, quant_storage, overwrite=overwrite, cli=True)
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 
 
@@ -259,7 +259,7 @@ def merge(
     stats: StatsOpt = True,
     max_shard_size: MaxShardSizeOpt = "5GB",
     device: DeviceOpt = "auto",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    dry_run: DryRunOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what a non-empty OUTPUT_DIR holds.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted merge, or fail if there is none.")
@@ -267,8 +267,7 @@ def merge(
     push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO_ID", help="Then verify and upload "
                            "to this Hub repo (org/name[@branch]).")] = None,
     private: PrivateOpt = False,
-    trust_remote_code: Annotated[bool, typer.Option(
-        "--trust-remote-code", help="Allow running the base's own model code (meta device only).")] = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
 ) -> None:
     """Merge the LoRA adapter ADAPTER into its base and write the result to OUTPUT_DIR, one tensor at a time."""
     arguments = dict(locals())

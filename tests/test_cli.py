@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from helpers import run_cli
+from helpers import cli_env, run_cli
 
 
 def _one_line_error(proc) -> str:
@@ -75,6 +77,9 @@ def test_overwrite_replaces_checkpoint_but_keeps_other_files(checkpoints, tmp_pa
     assert (out / "notes.txt").read_text() == "mine"
     assert not (out / "model-00001-of-00009.safetensors").exists()
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    # --overwrite keeps a user's own files (as documented); `upload` then refuses the folder: said at this run.
+    warning = [line for line in proc.stderr.splitlines() if "notes.txt" in line]
+    assert len(warning) == 1 and "prequant upload` refuses" in warning[0] and "move them out" in warning[0]
 
 
 def test_bad_option_value_is_a_usage_error(checkpoints, tmp_path):
@@ -203,11 +208,12 @@ def test_fused_moe_note_in_the_plan_and_summary_from_the_cli(checkpoints, tmp_pa
     assert done.returncode == 0 and note in done.stdout, done.stderr
 
 
-# What the CLI process held when it stopped: run in a subprocess, with `prequant convert SPEC out` as its argv.
+# `prequant ARGS` in a subprocess, then what it held: its exit code, and whether torch and huggingface_hub were
+# imported.
 _PROBE = """
 import json, sys
 from prequant.cli import main
-sys.argv = ["prequant", "convert", sys.argv[1], "out"]
+sys.argv = ["prequant", *sys.argv[1:]]
 try:
     main()
 except SystemExit as e:
@@ -216,23 +222,23 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules, "hub": "hugging
 """
 
 
+def _probe(*args: str, cwd=None, env: dict | None = None) -> tuple[dict, subprocess.CompletedProcess]:
+    """What `prequant ARGS` held when it stopped (see _PROBE), and the process (`env`: as for run_cli)."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=cwd, env=cli_env(env), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.strip(), proc.stderr
+    return json.loads(proc.stdout), proc
+
+
 @pytest.mark.parametrize("spec", ["work/no-such-dir", "./x", "../x", "~/x", "/no/such/dir", "a/b/c", "org/name@"])
 def test_a_path_that_does_not_exist_fails_before_torch_and_the_hub(tmp_path, spec):
     """A SOURCE spelled as a path (or `work/x` where ./work is a folder) is refused from its spelling and the disk: no
     Hub request (huggingface_hub never imported, so no retry either), and torch not imported (a fraction of a
     second instead of minutes of retries)."""
-    import subprocess
-    import sys
-
-    from helpers import cli_env
-
     cwd = tmp_path / "cwd"
     (cwd / "work" / "tiny").mkdir(parents=True)
-    env = cli_env({"HOME": str(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
-                   "PREQUANT_HUB_RETRY_S": "5"})
-    proc = subprocess.run([sys.executable, "-c", _PROBE, spec], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
-    held = json.loads(proc.stdout)
+    held, proc = _probe("convert", spec, "out", cwd=cwd, env={
+        "HOME": str(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "PREQUANT_HUB_RETRY_S": "5"})
     assert held == {"code": 1, "torch": False, "hub": False}, proc.stderr
     assert f"source {spec!r} does not exist" in _one_line_error(proc)
 
@@ -259,8 +265,10 @@ def test_a_host_name_that_does_not_resolve_is_not_retried(tmp_path):
 
 
 def test_a_setting_not_understood_is_warned_about_once(checkpoints, tmp_path):
-    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--device", "cpu",
-                   env={"PREQUANT_PROGRESS": "fancy"})
+    """`verify --source` reads PREQUANT_PROGRESS for each of its passes: still one warning."""
+    src = str(checkpoints("llama"))
+    assert run_cli("convert", src, str(tmp_path / "out"), "--device", "cpu").returncode == 0
+    proc = run_cli("verify", str(tmp_path / "out"), "--source", src, env={"PREQUANT_PROGRESS": "fancy"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("PREQUANT_PROGRESS='fancy' is not understood") == 1, proc.stderr
 
@@ -288,32 +296,10 @@ def test_private_without_push_to_hub_is_a_usage_error(checkpoints, tmp_path):
     assert "--private applies to the repo that --push-to-hub creates" in _one_line_error(proc)
 
 
-def test_overwrite_warns_about_the_files_upload_will_refuse(checkpoints, tmp_path):
-    """--overwrite keeps a user's own files (as documented); `upload` then refuses the folder: said at this run."""
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    proc = run_cli("convert", str(checkpoints("llama")), str(out), "--device", "cpu", "--overwrite", "--no-stats")
-    assert proc.returncode == 0, proc.stderr
-    warning = [line for line in proc.stderr.splitlines() if "notes.txt" in line]
-    assert len(warning) == 1 and "prequant upload` refuses" in warning[0] and "move them out" in warning[0]
-    assert (out / "notes.txt").read_text() == "mine"
-    again = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "clean"), "--device", "cpu", "--overwrite",
-                    "--no-stats")
-    assert again.returncode == 0 and "warning" not in again.stderr, again.stderr
-
-
-# `prequant ARGS` in a subprocess, then what it held: its exit code, and whether torch was imported.
-_ARGS_PROBE = """
-import json, sys
-from prequant.cli import main
-sys.argv = ["prequant", *sys.argv[1:]]
-try:
-    main()
-except SystemExit as e:
-    code = e.code
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
-"""
+def test_overwrite_of_an_empty_folder_warns_about_nothing(checkpoints, tmp_path):
+    proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "clean"), "--device", "cpu", "--overwrite",
+                   "--no-stats")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("job", ["convert", "merge"])
@@ -324,51 +310,31 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
     ("--quant-storage", "float64", "--quant-storage float64 is not supported"),
 ])
 def test_a_bad_option_value_is_refused_before_torch_is_imported(checkpoints, tmp_path, job, option, value, says):
-    import subprocess
-    import sys
-
-    from helpers import cli_env
-
     src = str(checkpoints("llama"))
     args = [job, src, str(tmp_path / "out"), option, value] if job == "convert" else \
         [job, src, str(tmp_path / "out"), "--base", src, "--quantize", option, value]
-    proc = subprocess.run([sys.executable, "-c", _ARGS_PROBE, *args], env=cli_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert json.loads(proc.stdout) == {"code": 2, "torch": False}, proc.stderr
+    held, proc = _probe(*args)
+    assert (held["code"], held["torch"]) == (2, False), proc.stderr
     assert says in _one_line_error(proc)
 
 
 @pytest.mark.parametrize("spec", ["work/no-such-lora", "./x", "~/x", "/no/such/lora", "a/b/c"])
 def test_a_mistyped_adapter_path_fails_before_torch_and_the_hub(checkpoints, tmp_path, spec):
-    import subprocess
-    import sys
-
-    from helpers import cli_env
-
     cwd = tmp_path / "cwd"
     (cwd / "work" / "lora").mkdir(parents=True)
-    env = cli_env({"HOME": str(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
-                   "PREQUANT_HUB_RETRY_S": "5"})
-    args = ["merge", spec, "out", "--base", str(checkpoints("llama"))]
-    proc = subprocess.run([sys.executable, "-c", _ARGS_PROBE, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert json.loads(proc.stdout) == {"code": 2, "torch": False}, proc.stderr
+    held, proc = _probe("merge", spec, "out", "--base", str(checkpoints("llama")), cwd=cwd, env={
+        "HOME": str(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "PREQUANT_HUB_RETRY_S": "5"})
+    assert (held["code"], held["torch"]) == (1, False), proc.stderr
     line = _one_line_error(proc)
     assert line.startswith(f"Error: ADAPTER {spec!r} does not exist"), line
     assert ("work/ is a local folder" if spec.startswith("work/") else "no such folder") in line
 
 
 def test_a_mistyped_base_path_fails_before_torch_and_the_hub(tmp_path):
-    import subprocess
-    import sys
-
-    from helpers import cli_env
-
     cwd = tmp_path / "cwd"
     (cwd / "work" / "tiny").mkdir(parents=True)
     (cwd / "lora").mkdir()
-    env = cli_env({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "PREQUANT_HUB_RETRY_S": "5"})
-    proc = subprocess.run([sys.executable, "-c", _ARGS_PROBE, "merge", "lora", "out", "--base", "work/tiny-typo"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-    assert json.loads(proc.stdout) == {"code": 1, "torch": False}, proc.stderr
+    held, proc = _probe("merge", "lora", "out", "--base", "work/tiny-typo", cwd=cwd, env={
+        "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "PREQUANT_HUB_RETRY_S": "5"})
+    assert (held["code"], held["torch"]) == (1, False), proc.stderr
     assert "source 'work/tiny-typo' does not exist (did you mean ./work/tiny?)" in _one_line_error(proc)

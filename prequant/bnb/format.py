@@ -23,7 +23,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..checkpoint.codes import ITEMSIZE
+from ..errors import UsageError, one_of, spelled
 
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -33,9 +34,9 @@ NESTED_DTYPE = "float32"
 STORAGE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "uint8": "U8"}
 STORAGE_NAMES = tuple(STORAGE_CODES)
 COMPUTE_NAMES = ("bfloat16", "float16", "float32")  # also the dtypes a quant state may record
-# Bytes per element of each storage (this module's names import without torch: the CLI checks options with them
-# before torch loads).
-_STORAGE_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}
+# The options whose values are one of a few; names in lower case ("NF4" is what bitsandbytes' docs and cards print).
+CHOICES: dict[str, tuple] = {"quant_type": QUANT_TYPES, "blocksize": BLOCKSIZES, "compute_dtype": COMPUTE_NAMES,
+                             "quant_storage": STORAGE_NAMES}
 QUANTIZABLE = ("BF16", "F16", "F32")  # safetensors codes of the inputs bitsandbytes' kernels take
 # The companions of a packed weight, by their entry name (what follows "W." in a key).
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -44,6 +45,17 @@ _STATE_MARK = "." + STATE_PREFIX
 # The keys of a quant state's JSON, in the order bitsandbytes writes them.
 STATE_KEYS = ("quant_type", "blocksize", "dtype", "shape")
 NESTED_STATE_KEYS = ("nested_blocksize", "nested_dtype", "nested_offset")
+
+
+def choice(name: str, value: object, *, cli: bool, given: object = None) -> object:
+    """`value` of option `name` (a key of CHOICES) as the table writes it, a name in any case taken; a UsageError
+    names the option as its caller wrote it (`cli`: `--quant-type NF5`, else `quant_type='NF5'`; `given`: the
+    value the caller passed, when `value` is its name)."""
+    normal = value.lower() if isinstance(value, str) else value
+    if normal not in CHOICES[name]:
+        shown = value if given is None else given
+        raise UsageError(f"{spelled(name, shown, cli=cli)} is not supported; use {one_of(CHOICES[name])}")
+    return normal
 
 
 @dataclass(frozen=True)
@@ -116,7 +128,7 @@ def packed_length(n: int, storage_code: str) -> int:
 
     Codes take ceil(n / 2) bytes; for a storage dtype wider than a byte this rounds down, so an element count
     that is not a multiple of 2 * itemsize loses the last codes' byte (bitsandbytes' own sizing)."""
-    return (n + 1) // (2 * _STORAGE_ITEMSIZE[storage_code])
+    return (n + 1) // (2 * ITEMSIZE[storage_code])
 
 
 def packed_bytes(n: int) -> int:
@@ -128,7 +140,7 @@ def loses_codes(n: int, storage_code: str) -> bool:
     """Whether bitsandbytes' storage for `n` elements (`packed_length`) is smaller than the codes it must hold:
     the last byte is lost and the tensor cannot be dequantized (e.g. 37 x 98 in bfloat16: 1,812 of 1,813 bytes).
     A uint8 storage never loses any."""
-    return packed_length(n, storage_code) * _STORAGE_ITEMSIZE[storage_code] < packed_bytes(n)
+    return packed_length(n, storage_code) * ITEMSIZE[storage_code] < packed_bytes(n)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .codes import ITEMSIZE
 
 # safetensors header code -> torch dtype. Codes torch does not have are left out on purpose:
 # a checkpoint using them is refused by the reader with a message that names the tensor.
@@ -37,7 +38,7 @@ NAMED: dict[str, torch.dtype] = {
 
 def itemsize(code: str) -> int:
     """Bytes per element of a safetensors dtype code."""
-    return SAFETENSORS_DTYPES[code].itemsize
+    return ITEMSIZE[code]
 
 
 def torch_name(dtype: torch.dtype) -> str:

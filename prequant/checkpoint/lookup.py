@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .codes import ITEMSIZE  # bytes per element of the model dtypes weights dequantize to (fp8, int4, mxfp4 size by it)
+
 if TYPE_CHECKING:
     import torch
 
@@ -21,7 +23,6 @@ if TYPE_CHECKING:
 CPU_PIECE = 1 << 18
 CUDA_PIECE = 1 << 24
 Each = Callable[[int, Callable[[int], None]], None]  # each(count, work): work(i) for i in range(count)
-ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4}  # the model dtypes weights dequantize to
 
 
 def starts(rows: int, cols: int, block: tuple[int, int] | None, codes: int,

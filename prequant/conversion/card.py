@@ -18,16 +18,13 @@ from ..bnb.stats import expected_rel_error
 from ..checkpoint import quantized
 from ..checkpoint.hf_files import CARD, cache_repo_dir, read_config
 from ..errors import PrequantError
+from ..source.spec import is_repo_id
 from .plan import Plan
 
 # Metadata of the source card carried into the new one: licence terms (and the gate that makes users
 # accept them), and facts about the model that quantization does not change.
 _CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets")
 _CARRIED_PREFIXES = ("license", "extra_gated")
-
-
-# A Hub repo id as config.json's `_name_or_path` holds one (`org/name`), not a local path (`./x`, `/x/y`, `~/x`).
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 def import_ahead() -> None:
@@ -97,7 +94,7 @@ def base_model_id(source: dict, source_dir: Path) -> str | None:
     for path in (source["path"], named):
         if found := _cache_repo(path):
             return found
-    return named if isinstance(named, str) and _REPO_ID.match(named) else None
+    return named if isinstance(named, str) and is_repo_id(named) else None  # not a local path: ./x, /x/y, ~/x
 
 
 def _cache_repo(path: object) -> str | None:

@@ -14,17 +14,14 @@ from typing import Any
 
 import torch
 
-from ..bnb.format import BLOCKSIZES, COMPUTE_NAMES, QUANT_TYPES, STORAGE_NAMES, Settings
+from ..bnb.format import CHOICES, Settings, choice
 from ..bnb.loading import skip_problem
 from ..checkpoint.dtypes import torch_name
-from ..errors import UsageError, one_of, spelled
+from ..errors import UsageError, spelled
+from ..source.spec import is_repo_id
 from .plan import parse_size
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _DEVICE = re.compile(r"^(auto|(cpu|cuda)(:\d+)?)$")
-# The options whose values are one of a few, as the quantization settings (`bnb.format`) accept them.
-_CHOICES: dict[str, tuple] = {"quant_type": QUANT_TYPES, "blocksize": BLOCKSIZES, "compute_dtype": COMPUTE_NAMES,
-                              "quant_storage": STORAGE_NAMES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,23 +60,19 @@ class ConvertOptions:
         skip = (self.skip,) if isinstance(self.skip, str) else self.skip or ()
         if not isinstance(skip, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in skip):
             raise UsageError(f"{self.said('skip', self.skip)} is not a module name or pattern; pass a string or a list "
-                             f"of strings, e.g. {self.said('skip', ['lm_head'] if not self.cli else 'lm_head')}")
+                             f"of strings, e.g. {self.said('skip', ['lm_head'])}")  # the CLI's are strings
         object.__setattr__(self, "skip", tuple(skip))
-        if isinstance(self.quant_type, str):  # "NF4" is what bitsandbytes' docs and cards print
-            object.__setattr__(self, "quant_type", self.quant_type.lower())
         if self.private and not self.push_to_hub:
             raise UsageError(f"{'--private' if self.cli else 'private=True'} applies to the repo that "
                              f"{'--push-to-hub' if self.cli else 'push_to_hub'} creates; pass that too, or leave it "
                              "out (`prequant upload --private` uploads a finished output)")
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                value = given.get(name, getattr(self, name))
-                raise UsageError(f"{self.said(name, value)} is not supported; use {one_of(allowed)}")
+        for name in CHOICES:
+            object.__setattr__(self, name, choice(name, getattr(self, name), cli=self.cli, given=given.get(name)))
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise UsageError(f"{self.said('device', self.device)} is not a device; use auto, cpu or cuda[:N]")
-        if self.base_model is not None and not _REPO_ID.match(self.base_model):
+        if self.base_model is not None and not is_repo_id(self.base_model):
             raise UsageError(f"{self.said('base_model', self.base_model)} is not a Hub repo id; write it as org/name")
         parse_size(self.max_shard_size, self.said("max_shard_size", self.max_shard_size))
         for pattern in self.skip:  # transformers compiles each as a regex when it loads the output

@@ -38,7 +38,7 @@ _REPLACED_GLOBS = ("model*.safetensors", "pytorch_model*.bin")
 
 
 def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resume: bool, dry_run: bool = False,
-           cli: bool = True) -> Path:
+           cli: bool = False) -> Path:
     """OUTPUT_DIR as a Path, refused (UsageError, nothing touched) when a conversion of `source` (SOURCE as given, or
     a directory) must not write there: an empty name (an unset variable: it would mean the current directory), a
     file, the source directory or a folder inside it, or a directory holding anything but a prequant conversion
@@ -85,7 +85,7 @@ def _inside(out: Path, source_dir: Path) -> str | None:
     return None
 
 
-def check_contents(output_dir: Path, *, overwrite: bool, resume: bool, cli: bool = True) -> None:
+def check_contents(output_dir: Path, *, overwrite: bool, resume: bool, cli: bool = False) -> None:
     """Refuse an OUTPUT_DIR that holds anything but a prequant conversion (interrupted or finished), unless
     --overwrite."""
     if not output_dir.is_dir() or overwrite:
@@ -122,7 +122,7 @@ class Claim:
 
 @contextmanager
 def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool, options: dict | None = None,
-          cli: bool = True) -> Iterator[Claim]:
+          cli: bool = False) -> Iterator[Claim]:
     """Lock OUTPUT_DIR for the conversion whose fingerprint is `job` ("": not a conversion, nothing to continue),
     check it again under the lock, and decide what happens to what is there: an interrupted run of the same job is
     continued, a finished one is complete; another job's work is refused (UsageError, one line) unless

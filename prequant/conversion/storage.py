@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..bnb.format import STORAGE_CODES, STORAGE_NAMES, decode_quant_state, packed_bytes, packed_length, split_state_key
+from ..bnb.format import STORAGE_CODES, choice, decode_quant_state, packed_bytes, packed_length, split_state_key
 from ..checkpoint.dtypes import itemsize, torch_name
 from ..checkpoint.hf_files import CARD, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_weight_map
 from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
@@ -37,7 +37,6 @@ from ..util.progress import Progress
 from ..verify.check import VerificationFailed, count
 from ..verify.run import verify
 from . import card, output
-from .options import one_of, spelled
 from .plan import OutTensor
 from .writer import ShardWriter
 
@@ -79,25 +78,25 @@ JOBS_BY_STORAGE = "job_by_storage"  # prequant.json: storage -> the job fingerpr
 
 
 def storage_name(value: str | torch.dtype, *, cli: bool = False) -> str:
-    """A packed-weight storage given as its name ("uint8") or a torch dtype (torch.uint8), as its name; a
+    """A packed-weight storage given as its name ("uint8", any case) or a torch dtype (torch.uint8), as its name; a
     UsageError names the option as its caller wrote it (`cli`: `--quant-storage`, else `quant_storage=`)."""
     name = torch_name(value) if isinstance(value, torch.dtype) else value
-    if name not in STORAGE_NAMES:
-        raise UsageError(f"{spelled('quant_storage', value, cli=cli)} is not supported; use {one_of(STORAGE_NAMES)}")
-    return name
+    return choice("quant_storage", name, cli=cli, given=value)
 
 
 def change_storage(
     output_dir: str | Path, dest: str | Path, quant_storage: str | torch.dtype, *, overwrite: bool = False,
-    progress: bool = True,
+    progress: bool = True, cli: bool = False,
 ) -> StorageChange:
     """Write into `dest` the checkpoint of `output_dir` (a prequant output) with its packed weights stored as
     `quant_storage` ("bfloat16", "float16", "float32" or "uint8", or that torch dtype). Raises PrequantError when
     the input does not verify or a packed weight's codes do not fit the new storage exactly (named, with the
-    fix)."""
+    fix). A refusal names the options as flags (`cli`: `--overwrite`) or as keywords (`overwrite=True`)."""
     started = time.monotonic()
     src, out = Path(output_dir), Path(dest)
-    quant_storage = storage_name(quant_storage)
+    quant_storage = storage_name(quant_storage, cli=cli)
+    if (complete := _complete(src, out, quant_storage, started)) is not None:  # nothing to read, hash or write
+        return complete
     report = verify(src, progress=progress)
     if not report.ok:
         raise VerificationFailed(report, f"refusing to change the storage of {src}, it does not verify")
@@ -107,7 +106,7 @@ def change_storage(
     if old == quant_storage:
         raise UsageError(f"{src} is already stored as {quant_storage}; nothing to change")
     try:
-        return _change(src, out, manifest, config, old, quant_storage, overwrite, progress, started)
+        return _change(src, out, manifest, config, old, quant_storage, overwrite, progress, started, cli)
     except PrequantError as e:  # `output` calls the folder it writes OUTPUT_DIR, which here is the input
         if "OUTPUT_DIR" not in e.detail:
             raise
@@ -116,18 +115,14 @@ def change_storage(
 
 
 def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_storage: str, overwrite: bool,
-            progress: bool, started: float) -> StorageChange:
-    out = output.target(out, src, overwrite=overwrite, resume=False)  # refused as convert refuses it
+            progress: bool, started: float, cli: bool) -> StorageChange:
+    out = output.target(out, src, overwrite=overwrite, resume=False, cli=cli)  # refused as convert refuses it
     shards = _shard_names(src)
     code = STORAGE_CODES[quant_storage]
     plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
     packed = sum(len(p) for _, _, p in plans.values())
-    if _written_before(src, out, manifest, quant_storage, shards):  # as convert and merge say of a finished job
-        card_state = "rewritten" if (out / CARD).is_file() else "none"
-        return StorageChange(str(out), str(src), old, quant_storage, len(shards), packed, 0,
-                             time.monotonic() - started, card_state, already_complete=True)
     # One writer per DEST, as for convert (the lock is not a job: no --resume here).
-    with output.claim(out, "", overwrite=overwrite, resume=False):
+    with output.claim(out, "", overwrite=overwrite, resume=False, cli=cli):
         staging = output.staging_dir(out)
         digests: dict[str, str] = {}
         total = sum((src / name).stat().st_size for name in shards)
@@ -231,24 +226,45 @@ def _card(src: Path, staging: Path, manifest: dict, old: str, new: str, config: 
     return "rewritten", []
 
 
-def _written_before(src: Path, out: Path, manifest: dict, storage: str, shards: list[str]) -> bool:
-    """Whether DEST holds this change of `src`, finished and intact: its prequant.json is what this change writes
-    (everything but the hashes of the files it rewrites: shards, config.json, card), and its files have the sizes
-    it lists, as a finished conversion is recognised (`output`)."""
+def _complete(src: Path, out: Path, storage: str, started: float) -> StorageChange | None:
+    """What DEST holds when it is this change of `src`, finished earlier (as convert and merge say of a finished
+    job), found from the records and the headers alone; None otherwise (a `src` that is no prequant output
+    included: verify says what is wrong with it)."""
+    try:
+        manifest = load_manifest(src)
+        old = json.loads((src / CONFIG).read_text())["quantization_config"].get("bnb_4bit_quant_storage", "uint8")
+        shards = _shard_names(src)
+        done = None if old == storage else _written_before(src, out, manifest, storage, shards)
+        if done is None:
+            return None
+        packed = sum(split_state_key(r.name) is not None for name in shards for r in read_header(out / name)[0])
+    except (PrequantError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    recorded = done["files"].get(CARD)  # a rewritten card's hash is its own, an edited one keeps the source's
+    card_state = ("none" if not (out / CARD).is_file() else
+                  "rewritten" if recorded is not None and recorded != manifest["files"].get(CARD) else "kept as edited")
+    return StorageChange(str(out), str(src), old, storage, len(shards), packed, 0, time.monotonic() - started,
+                         card_state, already_complete=True)
+
+
+def _written_before(src: Path, out: Path, manifest: dict, storage: str, shards: list[str]) -> dict | None:
+    """DEST's prequant.json when DEST holds this change of `src`, finished and intact: that record is what this
+    change writes (everything but the hashes of the files it rewrites: shards, config.json, card), and its files
+    have the sizes it lists, as a finished conversion is recognised (`output`); else None."""
     try:
         done = json.loads((out / MANIFEST).read_text())
         stored = json.loads((out / CONFIG).read_text())["quantization_config"]["bnb_4bit_quant_storage"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
     if not isinstance(done, dict) or not isinstance(done.get("files"), dict) or stored != storage:
-        return False
+        return None
     rewritten = {*shards, CONFIG, CARD}
 
     def kept(m: dict) -> dict:
         return {**m, "files": {k: v for k, v in m["files"].items() if k not in rewritten}}
 
-    return (set(done["files"]) == set(manifest["files"]) and kept(done) == kept(_changed_manifest(manifest, storage))
-            and output.changed_files(out) is None)
+    same = set(done["files"]) == set(manifest["files"]) and kept(done) == kept(_changed_manifest(manifest, storage))
+    return done if same and output.changed_files(out) is None else None
 
 
 def _changed_manifest(manifest: dict, storage: str) -> dict:

@@ -51,9 +51,8 @@ class Summary:
             f"size: {self.input_bytes / 1e9:.3f} GB -> {self.output_bytes / 1e9:.3f} GB "
             f"({self.output_bytes / max(self.input_bytes, 1):.1%})",
         ]
-        if not self.already_complete:  # else no input was read: a rate would be meaningless
-            lines.append(f"time: {self.seconds:.1f} s on {self.device}, "
-                         f"{_rate(self.input_bytes / self.seconds if self.seconds else 0)} of input")
+        if (rate := self.gb_per_s) is not None:  # None: no input was read, a rate would be meaningless
+            lines.append(f"time: {self.seconds:.1f} s on {self.device}, {_rate(rate * 1e9)} of input")
         lines += [f"unquantized: {n:,} parameters: {why}" for why, n in self.unquantized_parameters.items()]
         if self.stats and self.stats.get("tensors"):
             lines.append(f"error: relative L2 median {self.stats['median_rel_error']}, max {self.stats['max_rel_error']} "

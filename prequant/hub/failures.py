@@ -37,6 +37,9 @@ RemoteEntryNotFound = getattr(hf_errors, "RemoteEntryNotFoundError", None) or hf
 
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# getaddrinfo's answers for a host name that does not resolve (EAI_NODATA is not defined everywhere); its others,
+# EAI_AGAIN ("Temporary failure in name resolution") first, may pass.
+_NAME_UNKNOWN = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
 
 
 class IncompleteDownload(Exception):
@@ -54,8 +57,9 @@ def is_transient(error: BaseException) -> bool:
     """Whether trying again may succeed: a connection refused, reset, cut or timed out, an answer 408, 429 or 5xx,
     a body that ended short. Never a missing repo, revision or file, a refused token, or a local failure (a full
     disk), nor a host name that does not resolve: no network, or a wrong HF_ENDPOINT, neither of which passes in
-    seconds. The first error of the chain that says either way decides (huggingface_hub wraps the network's)."""
-    if any(isinstance(e, socket.gaierror) for e in _chain(error)):
+    seconds; a name server that does not answer for now (EAI_AGAIN) may. The first error of the chain that says
+    either way decides (huggingface_hub wraps the network's)."""
+    if any(isinstance(e, socket.gaierror) and e.errno in _NAME_UNKNOWN for e in _chain(error)):
         return False
     for e in _chain(error):
         if isinstance(e, (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, OfflineModeIsEnabled)):
@@ -67,6 +71,8 @@ def is_transient(error: BaseException) -> bool:
         status = _status(e)
         if status is not None:
             return status in RETRY_STATUSES
+        if isinstance(e, socket.gaierror) and e.errno == socket.EAI_AGAIN:
+            return True
         if is_incomplete(e) or isinstance(e, _passing_network_error_types()):
             return True
     return False

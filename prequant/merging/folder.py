@@ -12,7 +12,6 @@ from pathlib import Path
 
 from ..checkpoint.hf_files import ADAPTER_CONFIG, ADAPTER_FILES
 from ..checkpoint.manifest import sha256_file
-from ..errors import UsageError
 
 CONFIG_NAME = ADAPTER_CONFIG
 WEIGHT_NAMES = ADAPTER_FILES[1:]  # peft writes one; the first found is read
@@ -20,18 +19,11 @@ WEIGHT_NAMES = ADAPTER_FILES[1:]  # peft writes one; the first found is read
 
 def check(spec: str) -> None:
     """Refuse an ADAPTER that is neither a local folder nor a Hub repo id (a mistyped path: `./x`, `work/x` where
-    ./work is a folder, ...) at once, from its spelling and the disk: never a question for the Hub."""
-    from ..source.spec import did_you_mean, hub_spec, mistyped_path
+    ./work is a folder, ...; an alias names a model, not an adapter) at once, from its spelling and the disk, as
+    SOURCE is refused: never a question for the Hub."""
+    from ..source.spec import where
 
-    try:
-        if Path(spec).expanduser().exists():
-            return
-    except (OSError, ValueError, RuntimeError):
-        pass  # not a usable path: said below
-    why = mistyped_path(spec)
-    if why or hub_spec(spec) is None or hub_spec(spec)[1] is not None:  # an alias names a model, not an adapter
-        raise UsageError(f"ADAPTER {spec!r} does not exist{did_you_mean(spec)}{': ' + why if why else ''}; pass a "
-                         "local adapter folder or a Hub repo as org/name[@revision]")
+    where(spec, what="ADAPTER", aliases=False, local="local adapter folder")
 
 
 def peek(spec: str) -> tuple[list[Path], str | None]:

@@ -74,39 +74,50 @@ class Contents:
 _REPO_PART = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?$")
 
 
+def is_repo_id(text: str) -> bool:
+    """Whether `text` is a Hub repo id, `org/name` (no revision), each part as the Hub accepts it."""
+    org, slash, name = text.partition("/")
+    return bool(slash and _REPO_PART.match(org) and _REPO_PART.match(name))
+
+
 def hub_spec(spec: str) -> tuple[str, str | None] | None:
     """``(org/name[@revision], alias or None)`` when `spec` names a Hub repo or an alias, else None."""
     name, at, revision = spec.strip().partition("@")
     if name in ALIASES:
         return ALIASES[name] + at + revision, name
-    org, _, repo = name.partition("/")
-    if _REPO_PART.match(org) and _REPO_PART.match(repo) and (not at or revision.strip()):
+    if is_repo_id(name) and (not at or revision.strip()):
         return spec.strip(), None
     return None
 
 
-def where(spec: str) -> Path | tuple[str, str | None]:
-    """Where SOURCE `spec` is, from its spelling and the local disk alone (no network, standard library only): the
-    local directory's path when it exists, else ``(org/name[@revision], alias or None)`` for a Hub repo id or an
-    alias. Anything else fails here, at once, in one line: a path that does not exist (``./x``, ``~/x``, ``/x``,
-    ``a/b/c``, or ``work/x`` where ``work`` is a local folder) is a typo, never a question for the Hub."""
+def where(spec: str, *, what: str = "source", aliases: bool = True,
+          local: str = "local checkpoint directory") -> Path | tuple[str, str | None]:
+    """Where `spec` (SOURCE, or what `what` names: "ADAPTER") is, from its spelling and the local disk alone (no
+    network, standard library only): the local directory's path when it exists, else ``(org/name[@revision],
+    alias or None)`` for a Hub repo id or, with `aliases`, an alias. Anything else fails here, at once, in one line
+    that names it as `what` and asks for a `local` folder or a repo id: a path that does not exist (``./x``,
+    ``~/x``, ``/x``, ``a/b/c``, or ``work/x`` where ``work`` is a local folder) is a typo, never a question for the
+    Hub."""
     try:
         path = Path(spec).expanduser()
         exists = path.exists()
     except (OSError, ValueError, RuntimeError) as e:  # name too long, NUL byte, ~unknown-user
-        raise PrequantError(f"source {spec!r} is not a usable path ({e}); pass a local checkpoint directory") from e
+        raise PrequantError(f"{what} {spec!r} is not a usable path ({e}); pass a {local}") from e
     if exists:
         return path
     why = mistyped_path(spec)
     repo = None if why else hub_spec(spec)
-    if repo is not None:
+    if repo is not None and (aliases or repo[1] is None):
         return repo
     hint = did_you_mean(spec)
     if why:  # a path: the Hub is not asked
-        raise PrequantError(f"source {spec!r} does not exist{hint}: {why}; pass a local checkpoint directory, "
+        raise PrequantError(f"{what} {spec!r} does not exist{hint}: {why}; pass a {local}, "
                             "or a Hub repo as org/name[@revision]")
+    if not aliases:
+        raise PrequantError(f"{what} {spec!r} does not exist{hint}; pass a {local}, or a Hub repo as "
+                            "org/name[@revision]")
     raise PrequantError(
-        f"source {spec!r} does not exist{hint}; pass a local checkpoint directory (holding config.json and "
+        f"{what} {spec!r} does not exist{hint}; pass a {local} (holding config.json and "
         f"*.safetensors weights), a Hub repo as org/name[@revision], or an alias ({', '.join(ALIASES)})"
     )
 
@@ -150,7 +161,7 @@ def _close_path(path: Path) -> str | None:
         names = [p.name for p in parent.iterdir() if p.is_dir() and not p.name.startswith(".")]
     except OSError:
         return None
-    missing = path.relative_to(parent).parts[0] if path.is_relative_to(parent) else path.name
+    missing = path.relative_to(parent).parts[0]  # `parent` is one of path's own parents
     close = difflib.get_close_matches(missing, names, n=1, cutoff=0.6)
     if not close:
         return None

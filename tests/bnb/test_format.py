@@ -140,3 +140,10 @@ def test_storage_that_loses_codes(n, storage, loses):
     assert fmt.loses_codes(n, storage) is loses
     if (n, storage) == (37 * 98, "BF16"):
         assert fmt.packed_length(n, storage) * 2 == 1812 and fmt.packed_bytes(n) == 1813
+
+
+def test_the_torch_free_itemsize_table_agrees_with_torch():
+    from prequant.checkpoint.codes import ITEMSIZE
+    from prequant.checkpoint.dtypes import SAFETENSORS_DTYPES
+
+    assert {code: dtype.itemsize for code, dtype in SAFETENSORS_DTYPES.items()} == ITEMSIZE

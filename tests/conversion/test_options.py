@@ -95,8 +95,16 @@ def test_a_taken_output_dir_is_refused_in_python_words(checkpoints, tmp_path):
         prequant.convert(checkpoints("llama"), out, device="cpu", progress=False, resume=True)
     said = str(refused.value)
     assert "pass overwrite=True" in said and "resume=True only continues one" in said and "--" not in said
+
+
+def test_another_job_in_a_finished_output_dir_is_refused_in_python_words(checkpoints, tmp_path):
     prequant.convert(checkpoints("llama"), tmp_path / "done", device="cpu", progress=False, stats=False)
     with pytest.raises(prequant.UsageError) as refused:
         prequant.convert(checkpoints("llama"), tmp_path / "done", device="cpu", progress=False, quant_type="fp4")
     said = str(refused.value)
     assert "(quant_type: 'nf4' there, 'fp4' here); pass overwrite=True" in said and "--" not in said
+
+
+def test_names_in_any_case_are_taken_from_python_as_from_the_cli():
+    options = ConvertOptions(compute_dtype="BFloat16", quant_type="NF4", quant_storage="UINT8")
+    assert (options.compute_dtype, options.quant_type, options.quant_storage) == ("bfloat16", "nf4", "uint8")

@@ -187,6 +187,13 @@ def test_unknown_storage_is_a_usage_error(both, tmp_path):
         change_storage(both[1], tmp_path / "out", "int4", progress=False)
 
 
+def test_the_cli_takes_a_storage_name_in_any_case_as_convert_does(both, tmp_path):
+    _, bf16, uint8 = both
+    code, _, stderr = run_main("change-storage", str(bf16), str(tmp_path / "out"), "--quant-storage", "UINT8")
+    assert code == 0, stderr
+    assert _but_the_job(tmp_path / "out")[0] == _but_the_job(uint8)[0]
+
+
 def test_a_torch_dtype_is_taken_and_a_refusal_names_the_option_as_its_caller_wrote_it(both, tmp_path):
     _, bf16, uint8 = both
     change_storage(bf16, tmp_path / "out", torch.uint8, progress=False)
@@ -216,6 +223,17 @@ def test_the_destination_is_called_dest_not_output_dir(both, tmp_path):
     assert "DEST" in stdout and "a new or empty" in " ".join(stdout.split())
 
 
+def test_a_taken_dest_refused_in_python_names_the_keyword(both, tmp_path):
+    _, bf16, _ = both
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError) as error:
+        change_storage(bf16, taken, "uint8", progress=False)
+    assert "pass overwrite=True" in str(error.value) and "--overwrite" not in str(error.value)
+    assert (taken / "notes.txt").read_text() == "mine"
+
+
 def test_a_finished_change_run_again_says_already_complete_and_writes_nothing(both, tmp_path):
     """As convert and merge say of a finished job: the same command again exits 0, writes nothing, says no speed."""
     _, bf16, _ = both
@@ -230,6 +248,28 @@ def test_a_finished_change_run_again_says_already_complete_and_writes_nothing(bo
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "u8").iterdir()} == before
     code, out, err = run_main(*args, "--json")
     assert code == 0 and json.loads(out)["already_complete"] is True, err
+
+
+def test_a_finished_change_is_found_without_verifying_the_input_again(both, tmp_path, monkeypatch):
+    """Finding DEST complete reads the records and headers only: no shard of the input is hashed again."""
+    _, bf16, _ = both
+    first = change_storage(bf16, tmp_path / "u8", "uint8", progress=False)
+    monkeypatch.setattr("prequant.conversion.storage.verify", lambda *a, **k: pytest.fail("verified again"))
+    again = change_storage(bf16, tmp_path / "u8", "uint8", progress=False)
+    assert again.already_complete and (again.card, again.packed_weights, again.shards) == (
+        first.card, first.packed_weights, first.shards)
+
+
+def test_a_finished_change_with_an_edited_card_says_it_was_kept(both, tmp_path):
+    _, bf16, _ = both
+    edited = tmp_path / "edited"
+    shutil.copytree(bf16, edited)
+    text = (edited / "README.md").read_text()
+    (edited / "README.md").write_text(text.replace("bitsandbytes", "BitsAndBytes", 1))  # the size it records
+    assert (edited / "README.md").read_text() != text
+    first = change_storage(edited, tmp_path / "u8", "uint8", progress=False)
+    again = change_storage(edited, tmp_path / "u8", "uint8", progress=False)
+    assert first.card == "kept as edited" and again.already_complete and again.card == "kept as edited"
 
 
 def test_another_change_into_a_finished_dest_is_still_refused(both, tmp_path):

@@ -17,6 +17,7 @@ from prequant import settings
 from prequant.errors import PrequantError, UsageError
 from prequant.hub import cache
 from prequant.hub import client as hub
+from prequant.hub.failures import is_transient
 
 REPO = "org/tiny"
 CONFIG = b'{"model_type": "llama", "hidden_size": 8}'
@@ -283,6 +284,26 @@ def test_retry_waits_double_from_one_second_up_to_the_budget() -> None:
     assert hub.retry_waits(3) == [1, 2]
     assert hub.retry_waits(2.5) == [1, 1.5]
     assert hub.retry_waits(0) == []  # one attempt
+
+
+def _wrapped(cause: BaseException) -> BaseException:
+    """`cause` as huggingface_hub's HTTP client passes it on: the cause of a connection error."""
+    error = ConnectionError(f"Failed to resolve 'hub.example': {cause}")
+    error.__cause__ = cause
+    return error
+
+
+@pytest.mark.parametrize("wrap", [lambda e: e, _wrapped], ids=["bare", "wrapped"])
+def test_a_name_server_that_does_not_answer_for_now_is_retried(wrap) -> None:
+    blip = socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+    assert is_transient(wrap(blip))
+
+
+@pytest.mark.parametrize("wrap", [lambda e: e, _wrapped], ids=["bare", "wrapped"])
+@pytest.mark.parametrize("code", [getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, n)])
+def test_a_host_name_that_does_not_resolve_is_not_retried(wrap, code: int) -> None:
+    unknown = socket.gaierror(code, "Name or service not known")
+    assert not is_transient(wrap(unknown))
 
 
 def test_a_cut_whose_resume_meets_a_burst_of_server_errors_is_ridden_out(

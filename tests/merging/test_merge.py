@@ -194,7 +194,7 @@ def test_rerun_is_complete_and_the_cli_merges_with_an_honest_exit(checkpoints, t
     again = prequant.merge(adapter, tmp_path / "out", device="cpu", progress=False)
     assert again.already_complete
     missing = run_cli("merge", str(tmp_path / "nothing"), str(tmp_path / "out2"))
-    assert missing.returncode == 2 and "ADAPTER" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    assert missing.returncode == 1 and "ADAPTER" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
 
 
 def test_a_finished_merge_run_again_with_another_skip_names_skip(checkpoints, tmp_path):
