@@ -113,10 +113,10 @@ def group(tensors: list[TensorRef], scheme: Scheme,
                     "restore the missing tensor (or the shard holding it) and rerun", where=t.file.name)
         shape = _check(t, found["weight_scale"], found["weight_shape"], found.get("weight_zero_point"), scheme)
         block = {"group": (1, scheme.group_size), "channel": (1, shape[1]), "tensor": None}[scheme.strategy]
-        extra = (found["weight_shape"],) + (() if scheme.symmetric else (found["weight_zero_point"],))
+        extra = () if scheme.symmetric else (found["weight_zero_point"],)
         made[t.name] = QuantizedWeight(f"{module}.weight", model_dtype, shape, t.file, BIN_OFFSET,
                                        shape[0] * shape[1] * ITEMSIZE[model_dtype], t, found["weight_scale"], METHOD,
-                                       block, extra)
+                                       block, extra, (found["weight_shape"],))
         folded.update(f.name for f in found.values() if f is not None)
     return made, folded
 
@@ -130,25 +130,31 @@ def describe(ref: QuantizedWeight) -> str:
     """The format of `ref`, for the model card."""
     per = (f"groups of {ref.block[1]}" if ref.block and ref.block[1] != ref.shape[1] else
            "per channel" if ref.block else "per tensor")
-    return f"compressed-tensors INT4 pack-quantized ({per}{'' if len(ref.extra) == 1 else ', asymmetric'})"
+    return f"compressed-tensors INT4 pack-quantized ({per}{', asymmetric' if ref.extra else ''})"
 
 
-def dequantize(ref: QuantizedWeight, packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
+def check(ref: QuantizedWeight, shape: torch.Tensor) -> None:
+    """Refuses `ref` where its stored `weight_shape` (a CPU view) is not the [rows, cols] its codes and scale make."""
+    rows, cols = ref.shape
+    if shape.tolist() != [rows, cols]:
+        raise PrequantError(
+            f"tensor {quote(ref.checked[0].name)} holds {shape.tolist()}, but its weight_packed and weight_scale make "
+            f"a [{rows}, {cols}] weight (prequant reads widths that are a multiple of 8 per channel or tensor); the "
+            "checkpoint is damaged or of a layout prequant does not read: re-download it, or convert the original "
+            "16-bit checkpoint", where=ref.stored.file.name)
+
+
+def dequantize(ref: QuantizedWeight, packed: torch.Tensor, scale: torch.Tensor,
                zero_point: torch.Tensor | None = None, each: Each | None = None) -> torch.Tensor:
-    """The 16-bit tensor of `ref` from its stored `weight_packed`, `weight_scale`, `weight_shape` and zero point, on
-    the codes' device: `(code - zero point) * scale` in float32, rounded to a 16-bit scale's dtype, then to the
-    model's. A table of 16 values per scale (`lookup`); `each` runs the pieces of rows (`lookup.lookup`)."""
+    """The 16-bit tensor of `ref` from its stored `weight_packed`, `weight_scale` and zero point, on the codes'
+    device (its `weight_shape` is `check`ed before): `(code - zero point) * scale` in float32, rounded to a 16-bit
+    scale's dtype, then to the model's. A table of 16 values per scale (`lookup`); `each` runs the pieces of rows
+    (`lookup.lookup`)."""
     import torch
 
     from .dtypes import SAFETENSORS_DTYPES
 
     rows, cols = ref.shape
-    if shape.tolist() != [rows, cols]:
-        raise PrequantError(
-            f"tensor {quote(ref.scale.name.removesuffix('scale') + 'shape')} holds {shape.tolist()}, but its "
-            f"weight_packed and weight_scale make a [{rows}, {cols}] weight (prequant reads widths that are a multiple "
-            "of 8 per channel or tensor); the checkpoint is damaged or of a layout prequant does not read: "
-            "re-download it, or convert the original 16-bit checkpoint", where=ref.stored.file.name)
     device = packed.device
     codes = torch.arange(16, dtype=torch.float32, device=device)
     if zero_point is None:

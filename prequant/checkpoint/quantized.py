@@ -21,7 +21,7 @@ Standard library only at import: `hf_files` (read before torch is imported) asks
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -107,8 +107,7 @@ def stored(tensors: Iterable[TensorRef]) -> list[TensorRef]:
 def pieces(ref: TensorRef) -> Iterator[TensorRef]:
     """The stored tensors a tensor of the plan is read from (itself, unless a quantized weight)."""
     if isinstance(ref, QuantizedWeight):
-        yield from read_with(ref)
-        yield from ref.riders
+        yield from (ref.stored, ref.scale, *ref.checked, *ref.extra, *ref.riders)
     else:
         yield ref
 
@@ -116,6 +115,13 @@ def pieces(ref: TensorRef) -> Iterator[TensorRef]:
 def read_with(ref: QuantizedWeight) -> tuple[TensorRef, ...]:
     """The stored tensors `dequantize` takes, in its order: the codes, the scale, then the format's others."""
     return (ref.stored, ref.scale, *ref.extra)
+
+
+def check_stored(ref: QuantizedWeight, view: Callable[[TensorRef], torch.Tensor]) -> None:
+    """Refuses `ref` where a stored tensor read on the CPU only (`QuantizedWeight.checked`: INT4's shape) disagrees
+    with it; `view` gives a stored tensor as a CPU view. Called before its other stored tensors are read."""
+    if ref.checked:
+        _by_method(ref.method).check(ref, *(view(t) for t in ref.checked))
 
 
 def dequantize(ref: QuantizedWeight, *parts: torch.Tensor, each: Each | None = None) -> torch.Tensor:

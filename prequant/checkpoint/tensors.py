@@ -42,7 +42,8 @@ class QuantizedWeight(TensorRef):
     scale: TensorRef
     method: str  # the format: `fp8.BLOCK`, `fp8.CT`, `int4.METHOD`, `mxfp4.METHOD`
     block: tuple[int, int] | None  # elements per scale, rows by columns, where the format has blocks or groups
-    extra: tuple[TensorRef, ...] = ()  # other stored tensors its dequantization reads (INT4's shape, zero point)
+    extra: tuple[TensorRef, ...] = ()  # other stored tensors its dequantization reads (INT4's zero point)
+    checked: tuple[TensorRef, ...] = ()  # stored tensors read on the CPU only, to check it (INT4's shape)
     riders: tuple[TensorRef, ...] = ()  # activation parameters of its module, dropped with it
 
 
