@@ -190,6 +190,10 @@ def _check(w: TensorRef, s: TensorRef, shape: TensorRef, zp: TensorRef | None, s
         wanted: tuple[tuple[int, ...], ...] = ((rows, -(-words * 8 // scheme.group_size)),)
         ok = len(s.shape) == 2 and s.shape[0] == rows and -(-cols // 8) == words
         layout = f"one per group of {scheme.group_size}"
+        if not ok and tuple(s.shape) in wanted:  # the scale is what the codes take, but its groups want other codes
+            raise PrequantError(
+                f"tensor {quote(w.name)} has shape {list(w.shape)}, but its scale {quote(s.name)} {list(s.shape)} "
+                f"({layout}) takes int32 {[rows, -(-cols // 8)]}; {fix}", where=w.file.name)
     else:
         cols = words * 8
         wanted = ((rows, 1),) if scheme.strategy == "channel" else ((1,), ())

@@ -139,6 +139,8 @@ def test_truncated_codes_are_refused_naming_the_tensor(pairs, tmp_path):
     write_safetensors(path, {k: tensors[k] for k in order})
     message = _refused(src, tmp_path / "out")
     assert repr(DOWN + ".weight_packed") in message and "shape" in message
+    assert "takes int32 [64, 4]" in message  # the codes' expected shape, [rows, ceil(cols/8)]
+    assert "scale " + repr(DOWN + ".weight_scale") + " has" not in message  # the scale is not the one blamed
 
 
 def test_a_weight_shape_that_disagrees_is_refused_naming_it(pairs, tmp_path):
