@@ -100,15 +100,17 @@ def dequantize(ref: QuantizedWeight, blocks: torch.Tensor, scales: torch.Tensor,
     # [256 exponents, 16 codes], by torch.ldexp as the reference (its operands full-size: it resizes no output)
     table = torch.ldexp(values.expand(256, 16).contiguous(), exponents.unsqueeze(1).expand(256, 16).contiguous())
     table = table.to(SAFETENSORS_DTYPES[ref.dtype]).reshape(-1)
-    codes = blocks.reshape(experts * rows, groups * width)
-    exps = scales.reshape(experts * rows, groups)
+    out = torch.empty((experts, cols, rows), dtype=table.dtype, device=device)  # as transformers holds it
+    for e in range(experts):  # each expert's [rows, cols] written transposed into its place: no full-size copy
+        codes, exps = blocks[e].reshape(rows, groups * width), scales[e]
 
-    def index(a: int, b: int) -> torch.Tensor:
-        at = lookup.nibbles(codes[a:b], cols)
-        return at.add_(exps[a:b].to(torch.int32).mul_(16).repeat_interleave(PER_SCALE, dim=1))
+        def index(a: int, b: int, codes: torch.Tensor = codes, exps: torch.Tensor = exps) -> torch.Tensor:
+            at = lookup.nibbles(codes[a:b], cols)
+            at.view(b - a, groups, PER_SCALE).add_(exps[a:b].to(torch.int32).mul_(16).unsqueeze(-1))
+            return at
 
-    out = lookup.lookup(table, (experts * rows, cols), index, each=each)
-    return out.view(experts, rows, cols).transpose(1, 2).contiguous()
+        lookup.lookup(table, (rows, cols), index, each=each, out=out[e].t())
+    return out
 
 
 def _check(blocks: TensorRef, scales: TensorRef) -> None:
