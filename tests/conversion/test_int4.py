@@ -43,9 +43,23 @@ def _converted(src: Path, ref: Path, out: Path, **options) -> tuple[dict[str, by
 
 @pytest.mark.parametrize("strategy, symmetric", SCHEMES)
 @pytest.mark.parametrize("experts", [False, True])
-def test_converting_int4_is_converting_compressed_tensors_decompression(pairs, tmp_path, strategy, symmetric,
-                                                                          experts):
+def test_converting_int4_is_converting_compressed_tensors_decompression(pairs, tmp_path, monkeypatch, strategy,
+                                                                          symmetric, experts):
+    """Each weight dequantized in several pieces of rows, on two CPU threads (as the pipeline runs a large one)."""
+    from prequant.bnb.kernels import _parallel
+    from prequant.checkpoint import lookup
+
+    monkeypatch.setattr(lookup, "CPU_PIECE", 100)  # 3 rows of 32 columns a piece: edges inside the weights
+    monkeypatch.setattr(_parallel, "THREADS", 2)
+    run, pieces = _parallel.run, []
+
+    def on_threads(count, work):
+        pieces.append(count)
+        run(count, work)
+
+    monkeypatch.setattr(_parallel, "run", on_threads)
     got, wanted = _converted(*pairs(strategy, symmetric), tmp_path, quantize_experts=experts)
+    assert max(pieces) > 1
     assert len([n for n in got if n.endswith(".safetensors")]) > 1  # sharded, index included
     assert got.keys() == wanted.keys()
     for name in wanted:

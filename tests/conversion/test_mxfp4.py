@@ -142,21 +142,34 @@ def test_scales_of_another_dtype_are_refused_naming_them(pair, tmp_path):
     assert repr(GATE_UP + "_scales") in message and "BF16" in message
 
 
-def test_every_code_at_every_exponent_is_transformers_value(tmp_path):
+def test_every_code_at_every_exponent_is_transformers_value(tmp_path, monkeypatch):
     """Every byte (two codes) at every e8m0 exponent, 0 and 255 included, against transformers'
-    `convert_moe_packed_tensors` itself, in bf16 (gpt-oss's dtype): the same bits, NaN where it is."""
+    `convert_moe_packed_tensors` itself, in bf16 (gpt-oss's dtype): the same bits, NaN where it is; dequantized in
+    several pieces of rows on two CPU threads (as the pipeline runs a large weight)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from prequant.checkpoint import mxfp4
+    from prequant.bnb.kernels import _parallel
+    from prequant.checkpoint import lookup, mxfp4
     from prequant.checkpoint.tensors import BIN_OFFSET, QuantizedWeight, TensorRef
 
-    blocks = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 16, 16).expand(2, 256, 16, 16).contiguous()
+    # every byte once a row, rotated by row and expert: no two rows alike, so a piece of the wrong rows shows
+    shift = torch.arange(256).reshape(1, 256, 1, 1) + 7 * torch.arange(2).reshape(2, 1, 1, 1)
+    blocks = (torch.arange(256).reshape(1, 1, 16, 16) + shift).remainder(256).to(torch.uint8)
     scales = torch.arange(256, dtype=torch.uint8).reshape(1, 256, 1).expand(2, 256, 16).contiguous()
     stored = TensorRef("x_blocks", "U8", tuple(blocks.shape), tmp_path, 0, blocks.numel())
     scale = TensorRef("x_scales", "U8", tuple(scales.shape), tmp_path, 0, scales.numel())
     ref = QuantizedWeight("x", "BF16", (2, 512, 256), tmp_path, BIN_OFFSET, 2 * 2 * 512 * 256, stored, scale,
                           mxfp4.METHOD, None)
-    got = mxfp4.dequantize(ref, blocks, scales)
+    monkeypatch.setattr(lookup, "CPU_PIECE", 100 * 512)  # 100 rows of 512 columns a piece: 3 an expert
+    monkeypatch.setattr(_parallel, "THREADS", 2)
+    pieces: list[int] = []
+
+    def on_threads(count, work):
+        pieces.append(count)
+        _parallel.run(count, work)
+
+    got = mxfp4.dequantize(ref, blocks, scales, each=on_threads)
+    assert pieces and min(pieces) > 1
     wanted = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
     assert got.shape == wanted.shape and got.dtype == wanted.dtype
     nan = wanted.isnan()
