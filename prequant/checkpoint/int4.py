@@ -31,7 +31,7 @@ from ..errors import PrequantError
 from . import lookup
 from .fp8 import CT, SCALE_DTYPES
 from .lookup import ITEMSIZE, Each
-from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, quote
+from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, missing, quote
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +58,7 @@ def declares(qc: dict) -> bool:
     return qc.get("quant_method") == CT and qc.get("format") == FORMAT
 
 
-def scheme(qc: dict, where: object) -> Scheme:
+def _scheme(qc: dict, where: object) -> Scheme:
     """The weights' scheme of a pack-quantized `quantization_config`, one for every config group; refused (naming
     the field) where prequant cannot read it."""
     groups = qc.get("config_groups")
@@ -92,13 +92,12 @@ def scheme(qc: dict, where: object) -> Scheme:
     return found.pop()
 
 
-def group(tensors: list[TensorRef], scheme: Scheme,
-          model_dtype: str) -> tuple[dict[str, QuantizedWeight], set[str]]:
+def group(tensors: list[TensorRef], qc: dict, model_dtype: str, where: object) -> dict[str, QuantizedWeight]:
     """Each `P.weight_packed` as a `QuantizedWeight` named `P.weight` (by the name of its `weight_packed`), with its
-    scale, shape and zero point; and the names folded into them."""
+    scale, shape and zero point, in the scheme `qc` declares."""
+    scheme = _scheme(qc, where)
     by_name = {t.name: t for t in tensors}
     made: dict[str, QuantizedWeight] = {}
-    folded: set[str] = set()
     for t in tensors:
         if not t.name.endswith(".weight_packed"):
             continue
@@ -108,22 +107,14 @@ def group(tensors: list[TensorRef], scheme: Scheme,
         for part in parts:
             found[part] = by_name.get(f"{module}.{part}")
             if found[part] is None:
-                raise PrequantError(
-                    f"INT4 tensor {quote(t.name)} has no {part} beside it, and without it its codes mean nothing; "
-                    "restore the missing tensor (or the shard holding it) and rerun", where=t.file.name)
+                raise missing("INT4", t, part)
         shape = _check(t, found["weight_scale"], found["weight_shape"], found.get("weight_zero_point"), scheme)
         block = {"group": (1, scheme.group_size), "channel": (1, shape[1]), "tensor": None}[scheme.strategy]
         extra = () if scheme.symmetric else (found["weight_zero_point"],)
         made[t.name] = QuantizedWeight(f"{module}.weight", model_dtype, shape, t.file, BIN_OFFSET,
                                        shape[0] * shape[1] * ITEMSIZE[model_dtype], t, found["weight_scale"], METHOD,
                                        block, extra, (found["weight_shape"],))
-        folded.update(f.name for f in found.values() if f is not None)
-    return made, folded
-
-
-def companion(name: str) -> bool:
-    """Whether a tensor's name is that of a part of a quantized weight (which `group` must have folded)."""
-    return name.rpartition(".")[2].startswith("weight_")
+    return made
 
 
 def describe(ref: QuantizedWeight) -> str:

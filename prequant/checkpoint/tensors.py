@@ -62,6 +62,13 @@ def merge(per_file: Iterable[list[TensorRef]], fix: str) -> list[TensorRef]:
     return ordered
 
 
+def missing(kind: str, ref: TensorRef, part: str) -> PrequantError:
+    """The refusal of quantized `ref` (a `kind` tensor: "float8", "INT4", "MXFP4") whose `part` is not in the
+    checkpoint."""
+    return PrequantError(f"{kind} tensor {quote(ref.name)} has no {part} beside it, and without it its values mean "
+                         "nothing; restore the missing tensor (or the shard holding it) and rerun", where=ref.file.name)
+
+
 def quote(name: str, limit: int = 200) -> str:
     """A tensor name for a message: repr'd (so it stays on one line) and bounded."""
     return repr(name if len(name) <= limit else name[: limit - 3] + "...")
