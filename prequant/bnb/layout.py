@@ -201,7 +201,7 @@ def _key_mapper(model: object) -> Callable[[str], tuple[str, bool, Stacking | No
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        stacks = {pattern: _stacking(c, i) for c in converters for i, pattern in enumerate(c.source_patterns)}
+        stacks = _stacks(converters)
 
         def mapped(key: str) -> tuple[str, bool, Stacking | None]:
             new, pattern = rename_source_key(key, renamings, converters, prefix, params)
@@ -218,6 +218,15 @@ def _key_mapper(model: object) -> Callable[[str], tuple[str, bool, Stacking | No
             return key.removeprefix(f"{prefix}."), False, None
 
         return plain
+
+
+def _stacks(converters: list) -> dict[str, Stacking | None]:
+    """Each converter source pattern's `Stacking`; none where transformers' converters no longer read as
+    `_stacking` expects (then the fused shapes go unchecked, and every renaming still applies)."""
+    try:
+        return {pattern: _stacking(c, i) for c in converters for i, pattern in enumerate(c.source_patterns)}
+    except Exception:  # noqa: BLE001 - an attribute or class of transformers' converters changed
+        return {}
 
 
 def _stacking(converter: object, part: int) -> Stacking | None:
