@@ -240,10 +240,10 @@ def _stacking(converter: object, part: int) -> Stacking | None:
     if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0 or "*" not in patterns[part]:
         return None
     if len(ops) == 1 and len(patterns) == 1:
-        return Stacking(part, 1, None, patterns)
+        return Stacking(part, None, patterns)
     if len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim >= 1:
         # In the stacked tensor, dimension d is each expert's dimension d - 1.
-        return Stacking(part, len(patterns), ops[1].dim - 1, patterns)
+        return Stacking(part, ops[1].dim - 1, patterns)
     return None
 
 
