@@ -233,3 +233,22 @@ def test_a_weight_of_another_format_is_refused_naming_it(pairs, tmp_path):
                                    DOWN.replace("experts.1", "experts.9") + ".weight_scale_inv": torch.ones(1, 1)}))
     message = _refused(src, tmp_path / "out")
     assert "experts.9.down_proj.weight" in message and "INT4" in message
+
+
+def test_the_weight_shape_is_read_on_the_cpu_only(pairs):
+    """The pipeline moves a weight's `read_with` to the quantizing device: codes, scale, zero point; its 16-byte
+    weight_shape is checked from the mapped file (`check_stored`), yet is among the tensors read (`pieces`: a Hub
+    source frees a shard by them)."""
+    from prequant.checkpoint.quantized import pieces, read_with
+    from prequant.checkpoint.tensors import QuantizedWeight
+    from prequant.source.resolve import contents, resolve
+
+    src, _ = pairs("group", False)
+    refs = [t for t in contents(resolve(str(src))).tensors if isinstance(t, QuantizedWeight)]
+    assert refs
+    for ref in refs:
+        module = ref.name.removesuffix(".weight")
+        names = {part: f"{module}.weight_{part}" for part in ("packed", "scale", "shape", "zero_point")}
+        assert [t.name for t in read_with(ref)] == [names["packed"], names["scale"], names["zero_point"]]
+        assert [t.name for t in ref.checked] == [names["shape"]]
+        assert [t.name for t in pieces(ref)] == list(names.values())
