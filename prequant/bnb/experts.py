@@ -20,8 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from ..checkpoint import mxfp4
-from ..checkpoint.tensors import QuantizedWeight, TensorRef
+from ..checkpoint.tensors import TensorRef
 from ..errors import PrequantError
 from .layout import Decision, Layout
 from .loading import should_convert
@@ -50,7 +49,6 @@ def quantize_experts(layout: Layout, tensors: list[TensorRef]) -> Layout:
     router kept through `llm_int8_skip_modules`. A tensor of the experts that is not one 2-D weight per expert is
     refused (PrequantError naming it). Expert weights matched by the written skip list stay kept."""
     shapes = {t.name: tuple(t.shape) for t in tensors}
-    fused_mxfp4 = {t.name for t in tensors if isinstance(t, QuantizedWeight) and t.method == mxfp4.METHOD}
     written = list(layout.skip_modules or [])
     decisions = dict(layout.decisions)
     blocks: set[str] = set()
@@ -58,18 +56,13 @@ def quantize_experts(layout: Layout, tensors: list[TensorRef]) -> Layout:
         if d.quantize or not is_expert_tensor(name):
             continue
         m = expert_match(name)
-        if name in fused_mxfp4:
-            raise PrequantError(
-                f"{FLAG}: tensor {name!r} is a fused MXFP4 expert weight (gpt-oss); fused MXFP4 experts in 4-bit are "
-                f"not supported yet: convert without {FLAG}, and they stay 16-bit as transformers holds them "
-                "dequantized"
-            )
         if m is None or not d.fused or len(shapes[name]) != 2:
             shape = "x".join(map(str, shapes[name])) or "scalar"
             raise PrequantError(
                 f"{FLAG}: tensor {name!r} ({shape}) is not one 2-D Linear weight per expert, the only MoE layout "
-                "prequant quantizes (gpt-oss's biased, interleaved experts and Llama 4's transposed ones are not); "
-                f"convert without {FLAG}"
+                "prequant quantizes; fused experts (gpt-oss's, biased and interleaved, MXFP4 on disk or not; Llama 4's, "
+                f"transposed) are not supported in 4-bit: convert without {FLAG}, and they stay 16-bit as "
+                "transformers holds them"
             )
         blocks.add(m["block"])
         module = name.removesuffix(".weight")

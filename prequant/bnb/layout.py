@@ -222,7 +222,7 @@ def _key_mapper(model: object) -> Callable[[str], tuple[str, bool, Stacking | No
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        stacks = {pattern: _stacking(c, i) for c in converters for i, pattern in enumerate(c.source_patterns)}
+        stacks = _stacks(converters)
 
         def mapped(key: str) -> tuple[str, bool, Stacking | None]:
             new, pattern = rename_source_key(key, renamings, converters, prefix, params)
@@ -241,6 +241,15 @@ def _key_mapper(model: object) -> Callable[[str], tuple[str, bool, Stacking | No
         return plain
 
 
+def _stacks(converters: list) -> dict[str, Stacking | None]:
+    """Each converter source pattern's `Stacking`; none where transformers' converters no longer read as
+    `_stacking` expects (then the fused shapes go unchecked, and every renaming still applies)."""
+    try:
+        return {pattern: _stacking(c, i) for c in converters for i, pattern in enumerate(c.source_patterns)}
+    except Exception:  # noqa: BLE001 - an attribute or class of transformers' converters changed
+        return {}
+
+
 def _stacking(converter: object, part: int) -> Stacking | None:
     """How the converter of native MoE experts fuses the tensors of its source pattern `part` (each pattern's
     tensors stacked along a new dimension 0, the patterns then concatenated along one dimension: `MergeModulelist(0)`,
@@ -252,10 +261,10 @@ def _stacking(converter: object, part: int) -> Stacking | None:
     if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0 or "*" not in patterns[part]:
         return None
     if len(ops) == 1 and len(patterns) == 1:
-        return Stacking(part, 1, None, patterns)
+        return Stacking(part, None, patterns)
     if len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim >= 1:
         # In the stacked tensor, dimension d is each expert's dimension d - 1.
-        return Stacking(part, len(patterns), ops[1].dim - 1, patterns)
+        return Stacking(part, ops[1].dim - 1, patterns)
     return None
 
 

@@ -88,9 +88,12 @@ class Stacking:
     gate then up rows make `gate_up_proj [E, 2I, H]`. One per pattern, shared by every tensor it matches."""
 
     part: int  # which of the concatenated parts (the converter's source patterns) this pattern is
-    parts: int
     dim: int | None  # the per-expert dimension the parts are concatenated along (None: one part)
     patterns: tuple[str, ...]  # the converter's source pattern of each part, e.g. ".experts.*.w1.weight"
+
+    @property
+    def parts(self) -> int:
+        return len(self.patterns)
 
     @cached_property
     def _number(self) -> re.Pattern[str]:
@@ -111,11 +114,10 @@ def check_fused(param: str, shape: Sequence[int], members: Sequence[tuple[Tensor
         return
     experts = shape[0]
     layout = f"{model_name} built from config.json has {experts} experts in {param} {list(shape)}"
-    seen: dict[tuple[int, int], TensorRef] = {}
-    numbered: dict[int, tuple[TensorRef, int]] = {}  # part -> one of its tensors and its number
-    each = {f.part: _part_shape(shape, f) for _, f in members}
+    first, stacking = members[0]  # one converter's: every part shares its dim and patterns
+    expected = _part_shape(shape, stacking)
+    by_part: dict[int, dict[int, TensorRef]] = {}  # part -> expert number -> its tensor
     for t, f in members:
-        expected = each[f.part]
         if expected is not None and tuple(t.shape) != expected:
             raise PrequantError(
                 f"tensor {quote(t.name)} has shape {list(t.shape)}, but {model_name} built from config.json expects "
@@ -128,26 +130,25 @@ def check_fused(param: str, shape: Sequence[int], members: Sequence[tuple[Tensor
             raise PrequantError(
                 f"tensor {quote(t.name)} is expert {index}, but {layout}, numbered 0 to {experts - 1}; {_MISMATCH}",
                 where=t.file.name)
-        if (f.part, index) in seen:
+        held = by_part.setdefault(f.part, {})
+        if index in held:
             raise PrequantError(
-                f"tensor {quote(t.name)} is expert {index} of {param}, which {quote(seen[f.part, index].name)} "
+                f"tensor {quote(t.name)} is expert {index} of {param}, which {quote(held[index].name)} "
                 f"already is; {_MISMATCH}", where=t.file.name)
-        seen[f.part, index] = t
-        numbered.setdefault(f.part, (t, index))
-    if not numbered:
+        held[index] = t
+    if not by_part:
         return
-    first, stacking = members[0]
     for part in range(stacking.parts):
-        held = {i for p, i in seen if p == part}
+        held = by_part.get(part, {})
         missing = next((i for i in range(experts) if i not in held), None)
         if missing is None:
             continue
-        if part not in numbered:  # the checkpoint holds none of this part: named by the converter's pattern
+        if not held:  # the checkpoint holds none of this part: named by the converter's pattern
             pattern = stacking.patterns[part]
             raise PrequantError(
                 f"the checkpoint holds no tensor matching {pattern!r} for {param}, but {model_name} built from "
                 f"config.json takes one for each of its {experts} experts; {_MISMATCH}", where=first.file.name)
-        t, index = numbered[part]
+        index, t = next(iter(held.items()))
         raise PrequantError(
             f"tensor {quote(_renumbered(t.name, index, missing))} is missing: {layout}, and the checkpoint holds "
             f"{len(held)} of them ({quote(t.name)} is one); {_MISMATCH}", where=t.file.name)

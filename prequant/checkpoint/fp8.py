@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from ..errors import PrequantError
 from . import lookup
 from .lookup import ITEMSIZE, Each
-from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, quote
+from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, missing, quote
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,6 @@ SCALE = {BLOCK: "weight_scale_inv", CT: "weight_scale"}  # P.weight's scale is P
 PARTS = "a scale per weight"
 NONE = "no tensor is float8"
 SCALE_DTYPES = ("F32", "BF16", "F16")
-Scheme = tuple[str, "tuple[int, int] | None"]  # (method, block)
 
 
 def declares(qc: dict) -> bool:
@@ -48,12 +47,11 @@ def declares(qc: dict) -> bool:
     return qc.get("quant_method") == BLOCK or (qc.get("quant_method") == CT and qc.get("format") == "float-quantized")
 
 
-def group(tensors: list[TensorRef], scheme: Scheme, model_dtype: str) -> tuple[dict[str, QuantizedWeight], set[str]]:
-    """Each float8 weight as a `QuantizedWeight` (by its name) with its scale; and the names folded into them."""
-    method, block = scheme
+def group(tensors: list[TensorRef], qc: dict, model_dtype: str, where: object) -> dict[str, QuantizedWeight]:
+    """Each float8 weight as a `QuantizedWeight` (by its name) with its scale, as `qc` declares them."""
+    method, block = _scheme(qc, where)
     by_name = {t.name: t for t in tensors}
     made: dict[str, QuantizedWeight] = {}
-    folded: set[str] = set()
     for t in tensors:
         if not t.dtype.startswith("F8_"):
             continue
@@ -62,19 +60,11 @@ def group(tensors: list[TensorRef], scheme: Scheme, model_dtype: str) -> tuple[d
                                 "e4m3 (F8_E4M3) only: convert the original 16-bit checkpoint", where=t.file.name)
         scale = by_name.get(t.name.removesuffix("weight") + SCALE[method]) if t.name.endswith(".weight") else None
         if scale is None:
-            raise PrequantError(
-                f"float8 tensor {quote(t.name)} has no {SCALE[method]} beside it, and without its scales its values "
-                f"mean nothing; restore the missing tensor (or the shard holding it) and rerun", where=t.file.name)
+            raise missing("float8", t, SCALE[method])
         _check_scale(t, scale, method, block)
         made[t.name] = QuantizedWeight(t.name, model_dtype, t.shape, t.file, BIN_OFFSET,
                                        math.prod(t.shape) * ITEMSIZE[model_dtype], t, scale, method, block)
-        folded.add(scale.name)
-    return made, folded
-
-
-def companion(name: str) -> bool:
-    """Whether a tensor's name is that of a part of a quantized weight (which `group` must have folded)."""
-    return name.rpartition(".")[2].startswith("weight_")
+    return made
 
 
 def describe(ref: QuantizedWeight) -> str:
@@ -104,7 +94,7 @@ def dequantize(ref: QuantizedWeight, weight: torch.Tensor, scale: torch.Tensor,
                          lookup.starts(rows, cols, block, 256, device), each)
 
 
-def scheme(qc: dict, where: object) -> Scheme:
+def _scheme(qc: dict, where: object) -> tuple[str, tuple[int, int] | None]:
     """(method, block) of a declared FP8 quantization_config; refused where prequant cannot read it."""
     if qc["quant_method"] == CT:
         return CT, None

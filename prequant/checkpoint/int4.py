@@ -31,7 +31,7 @@ from ..errors import PrequantError
 from . import lookup
 from .fp8 import CT, SCALE_DTYPES
 from .lookup import ITEMSIZE, Each
-from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, quote
+from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, missing, quote
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +58,7 @@ def declares(qc: dict) -> bool:
     return qc.get("quant_method") == CT and qc.get("format") == FORMAT
 
 
-def scheme(qc: dict, where: object) -> Scheme:
+def _scheme(qc: dict, where: object) -> Scheme:
     """The weights' scheme of a pack-quantized `quantization_config`, one for every config group; refused (naming
     the field) where prequant cannot read it."""
     groups = qc.get("config_groups")
@@ -92,13 +92,12 @@ def scheme(qc: dict, where: object) -> Scheme:
     return found.pop()
 
 
-def group(tensors: list[TensorRef], scheme: Scheme,
-          model_dtype: str) -> tuple[dict[str, QuantizedWeight], set[str]]:
+def group(tensors: list[TensorRef], qc: dict, model_dtype: str, where: object) -> dict[str, QuantizedWeight]:
     """Each `P.weight_packed` as a `QuantizedWeight` named `P.weight` (by the name of its `weight_packed`), with its
-    scale, shape and zero point; and the names folded into them."""
+    scale, shape and zero point, in the scheme `qc` declares."""
+    scheme = _scheme(qc, where)
     by_name = {t.name: t for t in tensors}
     made: dict[str, QuantizedWeight] = {}
-    folded: set[str] = set()
     for t in tensors:
         if not t.name.endswith(".weight_packed"):
             continue
@@ -108,47 +107,45 @@ def group(tensors: list[TensorRef], scheme: Scheme,
         for part in parts:
             found[part] = by_name.get(f"{module}.{part}")
             if found[part] is None:
-                raise PrequantError(
-                    f"INT4 tensor {quote(t.name)} has no {part} beside it, and without it its codes mean nothing; "
-                    "restore the missing tensor (or the shard holding it) and rerun", where=t.file.name)
+                raise missing("INT4", t, part)
         shape = _check(t, found["weight_scale"], found["weight_shape"], found.get("weight_zero_point"), scheme)
         block = {"group": (1, scheme.group_size), "channel": (1, shape[1]), "tensor": None}[scheme.strategy]
-        extra = (found["weight_shape"],) + (() if scheme.symmetric else (found["weight_zero_point"],))
+        extra = () if scheme.symmetric else (found["weight_zero_point"],)
         made[t.name] = QuantizedWeight(f"{module}.weight", model_dtype, shape, t.file, BIN_OFFSET,
                                        shape[0] * shape[1] * ITEMSIZE[model_dtype], t, found["weight_scale"], METHOD,
-                                       block, extra)
-        folded.update(f.name for f in found.values() if f is not None)
-    return made, folded
-
-
-def companion(name: str) -> bool:
-    """Whether a tensor's name is that of a part of a quantized weight (which `group` must have folded)."""
-    return name.rpartition(".")[2].startswith("weight_")
+                                       block, extra, (found["weight_shape"],))
+    return made
 
 
 def describe(ref: QuantizedWeight) -> str:
     """The format of `ref`, for the model card."""
     per = (f"groups of {ref.block[1]}" if ref.block and ref.block[1] != ref.shape[1] else
            "per channel" if ref.block else "per tensor")
-    return f"compressed-tensors INT4 pack-quantized ({per}{'' if len(ref.extra) == 1 else ', asymmetric'})"
+    return f"compressed-tensors INT4 pack-quantized ({per}{', asymmetric' if ref.extra else ''})"
 
 
-def dequantize(ref: QuantizedWeight, packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor,
+def check(ref: QuantizedWeight, shape: torch.Tensor) -> None:
+    """Refuses `ref` where its stored `weight_shape` (a CPU view) is not the [rows, cols] its codes and scale make."""
+    rows, cols = ref.shape
+    if shape.tolist() != [rows, cols]:
+        raise PrequantError(
+            f"tensor {quote(ref.checked[0].name)} holds {shape.tolist()}, but its weight_packed and weight_scale make "
+            f"a [{rows}, {cols}] weight (prequant reads widths that are a multiple of 8 per channel or tensor); the "
+            "checkpoint is damaged or of a layout prequant does not read: re-download it, or convert the original "
+            "16-bit checkpoint", where=ref.stored.file.name)
+
+
+def dequantize(ref: QuantizedWeight, packed: torch.Tensor, scale: torch.Tensor,
                zero_point: torch.Tensor | None = None, each: Each | None = None) -> torch.Tensor:
-    """The 16-bit tensor of `ref` from its stored `weight_packed`, `weight_scale`, `weight_shape` and zero point, on
-    the codes' device: `(code - zero point) * scale` in float32, rounded to a 16-bit scale's dtype, then to the
-    model's. A table of 16 values per scale (`lookup`); `each` runs the pieces of rows (`lookup.lookup`)."""
+    """The 16-bit tensor of `ref` from its stored `weight_packed`, `weight_scale` and zero point, on the codes'
+    device (its `weight_shape` is `check`ed before): `(code - zero point) * scale` in float32, rounded to a 16-bit
+    scale's dtype, then to the model's. A table of 16 values per scale (`lookup`); `each` runs the pieces of rows
+    (`lookup.lookup`)."""
     import torch
 
     from .dtypes import SAFETENSORS_DTYPES
 
     rows, cols = ref.shape
-    if shape.tolist() != [rows, cols]:
-        raise PrequantError(
-            f"tensor {quote(ref.scale.name.removesuffix('scale') + 'shape')} holds {shape.tolist()}, but its "
-            f"weight_packed and weight_scale make a [{rows}, {cols}] weight (prequant reads widths that are a multiple "
-            "of 8 per channel or tensor); the checkpoint is damaged or of a layout prequant does not read: "
-            "re-download it, or convert the original 16-bit checkpoint", where=ref.stored.file.name)
     device = packed.device
     codes = torch.arange(16, dtype=torch.float32, device=device)
     if zero_point is None:
@@ -184,6 +181,10 @@ def _check(w: TensorRef, s: TensorRef, shape: TensorRef, zp: TensorRef | None, s
         wanted: tuple[tuple[int, ...], ...] = ((rows, -(-words * 8 // scheme.group_size)),)
         ok = len(s.shape) == 2 and s.shape[0] == rows and -(-cols // 8) == words
         layout = f"one per group of {scheme.group_size}"
+        if not ok and tuple(s.shape) in wanted:  # the scale is what the codes take, but its groups want other codes
+            raise PrequantError(
+                f"tensor {quote(w.name)} has shape {list(w.shape)}, but its scale {quote(s.name)} {list(s.shape)} "
+                f"({layout}) takes int32 {[rows, -(-cols // 8)]}; {fix}", where=w.file.name)
     else:
         cols = words * 8
         wanted = ((rows, 1),) if scheme.strategy == "channel" else ((1,), ())

@@ -45,18 +45,21 @@ def starts(rows: int, cols: int, block: tuple[int, int] | None, codes: int,
 
 def lookup(table: torch.Tensor, shape: tuple[int, int], index: Callable[[int, int], torch.Tensor],
            begin: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-           each: Each | None = None) -> torch.Tensor:
+           each: Each | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The [rows, cols] tensor of `table`'s dtype, on its device, whose rows a..b are `table[index(a, b) + begin]`:
     `index(a, b)` gives those rows' codes as a fresh int32 [b - a, cols] tensor, `begin` the table offsets of `starts`.
     `each(count, work)` runs `work(i)` for every piece of rows i (default: one after the other; the pipeline passes
-    its CPU threads)."""
+    its CPU threads). `out`, where given, is the [rows, cols] tensor written and returned (a strided view, such as a
+    transposed tensor's, takes each piece through a piece-sized copy)."""
     import torch
 
     rows, cols = shape
-    out = torch.empty(shape, dtype=table.dtype, device=table.device)
+    if out is None:
+        out = torch.empty(shape, dtype=table.dtype, device=table.device)
     if out.numel() == 0:
         return out
-    flat, (row_start, col_start) = out.view(-1), begin
+    flat = out.view(-1) if out.is_contiguous() else None
+    row_start, col_start = begin
     step = max(1, (CUDA_PIECE if table.device.type == "cuda" else CPU_PIECE) // cols)
 
     def piece(i: int) -> None:
@@ -66,7 +69,10 @@ def lookup(table: torch.Tensor, shape: tuple[int, int], index: Callable[[int, in
             at += row_start[a:b]
         if col_start is not None:
             at += col_start
-        torch.index_select(table, 0, at.view(-1), out=flat[a * cols : b * cols])
+        if flat is not None:
+            torch.index_select(table, 0, at.view(-1), out=flat[a * cols : b * cols])
+        else:
+            out[a:b] = torch.index_select(table, 0, at.view(-1)).view(b - a, cols)
 
     (each or one_by_one)(-(-rows // step), piece)
     return out

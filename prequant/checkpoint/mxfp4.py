@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ..errors import PrequantError
 from . import lookup
 from .lookup import ITEMSIZE, Each
-from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, quote
+from .tensors import BIN_OFFSET, QuantizedWeight, TensorRef, missing, quote
 
 if TYPE_CHECKING:
     import torch
@@ -42,40 +42,25 @@ def declares(qc: dict) -> bool:
     return qc.get("quant_method") == METHOD
 
 
-def scheme(qc: dict, where: object) -> None:
-    """MXFP4 has one layout: nothing in its `quantization_config` changes how its tensors read."""
-    return None
-
-
-def group(tensors: list[TensorRef], scheme: None, model_dtype: str) -> tuple[dict[str, QuantizedWeight], set[str]]:
-    """Each `X_blocks` as a `QuantizedWeight` named `X` (by the name of its blocks) with its scales; and the names
-    folded into them."""
+def group(tensors: list[TensorRef], qc: dict, model_dtype: str, where: object) -> dict[str, QuantizedWeight]:
+    """Each `X_blocks` as a `QuantizedWeight` named `X` (by the name of its blocks) with its scales. MXFP4 has one
+    layout: nothing in its `qc` changes how its tensors read."""
     by_name = {t.name: t for t in tensors}
     made: dict[str, QuantizedWeight] = {}
-    folded: set[str] = set()
     for t in tensors:
         if not t.name.endswith("_blocks"):
             continue
         name = t.name.removesuffix("_blocks")
         scales = by_name.get(name + "_scales")
         if scales is None:
-            raise PrequantError(
-                f"MXFP4 tensor {quote(t.name)} has no {quote(name + '_scales')} beside it, and without its scales its "
-                "codes mean nothing; restore the missing tensor (or the shard holding it) and rerun",
-                where=t.file.name)
+            raise missing("MXFP4", t, quote(name + "_scales"))
         _check(t, scales)
         experts, rows, groups, _ = t.shape
         shape = (experts, groups * PER_SCALE, rows)
         made[t.name] = QuantizedWeight(name, model_dtype, shape, t.file, BIN_OFFSET,
                                        experts * rows * groups * PER_SCALE * ITEMSIZE[model_dtype], t, scales,
                                        METHOD, None)
-        folded.add(scales.name)
-    return made, folded
-
-
-def companion(name: str) -> bool:
-    """Whether a tensor's name is that of a part of an MXFP4 weight (which `group` must have folded)."""
-    return name.endswith(("_blocks", "_scales"))
+    return made
 
 
 def describe(ref: QuantizedWeight) -> str:
@@ -100,15 +85,17 @@ def dequantize(ref: QuantizedWeight, blocks: torch.Tensor, scales: torch.Tensor,
     # [256 exponents, 16 codes], by torch.ldexp as the reference (its operands full-size: it resizes no output)
     table = torch.ldexp(values.expand(256, 16).contiguous(), exponents.unsqueeze(1).expand(256, 16).contiguous())
     table = table.to(SAFETENSORS_DTYPES[ref.dtype]).reshape(-1)
-    codes = blocks.reshape(experts * rows, groups * width)
-    exps = scales.reshape(experts * rows, groups)
+    out = torch.empty((experts, cols, rows), dtype=table.dtype, device=device)  # as transformers holds it
+    for e in range(experts):  # each expert's [rows, cols] written transposed into its place: no full-size copy
+        codes, exps = blocks[e].reshape(rows, groups * width), scales[e]
 
-    def index(a: int, b: int) -> torch.Tensor:
-        at = lookup.nibbles(codes[a:b], cols)
-        return at.add_(exps[a:b].to(torch.int32).mul_(16).repeat_interleave(PER_SCALE, dim=1))
+        def index(a: int, b: int, codes: torch.Tensor = codes, exps: torch.Tensor = exps) -> torch.Tensor:
+            at = lookup.nibbles(codes[a:b], cols)
+            at.view(b - a, groups, PER_SCALE).add_(exps[a:b].to(torch.int32).mul_(16).unsqueeze(-1))
+            return at
 
-    out = lookup.lookup(table, (experts * rows, cols), index, each=each)
-    return out.view(experts, rows, cols).transpose(1, 2).contiguous()
+        lookup.lookup(table, (rows, cols), index, each=each, out=out[e].t())
+    return out
 
 
 def _check(blocks: TensorRef, scales: TensorRef) -> None:

@@ -21,7 +21,7 @@ Standard library only at import: `hf_files` (read before torch is imported) asks
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -65,12 +65,11 @@ def as_16bit(tensors: list[TensorRef], config: dict, where: object = "config.jso
     form = _format(qc)
     if form is None:
         return tensors, config
-    scheme = form.scheme(qc, where)
-    model_dtype = _model_dtype(config, where)
-    made, folded = form.group(tensors, scheme, model_dtype)  # by the name of the stored tensor it takes the place of
+    made = form.group(tensors, qc, _model_dtype(config, where), where)  # by the name of the stored tensor it replaces
     if not made:
         raise PrequantError(f"config.json declares {form.NAME} weights but {form.NONE}; remove its "
                             "quantization_config if the weights are 16-bit", where=where)
+    folded = {piece.name for ref in made.values() for piece in (ref.scale, *ref.checked, *ref.extra)}
     owners = {ref.name: stored for stored, ref in made.items()}  # a weight's name -> its stored tensor's
     riders: dict[str, list[TensorRef]] = {}
     last: str | None = None  # the quantized weight before, in file order: what a parameter of no such module goes with
@@ -84,7 +83,7 @@ def as_16bit(tensors: list[TensorRef], config: dict, where: object = "config.jso
             owner = owners.get(module + ".weight") or last or next(iter(made))
             riders.setdefault(owner, []).append(t)
             folded.add(t.name)
-        elif t.dtype.startswith("F8_") or any(other.companion(t.name) for other in FORMATS):
+        elif t.dtype.startswith("F8_") or _companion(t.name):
             raise PrequantError(
                 f"tensor {quote(t.name)} ({t.dtype}) is not a part of {form.NAME} weights that prequant can read "
                 f"({form.PARTS}, activation parameters aside), and config.json declares no other format; the "
@@ -107,8 +106,7 @@ def stored(tensors: Iterable[TensorRef]) -> list[TensorRef]:
 def pieces(ref: TensorRef) -> Iterator[TensorRef]:
     """The stored tensors a tensor of the plan is read from (itself, unless a quantized weight)."""
     if isinstance(ref, QuantizedWeight):
-        yield from read_with(ref)
-        yield from ref.riders
+        yield from (ref.stored, ref.scale, *ref.checked, *ref.extra, *ref.riders)
     else:
         yield ref
 
@@ -116,6 +114,13 @@ def pieces(ref: TensorRef) -> Iterator[TensorRef]:
 def read_with(ref: QuantizedWeight) -> tuple[TensorRef, ...]:
     """The stored tensors `dequantize` takes, in its order: the codes, the scale, then the format's others."""
     return (ref.stored, ref.scale, *ref.extra)
+
+
+def check_stored(ref: QuantizedWeight, view: Callable[[TensorRef], torch.Tensor]) -> None:
+    """Refuses `ref` where a stored tensor read on the CPU only (`QuantizedWeight.checked`: INT4's shape) disagrees
+    with it; `view` gives a stored tensor as a CPU view. Called before its other stored tensors are read."""
+    if ref.checked:
+        _by_method(ref.method).check(ref, *(view(t) for t in ref.checked))
 
 
 def dequantize(ref: QuantizedWeight, *parts: torch.Tensor, each: Each | None = None) -> torch.Tensor:
@@ -160,6 +165,12 @@ class Reading:
 
     def __exit__(self, *exc: object) -> None:
         self.data.__exit__(*exc)
+
+
+def _companion(name: str) -> bool:
+    """Whether a tensor's name is that of a part of a quantized weight in some format read here (`P.weight_*`,
+    MXFP4's `X_blocks` and `X_scales`): left over once the declared format's weights are grouped, it is refused."""
+    return name.rpartition(".")[2].startswith("weight_") or name.endswith(("_blocks", "_scales"))
 
 
 def _format(qc: Any) -> Any:

@@ -90,6 +90,7 @@ class TensorReader:
         """The tensor as a CPU view over the memory-mapped file (no copy); a quantized weight as the 16-bit tensor
         it dequantizes to (a copy: the conversion's pipeline reads its stored tensors instead, for its own device)."""
         if isinstance(ref, QuantizedWeight):
+            quantized.check_stored(ref, self.view)
             return quantized.dequantize(ref, *(self.view(piece) for piece in quantized.read_with(ref)))
         dtype = SAFETENSORS_DTYPES[ref.dtype]
         if ref.nbytes == 0:

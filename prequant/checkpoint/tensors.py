@@ -42,7 +42,8 @@ class QuantizedWeight(TensorRef):
     scale: TensorRef
     method: str  # the format: `fp8.BLOCK`, `fp8.CT`, `int4.METHOD`, `mxfp4.METHOD`
     block: tuple[int, int] | None  # elements per scale, rows by columns, where the format has blocks or groups
-    extra: tuple[TensorRef, ...] = ()  # other stored tensors its dequantization reads (INT4's shape, zero point)
+    extra: tuple[TensorRef, ...] = ()  # other stored tensors its dequantization reads (INT4's zero point)
+    checked: tuple[TensorRef, ...] = ()  # stored tensors read on the CPU only, to check it (INT4's shape)
     riders: tuple[TensorRef, ...] = ()  # activation parameters of its module, dropped with it
 
 
@@ -59,6 +60,13 @@ def merge(per_file: Iterable[list[TensorRef]], fix: str) -> list[TensorRef]:
             seen[ref.name] = ref
             ordered.append(ref)
     return ordered
+
+
+def missing(kind: str, ref: TensorRef, part: str) -> PrequantError:
+    """The refusal of quantized `ref` (a `kind` tensor: "float8", "INT4", "MXFP4") whose `part` is not in the
+    checkpoint."""
+    return PrequantError(f"{kind} tensor {quote(ref.name)} has no {part} beside it, and without it its values mean "
+                         "nothing; restore the missing tensor (or the shard holding it) and rerun", where=ref.file.name)
 
 
 def quote(name: str, limit: int = 200) -> str:

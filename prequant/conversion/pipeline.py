@@ -36,7 +36,7 @@ from ..bnb.kernels import _parallel
 from ..bnb.quantize import Quantizer
 from ..bnb.starting import Starting, ready
 from ..checkpoint.dtypes import SAFETENSORS_DTYPES
-from ..checkpoint.quantized import dequantize, read_with
+from ..checkpoint.quantized import check_stored, dequantize, read_with
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.tensors import BIN_OFFSET, QuantizedWeight, TensorRef
 from ..util import failpoints, pagecache, trace
@@ -154,8 +154,9 @@ def run(
                 changed = transform is not None and transform.applies(step)
                 if isinstance(step.source, QuantizedWeight):  # its stored tensors, dequantized on the device
                     parts = read_with(step.source)
-                    for part in parts[1:]:
+                    for part in (*parts[1:], *step.source.checked):
                         source.prepare(part.file, failed)
+                    check_stored(step.source, source.view)  # on the CPU: no device round trip
                     loads = [load(part) for part in parts]
                     data = (tuple(t for t, _ in loads), loads[-1][1])  # each copy follows the one before on the stream
                 elif step.quantize or step.decision.dtype or changed:  # through the quantizing device

@@ -41,8 +41,8 @@ def compare_source(
     """Compare the output's tensors (`refs`, `groups`) with the source `spec`'s, filing what differs in `report`.
     `transposed`: prequant.json's record of the tensors quantized transposed (None when it has none)."""
     src = resolve(spec)
-    src_refs = _as_16bit(src, scan_files(src.weight_files))
-    found = _source_transposed(src, src_refs, report, recorded=transposed is not None)
+    src_refs, config = _as_16bit(src, scan_files(src.weight_files))
+    found = _source_transposed(src, src_refs, config, report, recorded=transposed is not None)
     if transposed is None:
         transposed = found
         if transposed is None:
@@ -94,14 +94,16 @@ def compare_source(
     }
 
 
-def _source_transposed(src: Source, src_refs: list[TensorRef], report: Report, *, recorded: bool) -> list[str] | None:
+def _source_transposed(src: Source, src_refs: list[TensorRef], config: dict | None, report: Report, *,
+                       recorded: bool) -> list[str] | None:
     """The tensors convert quantizes transposed, from the source's layout decided as convert decides it (remote code
     never run; no skip list, which never changes how a tensor is laid out), which checks every tensor against the
     model config.json builds as convert does (shapes; MoE experts missing, extra or shaped otherwise); None, with
-    the problem reported, if the source is refused. `recorded`: prequant.json records the transposed tensors (then
-    a refused source is reported as such and the comparison goes on; else nothing can be compared)."""
+    the problem reported, if the source is refused. `config`: the source's as convert reads it (`_as_16bit`), None
+    where it is unreadable. `recorded`: prequant.json records the transposed tensors (then a refused source is
+    reported as such and the comparison goes on; else nothing can be compared)."""
     try:
-        layout, _ = decide(read_config(src.path), src.path, src_refs, [])
+        layout, _ = decide(config if config is not None else read_config(src.path), src.path, src_refs, [])
     except PrequantError as e:
         if recorded:
             report.fail(f"source {e.where}" if e.where else "source", f"{e.detail} (convert refuses this source)")
@@ -174,11 +176,13 @@ def _same_bytes(out: torch.Tensor, source: torch.Tensor, chunk: int = 1 << 24) -
     )
 
 
-def _as_16bit(src: Source, refs: list[TensorRef]) -> list[TensorRef]:
-    """A quantized source's weights as the 16-bit tensors they stand for (their scales folded into them); any other source's
-    tensors as they are (a source without a readable config.json is reported where the layout is needed)."""
+def _as_16bit(src: Source, refs: list[TensorRef]) -> tuple[list[TensorRef], dict | None]:
+    """The source as convert reads it (`quantized.as_16bit`): a quantized source's weights as the 16-bit tensors they
+    stand for (their scales folded into them) and its config.json without the quantization_config; any other
+    source's as they are. A source without a readable config.json: its tensors and None (reported where the layout
+    is needed)."""
     try:
         config = read_config(src.path)
     except PrequantError:
-        return refs
-    return quantized.as_16bit(refs, config)[0] if quantized.declared(config.get("quantization_config")) else refs
+        return refs, None
+    return quantized.as_16bit(refs, config)

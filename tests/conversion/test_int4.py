@@ -43,9 +43,23 @@ def _converted(src: Path, ref: Path, out: Path, **options) -> tuple[dict[str, by
 
 @pytest.mark.parametrize("strategy, symmetric", SCHEMES)
 @pytest.mark.parametrize("experts", [False, True])
-def test_converting_int4_is_converting_compressed_tensors_decompression(pairs, tmp_path, strategy, symmetric,
-                                                                          experts):
+def test_converting_int4_is_converting_compressed_tensors_decompression(pairs, tmp_path, monkeypatch, strategy,
+                                                                          symmetric, experts):
+    """Each weight dequantized in several pieces of rows, on two CPU threads (as the pipeline runs a large one)."""
+    from prequant.bnb.kernels import _parallel
+    from prequant.checkpoint import lookup
+
+    monkeypatch.setattr(lookup, "CPU_PIECE", 100)  # 3 rows of 32 columns a piece: edges inside the weights
+    monkeypatch.setattr(_parallel, "THREADS", 2)
+    run, pieces = _parallel.run, []
+
+    def on_threads(count, work):
+        pieces.append(count)
+        run(count, work)
+
+    monkeypatch.setattr(_parallel, "run", on_threads)
     got, wanted = _converted(*pairs(strategy, symmetric), tmp_path, quantize_experts=experts)
+    assert max(pieces) > 1
     assert len([n for n in got if n.endswith(".safetensors")]) > 1  # sharded, index included
     assert got.keys() == wanted.keys()
     for name in wanted:
@@ -54,23 +68,6 @@ def test_converting_int4_is_converting_compressed_tensors_decompression(pairs, t
     expert = "model.layers.1.mlp.experts.3.down_proj.weight"
     assert (expert + ".absmax" in keys) == experts and expert in keys  # 4-bit with the flag, else kept 16-bit
     assert not [k for k in keys if k.rpartition(".")[2].startswith("weight_")]
-
-
-def test_kept_int4_experts_are_the_decompressed_weights(pairs, tmp_path):
-    """Without --quantize-experts an expert is written as its 16-bit dequantization: the reference's bytes."""
-    src, ref = pairs(*KIMI)
-    prequant.convert(src, tmp_path / "out", device="cpu", progress=False)
-    name = "model.layers.1.mlp.experts.2.up_proj.weight"
-    from safetensors import safe_open
-
-    def tensor(folder: Path) -> torch.Tensor:
-        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"] if (
-            folder / "model.safetensors.index.json").exists() else {name: "model.safetensors"}
-        with safe_open(folder / index[name], "pt") as f:
-            return f.get_tensor(name)
-
-    got, wanted = tensor(tmp_path / "out"), tensor(ref)
-    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), wanted.view(torch.int16))
 
 
 def test_config_and_card_say_what_the_source_was(pairs, tmp_path):
@@ -139,6 +136,8 @@ def test_truncated_codes_are_refused_naming_the_tensor(pairs, tmp_path):
     write_safetensors(path, {k: tensors[k] for k in order})
     message = _refused(src, tmp_path / "out")
     assert repr(DOWN + ".weight_packed") in message and "shape" in message
+    assert "takes int32 [64, 4]" in message  # the codes' expected shape, [rows, ceil(cols/8)]
+    assert "scale " + repr(DOWN + ".weight_scale") + " has" not in message  # the scale is not the one blamed
 
 
 def test_a_weight_shape_that_disagrees_is_refused_naming_it(pairs, tmp_path):
@@ -234,3 +233,22 @@ def test_a_weight_of_another_format_is_refused_naming_it(pairs, tmp_path):
                                    DOWN.replace("experts.1", "experts.9") + ".weight_scale_inv": torch.ones(1, 1)}))
     message = _refused(src, tmp_path / "out")
     assert "experts.9.down_proj.weight" in message and "INT4" in message
+
+
+def test_the_weight_shape_is_read_on_the_cpu_only(pairs):
+    """The pipeline moves a weight's `read_with` to the quantizing device: codes, scale, zero point; its 16-byte
+    weight_shape is checked from the mapped file (`check_stored`), yet is among the tensors read (`pieces`: a Hub
+    source frees a shard by them)."""
+    from prequant.checkpoint.quantized import pieces, read_with
+    from prequant.checkpoint.tensors import QuantizedWeight
+    from prequant.source.resolve import contents, resolve
+
+    src, _ = pairs("group", False)
+    refs = [t for t in contents(resolve(str(src))).tensors if isinstance(t, QuantizedWeight)]
+    assert refs
+    for ref in refs:
+        module = ref.name.removesuffix(".weight")
+        names = {part: f"{module}.weight_{part}" for part in ("packed", "scale", "shape", "zero_point")}
+        assert [t.name for t in read_with(ref)] == [names["packed"], names["scale"], names["zero_point"]]
+        assert [t.name for t in ref.checked] == [names["shape"]]
+        assert [t.name for t in pieces(ref)] == list(names.values())

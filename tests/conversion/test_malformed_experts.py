@@ -5,6 +5,7 @@ than the config's count, one of another size) are refused before OUTPUT_DIR is c
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -130,3 +131,23 @@ def test_verify_against_a_malformed_source_fails_naming_its_tensor(good, tmp_pat
     assert problem.startswith("source model.safetensors: ") and "config.json" in problem, report.to_text()
     code, stdout, _ = run_main("verify", str(out), "--source", str(src))
     assert code == 1 and "FAILED" in stdout and any(name in stdout for name in concerned), stdout
+
+
+
+def test_converters_of_another_shape_cost_the_fused_checks_not_the_renaming(good, monkeypatch):
+    """A transformers whose experts' converters read otherwise than `_stacking` expects: transformers' layout still
+    renames every key (the experts still fused), only the fused shapes go unchecked."""
+    from prequant.bnb import layout
+    from prequant.checkpoint.reader import scan_files
+
+    def changed(converter, part):
+        raise AttributeError("operations")
+
+    src = good("mixtral")
+    config, tensors = json.loads((src / "config.json").read_text()), scan_files(sorted(src.glob("*.safetensors")))
+    wanted = layout.analyze(config, src, tensors, [])
+    monkeypatch.setattr(layout, "_stacking", changed)
+    got = layout.analyze(config, src, tensors, [])
+    assert got.decisions == wanted.decisions
+    experts = [t.name for t in tensors if ".experts.0." in t.name]
+    assert experts and all(got.decisions[name].fused for name in experts)
