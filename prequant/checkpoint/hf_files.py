@@ -69,7 +69,8 @@ def read_weight_map(index: Path) -> dict[str, str]:
 
 
 def shard_names(root: object, index: Path) -> list[str]:
-    """The shard file names an index's weight_map names, in first-mention order; each a plain file name."""
+    """The shard file names an index's weight_map names, sorted as transformers loads them (`model-00001-of-...`
+    first: a sorted weight_map names the last shard first, for lm_head); each a plain file name."""
     weight_map = read_weight_map(index)
     files: dict[str, None] = {}
     for filename in weight_map.values():
@@ -88,7 +89,7 @@ def shard_names(root: object, index: Path) -> list[str]:
         files[filename] = None
     if not files:
         raise PrequantError("the index lists no tensors; re-download it", where=index)
-    return list(files)
+    return sorted(files)
 
 
 def _plain_file_name(name: str) -> bool:

@@ -637,8 +637,9 @@ def test_bad_input_is_refused_cleanly(case: Case, checkpoints, tmp_path: Path) -
 def test_symlinked_shards_like_the_hub_cache_are_accepted(checkpoints, tmp_path: Path) -> None:
     """The Hub cache's snapshot folders hold symlinks into ../../blobs: not an escape, a normal source."""
     template = checkpoints("llama", SHARDED)
-    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
-    blobs.mkdir()
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
     for f in template.iterdir():
         blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
@@ -647,8 +648,8 @@ def test_symlinked_shards_like_the_hub_cache_are_accepted(checkpoints, tmp_path:
     proc = run_cli("convert", str(snapshot), str(tmp_path / "out"), "--device", "cpu", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "out").exists()
-    # A real conversion through the links gives the bytes of the same source held as plain files (same folder
-    # name, so that the card, which names the base model after it, is the same too).
+    # A real conversion through the links gives the bytes of the same source held as plain files; the card names
+    # the cached repo as the base model.
     plain = tmp_path / "plain-source" / snapshot.name
     shutil.copytree(template, plain)
     assert not any(p.is_symlink() for p in plain.iterdir()) and all(p.is_symlink() for p in snapshot.iterdir())
@@ -665,10 +666,12 @@ def test_symlinked_shards_like_the_hub_cache_are_accepted(checkpoints, tmp_path:
     assert files == sorted(p.name for p in plain_out.iterdir())
     assert {"model.safetensors", "config.json", "README.md", "prequant.json"} <= set(files)  # one output shard
     for f in files:
-        if f != "prequant.json":  # it records the source's path
+        if f not in ("prequant.json", "README.md"):  # they record the source's path and name
             assert (linked / f).read_bytes() == (plain_out / f).read_bytes(), f
+    assert "base_model: org/tiny" in (linked / "README.md").read_text()
     ours, theirs = (json.loads((d / "prequant.json").read_text()) for d in (linked, plain_out))
-    assert ours["files"] == theirs["files"]  # every output file's size and sha256
+    ours["files"].pop("README.md"), theirs["files"].pop("README.md")
+    assert ours["files"] == theirs["files"]  # every other output file's size and sha256
 
 
 def test_errors_show_a_traceback_with_prequant_debug(tmp_path: Path) -> None:

@@ -178,8 +178,10 @@ def test_push_uploads_shards_while_converting(logged_in: HubServer, checkpoints,
     logged_in.add_repo("org/tiny", {p.name: p for p in source.iterdir() if p.is_file()})
     held = logged_in.fail(("org/tiny"), shards[-1].name, "hold", after_bytes=1000, times=1, ranged=False)
     out = tmp_path / "out"
+    # The client's read timeout outlasts the hold: a loaded machine's first upload may come after the default 10 s,
+    # and a timed-out download would resume with a ranged request the hold lets through.
     proc = start_cli("convert", "org/tiny", str(out), "--device", "cpu", "--max-shard-size", "30KB",
-                     "--push-to-hub", PUSHED, "--json")
+                     "--push-to-hub", PUSHED, "--json", env={"HF_HUB_DOWNLOAD_TIMEOUT": "120"})
     try:
         while not _object_uploads(logged_in) and proc.poll() is None and not held.release.is_set():
             time.sleep(0.01)
