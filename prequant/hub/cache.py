@@ -19,6 +19,7 @@ from huggingface_hub import constants
 
 from .. import settings
 from ..errors import PrequantError
+from ..util import failpoints
 
 try:  # Per-commit file listing cache (huggingface_hub >= 2.x; snapshot_download writes it too)
     from huggingface_hub._tree_cache import TreeCacheEntry, read_tree_cache, write_tree_cache
@@ -154,13 +155,17 @@ def blob_of(repo_id: str, pointer: Path) -> Path | None:
 
 
 def evict(repo_id: str, sha: str, filename: str) -> None:
-    """Delete a downloaded file (its snapshot link and blob) from the cache; does nothing if absent."""
+    """Delete a downloaded file (its blob, then its snapshot link) from the cache; does nothing if absent.
+
+    The blob goes first: a process killed in between leaves a dangling link, which the next download of the file
+    replaces and a resumed conversion removes, never a blob that no link names (a shard's worth of disk that no run
+    would find again)."""
     pointer = snapshot_path(repo_id, sha, filename)
     if pointer.is_symlink():
-        blob = blob_of(repo_id, pointer)
-        pointer.unlink()
-        if blob is not None:
+        if (blob := blob_of(repo_id, pointer)) is not None:
             blob.unlink(missing_ok=True)
+        failpoints.hit("blob-evicted")
+        pointer.unlink(missing_ok=True)
     elif pointer.is_file():  # no-symlink caches keep the file itself in the snapshot
         pointer.unlink()
 

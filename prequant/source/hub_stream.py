@@ -163,12 +163,17 @@ class HubShardReader(TensorReader):
 
     def claim(self, names: Iterable[str]) -> None:
         """Shards that an interrupted run of this conversion downloaded (its journal says which): with delete, this
-        run's to delete once converted, as if it had downloaded them itself. Call before the first read."""
+        run's to delete once converted, as if it had downloaded them itself; the link of one whose eviction the
+        interruption cut short (its blob gone) is removed. Call before the first read."""
         wanted = set(names)
         with self._cond:
             for path in self._planned:
-                if self._name(path) in wanted and path not in self.scratch.owned and path.is_file():
+                if self._name(path) not in wanted or path in self.scratch.owned:
+                    continue
+                if path.is_file():
                     self.scratch.owned[path] = path.resolve()
+                elif path.is_symlink():
+                    cache.evict(self.hub.repo_id, self.hub.sha, self._name(path))
 
     def on_download(self, record: Callable[[str], None]) -> None:
         """Call `record(name)` for each shard this run begins to download into the cache, before its first byte

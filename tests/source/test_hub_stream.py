@@ -6,6 +6,7 @@ repo (revisions, missing files, offline, tokens) is test_hub_repo.py's."""
 from __future__ import annotations
 
 import hashlib
+import signal
 import json
 import os
 import shutil
@@ -763,8 +764,8 @@ def test_a_run_killed_mid_shard_leaves_nothing_that_looks_complete_and_resumes(
         for blob in blobs.iterdir():  # what the cache holds under a shard's etag is that shard, whole
             if blob.name in etags:
                 assert blob.read_bytes() == etags[blob.name]
-        for link in cache_repo(REPO).glob("snapshots/*/*.safetensors"):
-            assert link.resolve().name in etags and link.resolve().is_file()
+        for link in cache_repo(REPO).glob("snapshots/*/*.safetensors"):  # a whole shard, or one being evicted
+            assert link.resolve().name in etags and (link.resolve().is_file() or not link.exists())
         proc.kill()
         proc.wait(timeout=60)
     finally:
@@ -775,3 +776,28 @@ def test_a_run_killed_mid_shard_leaves_nothing_that_looks_complete_and_resumes(
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
     assert outputs(out) == outputs(tmp_path / "local")
     assert not [p for p in blobs.iterdir() if p.name.split(".", 1)[0] in etags]  # the killed run's shards too
+    assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # and their links
+
+
+def test_a_run_killed_mid_eviction_leaves_no_blob_behind_and_its_resume_removes_the_link(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    """Killed between deleting a converted shard's blob and its snapshot link: no blob that no link names (a
+    shard's worth of disk no run would find again) is left; the resume removes the dangling link and finishes."""
+    etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
+    repo, out = cache_repo(REPO), tmp_path / "out"
+    killed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
+                     env={"PREQUANT_FAILPOINT": "blob-evicted:1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    links = list(repo.glob("snapshots/*/*.safetensors"))
+    dangling = [link for link in links if not link.exists()]
+    assert len(dangling) == 1
+    for blob in (repo / "blobs").iterdir():  # every blob left is a shard some link still names
+        if blob.name in etags:
+            assert any(link.resolve() == blob for link in links)
+    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(out) == outputs(tmp_path / "local")
+    assert not [p for p in (repo / "blobs").iterdir() if p.name.split(".", 1)[0] in etags]
+    assert not list(repo.glob("snapshots/*/*.safetensors"))
