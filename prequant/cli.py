@@ -14,7 +14,7 @@ import typer.core
 
 from . import settings
 from .bnb.format import choice  # standard library only
-from .errors import PrequantError, UsageError
+from .errors import PrequantError, command_line
 
 
 class _Command(typer.core.TyperCommand):
@@ -61,7 +61,7 @@ def _choice(name: str) -> object:
     """An option's callback: a value `choice` refuses is refused as the library refuses it, but while the command
     line is read, before torch's import."""
     def check(value: object) -> object:
-        return value if value is None else choice(name, value, cli=True)
+        return value if value is None else choice(name, value)
 
     return check
 
@@ -158,7 +158,7 @@ def convert(
     from .source.spec import where
 
     # before anything slow
-    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run, cli=True)
+    output.target(output_dir, source, overwrite=overwrite, resume=resume, dry_run=dry_run)
     where(source)  # a SOURCE that is neither a local directory nor a Hub repo id fails here, before torch's import
     if not dry_run:
         readahead.prefetch(source)  # a local source's disk reads go on while the libraries load
@@ -196,7 +196,7 @@ def verify(
         from .verify.check import VerificationFailed
         from .verify.run import check_arguments, verify as run_verify
 
-    check_arguments(source, max_rel_error, cli=True)
+    check_arguments(source, max_rel_error)
     report = run_verify(output_dir, source, max_rel_error=max_rel_error)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
     if not report.ok:
@@ -227,7 +227,7 @@ def change_storage(
     with signals.deferred():  # torch's imports (see convert)
         from .conversion.storage import change_storage as run_change
 
-    result = run_change(output_dir, dest, quant_storage, overwrite=overwrite, cli=True)
+    result = run_change(output_dir, dest, quant_storage, overwrite=overwrite)
     print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
 
 
@@ -350,7 +350,8 @@ def main() -> None:
     failures, 2 for usage errors, 130 / 143 for SIGINT / SIGTERM; a PrequantError prints its own message, anything
     unexpected its type and message (PREQUANT_DEBUG=1: the traceback instead)."""
     try:
-        code = app(standalone_mode=False)
+        with command_line():
+            code = app(standalone_mode=False)
     except PrequantError as e:
         if settings.debug():
             raise

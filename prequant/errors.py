@@ -8,26 +8,54 @@ it within the context of what the user asked for (`within`, `noted`) without edi
 from __future__ import annotations
 
 import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_command_line = False  # whether the caller is prequant's command line (`command_line()`), else Python code
 
 
-def spelled(name: str, value: object, *, cli: bool) -> str:
+@contextmanager
+def command_line() -> Iterator[None]:
+    """Within it, errors name options as the command line spells them (`--skip lm_head`), not as keywords
+    (`skip=['lm_head']`): prequant's CLI runs its commands in it. Process-wide, so that the quantizer's and the
+    downloads' threads say it too."""
+    global _command_line
+    before, _command_line = _command_line, True
+    try:
+        yield
+    finally:
+        _command_line = before
+
+
+def on_command_line() -> bool:
+    """Whether the caller is prequant's command line (see `command_line`)."""
+    return _command_line
+
+
+def spelled(name: str, value: object) -> str:
     """Option `name` given `value`, as its caller writes it: `--max-shard-size 5GB` (the CLI, quoted for the
     shell where needed) or `max_shard_size='5GB'` (a keyword argument)."""
-    if cli:
+    if _command_line:
         return f"--{name.replace('_', '-')} {shlex.quote(str(value))}"
     return f"{name}={value!r}"
 
 
-def flag(name: str, value: bool | None = True, *, cli: bool) -> str:
+def flag(name: str, value: bool | None = True) -> str:
     """Option `name` as its caller writes it: a boolean turned on or off (`--overwrite`, `--no-double-quant`; or
     `overwrite=True`, `double_quant=False`), or, with `value` None, the option's name alone (`--quant-type`;
     `quant_type`)."""
+    cli = _command_line
     dashed = name.replace("_", "-")
     if value is None:
         return f"--{dashed}" if cli else name
     if cli:
         return f"--{'' if value else 'no-'}{dashed}"
     return f"{name}={value!r}"
+
+
+def skipping(module: str) -> str:
+    """The option that keeps `module` unquantized, as its caller writes it: `--skip lm_head` or `skip=['lm_head']`."""
+    return spelled("skip", module if _command_line else [module])
 
 
 def one_of(allowed: tuple) -> str:

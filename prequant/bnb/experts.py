@@ -21,7 +21,7 @@ import re
 from dataclasses import replace
 
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError
+from ..errors import PrequantError, skipping
 from .layout import Decision, Layout
 from .loading import should_convert
 
@@ -76,6 +76,6 @@ def quantize_experts(layout: Layout, tensors: list[TensorRef]) -> Layout:
     for router in routers:
         if decisions[f"{router}.weight"].quantize:
             raise PrequantError(f"{FLAG}: the router {router} would be quantized, which no loader expects; "
-                                f"pass --skip {router}")
+                                f"pass {skipping(router)}")
     defaults = written if layout.skip_modules is not None else layout.default_skips
     return replace(layout, decisions=decisions, skip_modules=sorted({*defaults, *routers}))

@@ -47,14 +47,14 @@ STATE_KEYS = ("quant_type", "blocksize", "dtype", "shape")
 NESTED_STATE_KEYS = ("nested_blocksize", "nested_dtype", "nested_offset")
 
 
-def choice(name: str, value: object, *, cli: bool, given: object = None) -> object:
+def choice(name: str, value: object, *, given: object = None) -> object:
     """`value` of option `name` (a key of CHOICES) as the table writes it, a name in any case taken; a UsageError
-    names the option as its caller wrote it (`cli`: `--quant-type NF5`, else `quant_type='NF5'`; `given`: the
+    names the option as its caller wrote it (`--quant-type NF5`, or `quant_type='NF5'`; `given`: the
     value the caller passed, when `value` is its name)."""
     normal = value.lower() if isinstance(value, str) else value
     if normal not in CHOICES[name]:
         shown = value if given is None else given
-        raise UsageError(f"{spelled(name, shown, cli=cli)} is not supported; use {one_of(CHOICES[name])}")
+        raise UsageError(f"{spelled(name, shown)} is not supported; use {one_of(CHOICES[name])}")
     return normal
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError
+from ..errors import PrequantError, flag
 from .loading import (Stacking, cast_code, check_fused, check_shape, fp32_pattern, load_dtype, should_convert,
                       unmatched_by_4x)
 
@@ -355,5 +355,6 @@ def require_known(layout: Layout) -> None:
     """Refuse a plan that would quantize nothing: almost surely a wrong source or rules."""
     if not any(d.quantize for d in layout.decisions.values()):
         raise PrequantError(
-            "no tensor would be quantized (no linear weights found); check the source, or --skip patterns"
+            f"no tensor would be quantized (no linear weights found); check the source, or {flag('skip', None)} "
+            "patterns"
         )

@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..checkpoint.tensors import TensorRef, quote
-from ..errors import PrequantError
+from ..errors import PrequantError, flag
 
 # Floating-point dtypes cast among as transformers casts them (safetensors codes). float8 is left as it is: its
 # values mean nothing without their scales, so casting one would only hide that the checkpoint is not bf16.
@@ -222,7 +222,7 @@ def unmatched_by_4x(skipped: dict[str, str], written: list[str]) -> list[str]:
     for pattern, modules in found.items():
         more = f" and {len(modules) - 1} more" if len(modules) > 1 else ""
         warnings.append(
-            f"--skip {pattern!r}: transformers 4.x matches llm_int8_skip_modules only by module name or module path "
+            f"{flag('skip', None)} {pattern!r}: transformers 4.x matches llm_int8_skip_modules only by module name or module path "
             f"prefix, so it would load {modules[0]}{more} as 4-bit and fail; to load with transformers 4.x as well, "
             f"pass the module name ({modules[0].rpartition('.')[2]}) or full path instead"
         )

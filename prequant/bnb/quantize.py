@@ -14,7 +14,7 @@ import torch
 
 from .. import settings as env
 from ..checkpoint.dtypes import NAMED, TORCH_TO_SAFETENSORS, torch_name
-from ..errors import PrequantError, UsageError, spelled
+from ..errors import PrequantError, UsageError, flag, skipping, spelled
 from ..util import signals
 from . import cuda, importing
 from .format import NESTED_BLOCKSIZE, Settings, encode_quant_state, packed_length, quant_state
@@ -26,13 +26,13 @@ AUTO_CUDA_FROM = 256 * 2**20
 MAX_KERNEL_ELEMENTS = 2**31 - 2**20
 
 
-def check_device(device: str, *, cli: bool = True) -> None:
+def check_device(device: str) -> None:
     """Refuse a device a conversion cannot use (its spelling; for CUDA, that the GPU exists) without initialising
     CUDA (`is_available` and `device_count` ask the driver, not a context), so a dry run refuses what a run would.
-    The refusal names the option as the caller writes it: `--device cuda` (`cli`) or `device='cuda'`."""
+    The refusal names the option as the caller writes it: `--device cuda` or `device='cuda'`."""
     if device == "auto":
         return
-    said = spelled("device", device, cli=cli)
+    said = spelled("device", device)
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
@@ -42,7 +42,7 @@ def check_device(device: str, *, cli: bool = True) -> None:
     if dev.type != "cuda":
         raise UsageError(f"{said} is not supported; use auto, cpu or cuda[:N]")
     if not torch.cuda.is_available():
-        raise UsageError(f"{said} asked for, but no CUDA GPU is visible; use {spelled('device', 'cpu', cli=cli)}")
+        raise UsageError(f"{said} asked for, but no CUDA GPU is visible; use {spelled('device', 'cpu')}")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"{said}: only {torch.cuda.device_count()} GPU(s) visible")
 
@@ -68,7 +68,8 @@ def pick_device(device: str, weight_bytes: int | None = None) -> torch.device:
 def no_bitsandbytes(reason: object) -> PrequantError:
     """The error for a CUDA conversion without an importable bitsandbytes."""
     return PrequantError(
-        f"bitsandbytes is not importable ({reason}); install it (pip install bitsandbytes) or use --device cpu"
+        f"bitsandbytes is not importable ({reason}); install it (pip install bitsandbytes) or use "
+        f"{spelled('device', 'cpu')}"
     )
 
 
@@ -135,7 +136,7 @@ class Quantizer:
             raise PrequantError(
                 f"tensor {name!r}: its block scales (up to {float(absmax.max()):.3g}) are too large for double "
                 "quantization (their mean overflows float32, and the weight would load as NaN); pass "
-                f"--no-double-quant, or keep it unquantized with --skip {name.removesuffix('.weight')}"
+                f"{flag('double_quant', False)}, or keep it unquantized with {skipping(name.removesuffix('.weight'))}"
             )
         state = quant_state(s.quant_type, s.blocksize, torch_name(dtype), list(shape), offset)
         out[s.state_entry] = torch.tensor(list(encode_quant_state(state)), dtype=torch.uint8)
@@ -207,7 +208,7 @@ def _non_finite(name: str) -> PrequantError:
     module = name.removesuffix(".weight")
     return PrequantError(
         f"tensor {name!r} contains NaN or Inf values, which would poison its 4-bit statistics; fix the source "
-        f"checkpoint, or keep that module unquantized with --skip {module}"
+        f"checkpoint, or keep that module unquantized with {skipping(module)}"
     )
 
 

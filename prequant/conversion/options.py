@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from ..bnb.format import CHOICES, Settings, choice
 from ..bnb.loading import skip_problem
 from ..checkpoint.dtypes import torch_name
-from ..errors import UsageError, spelled
+from ..errors import UsageError, flag, spelled
 from ..source.spec import is_repo_id
 from .plan import parse_size
 
@@ -50,7 +50,6 @@ class ConvertOptions:
     delete_source_shards: bool = False
     allow_nan: bool = False  # copy a kept tensor holding NaN as it is (recorded in prequant.json) instead of refusing
     base_model: str | None = None  # the card's base_model (a Hub repo id) for a local source; a Hub source's own
-    cli: bool = field(default=False, repr=False, compare=False)  # built by `pick`: messages name the CLI's flags
 
     def __post_init__(self) -> None:
         given = {name: getattr(self, name) for name in ("compute_dtype", "quant_storage")}
@@ -63,13 +62,13 @@ class ConvertOptions:
                              f"of strings, e.g. {self.said('skip', ['lm_head'])}")  # the CLI's are strings
         object.__setattr__(self, "skip", tuple(skip))
         if self.private and not self.push_to_hub:
-            raise UsageError(f"{'--private' if self.cli else 'private=True'} applies to the repo that "
-                             f"{'--push-to-hub' if self.cli else 'push_to_hub'} creates; pass that too, or leave it "
+            raise UsageError(f"{flag('private')} applies to the repo that {flag('push_to_hub', None)} creates; "
+                             "pass that too, or leave it "
                              "out (`prequant upload --private` uploads a finished output)")
         if isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))
         for name in CHOICES:
-            object.__setattr__(self, name, choice(name, getattr(self, name), cli=self.cli, given=given.get(name)))
+            object.__setattr__(self, name, choice(name, getattr(self, name), given=given.get(name)))
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise UsageError(f"{self.said('device', self.device)} is not a device; use auto, cpu or cuda[:N]")
         if self.base_model is not None and not is_repo_id(self.base_model):
@@ -81,7 +80,7 @@ class ConvertOptions:
 
     def said(self, name: str, value: object) -> str:
         """Option `name` given `value`, as this object's caller writes it (see `spelled`)."""
-        return spelled(name, value, cli=self.cli)
+        return spelled(name, value)
 
     @property
     def settings(self) -> Settings:
@@ -98,6 +97,6 @@ class ConvertOptions:
     def pick(cls, values: Mapping[str, Any]) -> ConvertOptions:
         """The options of the CLI's `convert`, from its arguments (`values`: by the same names, others ignored);
         a refusal names them as its flags."""
-        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values and f.name != "cli"}, cli=True)
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
 

@@ -37,13 +37,12 @@ _REPLACED = (CONFIG, *INDEX_NAMES, MANIFEST)
 _REPLACED_GLOBS = ("model*.safetensors", "pytorch_model*.bin")
 
 
-def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resume: bool, dry_run: bool = False,
-           cli: bool = False) -> Path:
+def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resume: bool, dry_run: bool = False) -> Path:
     """OUTPUT_DIR as a Path, refused (UsageError, nothing touched) when a conversion of `source` (SOURCE as given, or
     a directory) must not write there: an empty name (an unset variable: it would mean the current directory), a
     file, the source directory or a folder inside it, or a directory holding anything but a prequant conversion
     without --overwrite (which conversion, `claim` says once the job is known). A dry run writes nothing: only
-    the name is checked. A refusal names the options as flags (`cli`) or as keywords."""
+    the name is checked. A refusal names the options as its caller writes them (flags or keywords)."""
     if not str(output_dir).strip():
         raise UsageError("OUTPUT_DIR is empty (an unset variable?); pass the directory to write the checkpoint to")
     out = Path(output_dir)
@@ -59,7 +58,7 @@ def target(output_dir: str | Path, source: str | Path, *, overwrite: bool, resum
         raise UsageError(f"OUTPUT_DIR {out} is a file; choose a directory")
     if inside is not None:
         raise UsageError(inside)
-    check_contents(out, overwrite=overwrite, resume=resume, cli=cli)
+    check_contents(out, overwrite=overwrite, resume=resume)
     return out
 
 
@@ -85,7 +84,7 @@ def _inside(out: Path, source_dir: Path) -> str | None:
     return None
 
 
-def check_contents(output_dir: Path, *, overwrite: bool, resume: bool, cli: bool = False) -> None:
+def check_contents(output_dir: Path, *, overwrite: bool, resume: bool) -> None:
     """Refuse an OUTPUT_DIR that holds anything but a prequant conversion (interrupted or finished), unless
     --overwrite."""
     if not output_dir.is_dir() or overwrite:
@@ -93,10 +92,10 @@ def check_contents(output_dir: Path, *, overwrite: bool, resume: bool, cli: bool
     existing = _entries(output_dir)
     if not existing or interrupted(output_dir) or (output_dir / MANIFEST).is_file():
         return
-    what = (f" and holds no interrupted conversion to resume ({flag('resume', cli=cli)} only continues one)"
+    what = (f" and holds no interrupted conversion to resume ({flag('resume')} only continues one)"
             if resume else "")
     held = f"{len(existing)} entries, e.g. {existing[0]}" if len(existing) > 1 else existing[0]
-    raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass {flag('overwrite', cli=cli)} to "
+    raise UsageError(f"OUTPUT_DIR {output_dir} is not empty (it holds {held}){what}; pass {flag('overwrite')} to "
                      "replace the checkpoint in it, or choose an empty directory")
 
 
@@ -121,33 +120,32 @@ class Claim:
 
 
 @contextmanager
-def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool, options: dict | None = None,
-          cli: bool = False) -> Iterator[Claim]:
+def claim(output_dir: Path, job: dict | str, *, overwrite: bool, resume: bool, options: dict | None = None) -> Iterator[Claim]:
     """Lock OUTPUT_DIR for the conversion whose fingerprint is `job` ("": not a conversion, nothing to continue),
     check it again under the lock, and decide what happens to what is there: an interrupted run of the same job is
     continued, a finished one is complete; another job's work is refused (UsageError, one line) unless
     --overwrite, which starts over. `options`: what this job's prequant.json will record as its options, so that a
-    refusal of a finished job names those that differ (as flags with `cli`, else as keywords)."""
+    refusal of a finished job names those that differ (as its caller writes them)."""
     with _locked(output_dir):
-        check_contents(output_dir, overwrite=overwrite, resume=resume, cli=cli)
+        check_contents(output_dir, overwrite=overwrite, resume=resume)
         staging = output_dir / STAGING
         staged = _staged_job(staging)
         if staged is not None and staged != job and not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds an interrupted conversion of another job ({_changed(staged, job)} "
                              f"changed since it started); rerun it as it was to continue it, or pass "
-                             f"{flag('overwrite', cli=cli)} to start over")
-        complete = staged is None and _finished(output_dir, job, overwrite=overwrite, options=options, cli=cli)
+                             f"{flag('overwrite')} to start over")
+        complete = staged is None and _finished(output_dir, job, overwrite=overwrite, options=options)
         if staged != job and staging.exists():
             shutil.rmtree(staging)  # another job's work (with --overwrite), or files of no job at all
         yield Claim(output_dir, staging if complete else staging_dir(output_dir), complete)
 
 
-def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: dict | None, cli: bool) -> bool:
+def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: dict | None) -> bool:
     """Whether OUTPUT_DIR holds `job` finished, intact; another finished checkpoint is refused unless --overwrite."""
     if not (output_dir / MANIFEST).is_file():
         if job or overwrite or not _entries(output_dir):
             return False
-        raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass {flag('overwrite', cli=cli)} to replace the "
+        raise UsageError(f"OUTPUT_DIR {output_dir} is not empty; pass {flag('overwrite')} to replace the "
                          "checkpoint in it, or choose an empty directory")
     written = _manifest(output_dir)
     found = written.get("job") if written is not None else None
@@ -156,22 +154,22 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: di
             return True
         if not overwrite:
             raise UsageError(f"OUTPUT_DIR {output_dir} holds this conversion, finished, but {changed} since; run "
-                             f"`prequant verify` on it, or pass {flag('overwrite', cli=cli)} to convert again")
+                             f"`prequant verify` on it, or pass {flag('overwrite')} to convert again")
     if overwrite:
         return False
     if found is None:
         raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished checkpoint that no conversion of these options "
-                         f"wrote (e.g. the result of prequant change-storage); pass {flag('overwrite', cli=cli)} to "
+                         f"wrote (e.g. the result of prequant change-storage); pass {flag('overwrite')} to "
                          "replace it, or choose an empty directory")
     assert written is not None
-    if differ := _options_differ(written, options or {}, cli):
+    if differ := _options_differ(written, options or {}):
         what = f"with other options ({differ})"
     elif isinstance(job, dict) and "adapter" in job and isinstance(written.get("adapter"), dict) \
             and written["adapter"].get("sha256") != job["adapter"].get("sha256"):
         what = "of another adapter (its files differ from this one's)"
     else:
         what = "of another source (or by another prequant version)"
-    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass {flag('overwrite', cli=cli)} "
+    raise UsageError(f"OUTPUT_DIR {output_dir} holds a finished conversion {what}; pass {flag('overwrite')} "
                      "to replace it, or choose an empty directory")
 
 
@@ -180,14 +178,14 @@ def _finished(output_dir: Path, job: dict | str, *, overwrite: bool, options: di
 _NOT_SAID = ("stats", "llm_int8_skip_modules")
 
 
-def _options_differ(written: dict, options: dict, cli: bool) -> str:
+def _options_differ(written: dict, options: dict) -> str:
     """The options whose values differ between OUTPUT_DIR's prequant.json (`written`) and `options` (this job's),
     in words: "--quant-type: nf4 there, fp4 here"; "" when none does."""
     recorded = written.get("options")
     if not isinstance(recorded, dict):
         return ""
     differ = [k for k, v in options.items() if k in recorded and recorded[k] != v and k not in _NOT_SAID]
-    return ", ".join(f"{flag(k, None, cli=cli)}: {recorded[k]!r} there, {options[k]!r} here" for k in differ)
+    return ", ".join(f"{flag(k, None)}: {recorded[k]!r} there, {options[k]!r} here" for k in differ)
 
 
 def _staged_job(staging: Path) -> dict | None:

@@ -22,7 +22,7 @@ from ..checkpoint import quantized
 from ..checkpoint.dtypes import itemsize
 from ..checkpoint.hf_files import shard_name
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError, UsageError, spelled
+from ..errors import PrequantError, UsageError, skipping, spelled
 from .writer import ShardLayout
 
 QUANT_STATE_ESTIMATE = 170  # bytes of quant-state JSON, typical; the exact length is known only after quantizing
@@ -242,18 +242,17 @@ Outputs = Callable[[TensorRef, Decision], "tuple[OutTensor, ...] | None"]
 
 def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
               skip: Sequence[str] = (), quantize_experts: bool = False, outputs: Outputs | None = None,
-              shapes: Mapping[str, tuple[int, ...]] | None = None, cli: bool = True) -> Plan:
+              shapes: Mapping[str, tuple[int, ...]] | None = None) -> Plan:
     """Decide every output tensor and its shard. Pure: same inputs, same plan. `skip`: the user's skip patterns,
     each warned about when it matches no module of the checkpoint (a typo keeps nothing). `quantize_experts`: MoE
     expert weights 4-bit too (`bnb.experts`; a layout it does not handle is refused). `outputs`: a tensor's outputs
     when they are not what its decision implies; `shapes`: the parameter shapes of tensors stored packed. A refusal
-    names the options as flags (`cli`) or as keywords."""
+    names the options as its caller writes them (flags or keywords)."""
     if outputs is not None:
-        return _make_plan(tensors, layout, settings, max_shard_size, skip, outputs, shapes or {}, cli=cli)
+        return _make_plan(tensors, layout, settings, max_shard_size, skip, outputs, shapes or {})
     if quantize_experts:
-        return replace(_make_plan(tensors, experts.quantize_experts(layout, tensors), settings, max_shard_size, skip,
-                                  cli=cli), quantize_experts=True)
-    plan = _make_plan(tensors, layout, settings, max_shard_size, skip, cli=cli)
+        return replace(_make_plan(tensors, experts.quantize_experts(layout, tensors), settings, max_shard_size, skip), quantize_experts=True)
+    plan = _make_plan(tensors, layout, settings, max_shard_size, skip)
     if plan.fused_experts_note() is None:
         return plan
     try:  # what the flag would give, said in the note
@@ -265,7 +264,7 @@ def make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_
 
 def _make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max_shard_size: int,
                skip: Sequence[str], given: Outputs | None = None,
-               shapes: Mapping[str, tuple[int, ...]] | None = None, *, cli: bool = True) -> Plan:
+               shapes: Mapping[str, tuple[int, ...]] | None = None) -> Plan:
     if not tensors:
         raise PrequantError("the source holds no tensors; check that the weight files are not empty")
     groups: list[tuple[TensorRef, Decision, tuple[OutTensor, ...]]] = []
@@ -273,7 +272,7 @@ def _make_plan(tensors: list[TensorRef], layout: Layout, settings: Settings, max
         decision = layout.decisions[t.name]
         outputs = given(t, decision) if given is not None else None
         if outputs is None and decision.quantize:
-            outputs = quantized_outputs(t, decision, settings, cli=cli)
+            outputs = quantized_outputs(t, decision, settings)
         elif outputs is None:
             outputs = (OutTensor(t.name, decision.dtype or t.dtype, t.shape),)  # as transformers loads it
         groups.append((t, decision, outputs))
@@ -295,10 +294,10 @@ def unmatched_skips(skip: Sequence[str], tensors: list[TensorRef]) -> list[str]:
             for pattern in dict.fromkeys(skip) if all(should_convert(m, [pattern]) for m in modules)]
 
 
-def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings, cli: bool) -> None:
+def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings) -> None:
     """Refuse, before any work, a weight bitsandbytes cannot quantize, or whose packed storage would lose bytes."""
     module = t.name.removesuffix(".weight")
-    skip = spelled("skip", module if cli else [module], cli=cli)
+    skip = skipping(module)
     if (decision.dtype or t.dtype) not in QUANTIZABLE:
         raise PrequantError(
             f"tensor {t.name!r} has dtype {t.dtype}; only F32, F16 and BF16 weights can be quantized to 4 bit "
@@ -308,14 +307,14 @@ def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings, cli
         raise PrequantError(
             f"tensor {t.name!r} has {t.numel:,} elements ({'x'.join(map(str, t.shape))}), and bitsandbytes' "
             f"{settings.quant_storage} storage for that many 4-bit codes is a byte short: the tensor could not be "
-            f"dequantized; use {spelled('quant_storage', 'uint8', cli=cli)} (or {skip})"
+            f"dequantized; use {spelled('quant_storage', 'uint8')} (or {skip})"
         )
 
 
-def quantized_outputs(t: TensorRef, decision: Decision, s: Settings, *, cli: bool = True) -> tuple[OutTensor, ...]:
+def quantized_outputs(t: TensorRef, decision: Decision, s: Settings) -> tuple[OutTensor, ...]:
     """The keys transformers writes for a 4-bit weight, with their dtypes and shapes (`bnb.format`'s layout); a
     weight that has none is refused here, before any work (`_check_quantizable`)."""
-    _check_quantizable(t, decision, s, cli)
+    _check_quantizable(t, decision, s)
     return tuple(OutTensor(e.key, e.dtype, e.shape) for e in settings_entries(t.name, t.numel, s))
 
 

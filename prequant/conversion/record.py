@@ -42,7 +42,7 @@ from ..checkpoint.manifest import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file,
 from ..checkpoint.reader import TensorReader
 from ..checkpoint.safetensors import read_header
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError
+from ..errors import PrequantError, flag
 from ..source.spec import Source
 from ..util import trace
 from ..util.fsio import write_error, write_json
@@ -164,7 +164,7 @@ class KeptCheck:
             also = f" (and {inf:,} Inf)" if inf else ""
             raise PrequantError(
                 f"tensor {name!r}, kept unquantized, holds {nan:,} NaN values{also}, which poison every forward "
-                "through it; fix the source checkpoint, or pass --allow-nan to copy it as it is (recorded in "
+                f"through it; fix the source checkpoint, or pass {flag('allow_nan')} to copy it as it is (recorded in "
                 "prequant.json)"
             )
         with self._lock:

@@ -90,11 +90,10 @@ def convert(
     """
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
-    out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run,
-                        cli=opts.cli)
+    out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
     src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
     held = contents(src)
-    check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
+    check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
     weight_bytes = sum(t.nbytes for t in held.tensors)  # what `--device auto` weighs
     quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, weight_bytes)
@@ -126,8 +125,7 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
         publisher = publish.publisher(opts.push_to_hub, private=opts.private, progress=opts.progress)
     with publisher or nullcontext():
         recorded = recorded_options(job.plan, record_options, stats=stats, allow_nan=opts.allow_nan)
-        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume, options=recorded,
-                          cli=opts.cli) as claim:
+        with output.claim(out, job.fingerprint, overwrite=opts.overwrite, resume=opts.resume, options=recorded) as claim:
             if not claim.complete:  # else finished before; an interrupted push goes on below
                 with _interruptible(), Recorder(job.source, job.plan, recorded, job=job.id) as record:
                     if not output.publishing(claim.staging):  # else an interrupted run had written everything
@@ -137,7 +135,7 @@ def run_job(job: Job, quantizer: Quantizer | Starting,
                     trace.mark("published")
         if opts.overwrite and opts.progress and (others := output.unrelated_files(out)):
             more = f" and {len(others) - 1} more" if len(others) > 1 else ""
-            print(f"prequant: warning: {out} also holds {others[0]}{more}, which {flag('overwrite', cli=opts.cli)} keeps and this output "
+            print(f"prequant: warning: {out} also holds {others[0]}{more}, which {flag('overwrite')} keeps and this output "
                   "does not list: `prequant upload` refuses a folder holding files that are not part of it; move them "
                   "out before uploading", file=sys.stderr)
         hub_url = None
@@ -167,8 +165,7 @@ def _plan(config: dict, source_dir: Path, tensors: list[TensorRef], opts: Conver
     """Every output, planned on the layout transformers decides (from names alone where that is settled)."""
     layout, settled = decide(config, source_dir, tensors, list(opts.skip), opts.trust_remote_code)
     require_known(layout)
-    plan = replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, opts.quantize_experts,
-                             cli=opts.cli), settled=settled)
+    plan = replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, opts.quantize_experts), settled=settled)
     trace.mark("planned")
     if opts.progress and not opts.dry_run:  # a dry run's plan says them
         for warning in plan.warnings:

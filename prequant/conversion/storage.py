@@ -31,7 +31,7 @@ from ..checkpoint.hf_files import CARD, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_S
 from ..checkpoint.manifest import MANIFEST, load as load_manifest, sha256_file
 from ..checkpoint.safetensors import read_header
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError, UsageError
+from ..errors import PrequantError, UsageError, skipping, spelled
 from ..util.fsio import write_json
 from ..util.progress import Progress
 from ..verify.check import VerificationFailed, count
@@ -77,24 +77,24 @@ class StorageChange:
 JOBS_BY_STORAGE = "job_by_storage"  # prequant.json: storage -> the job fingerprint of the conversion to it
 
 
-def storage_name(value: str | torch.dtype, *, cli: bool = False) -> str:
+def storage_name(value: str | torch.dtype) -> str:
     """A packed-weight storage given as its name ("uint8", any case) or a torch dtype (torch.uint8), as its name; a
-    UsageError names the option as its caller wrote it (`cli`: `--quant-storage`, else `quant_storage=`)."""
+    UsageError names the option as its caller wrote it (`--quant-storage`, or `quant_storage=`)."""
     name = torch_name(value) if isinstance(value, torch.dtype) else value
-    return choice("quant_storage", name, cli=cli, given=value)
+    return choice("quant_storage", name, given=value)
 
 
 def change_storage(
     output_dir: str | Path, dest: str | Path, quant_storage: str | torch.dtype, *, overwrite: bool = False,
-    progress: bool = True, cli: bool = False,
+    progress: bool = True,
 ) -> StorageChange:
     """Write into `dest` the checkpoint of `output_dir` (a prequant output) with its packed weights stored as
     `quant_storage` ("bfloat16", "float16", "float32" or "uint8", or that torch dtype). Raises PrequantError when
     the input does not verify or a packed weight's codes do not fit the new storage exactly (named, with the
-    fix). A refusal names the options as flags (`cli`: `--overwrite`) or as keywords (`overwrite=True`)."""
+    fix). A refusal names the options as its caller writes them (`--overwrite`, or `overwrite=True`)."""
     started = time.monotonic()
     src, out = Path(output_dir), Path(dest)
-    quant_storage = storage_name(quant_storage, cli=cli)
+    quant_storage = storage_name(quant_storage)
     if (complete := _complete(src, out, quant_storage, started)) is not None:  # nothing to read, hash or write
         return complete
     report = verify(src, progress=progress)
@@ -106,7 +106,7 @@ def change_storage(
     if old == quant_storage:
         raise UsageError(f"{src} is already stored as {quant_storage}; nothing to change")
     try:
-        return _change(src, out, manifest, config, old, quant_storage, overwrite, progress, started, cli)
+        return _change(src, out, manifest, config, old, quant_storage, overwrite, progress, started)
     except PrequantError as e:  # `output` calls the folder it writes OUTPUT_DIR, which here is the input
         if "OUTPUT_DIR" not in e.detail:
             raise
@@ -115,14 +115,14 @@ def change_storage(
 
 
 def _change(src: Path, out: Path, manifest: dict, config: dict, old: str, quant_storage: str, overwrite: bool,
-            progress: bool, started: float, cli: bool) -> StorageChange:
-    out = output.target(out, src, overwrite=overwrite, resume=False, cli=cli)  # refused as convert refuses it
+            progress: bool, started: float) -> StorageChange:
+    out = output.target(out, src, overwrite=overwrite, resume=False)  # refused as convert refuses it
     shards = _shard_names(src)
     code = STORAGE_CODES[quant_storage]
     plans = {name: _rewritten(src / name, code, quant_storage) for name in shards}  # all checked before writing
     packed = sum(len(p) for _, _, p in plans.values())
     # One writer per DEST, as for convert (the lock is not a job: no --resume here).
-    with output.claim(out, "", overwrite=overwrite, resume=False, cli=cli):
+    with output.claim(out, "", overwrite=overwrite, resume=False):
         staging = output.staging_dir(out)
         digests: dict[str, str] = {}
         total = sum((src / name).stat().st_size for name in shards)
@@ -166,12 +166,13 @@ def _rewritten(path: Path, code: str, storage: str) -> tuple[list[TensorRef], di
                 raise PrequantError(
                     f"its {n:,} 4-bit codes need {need:,} bytes but its {weight.dtype} storage holds {weight.nbytes:,}: "
                     "bitsandbytes sizes wide storage as (n + 1) // (2 * itemsize) elements, which dropped the last "
-                    "byte; convert the original again with --quant-storage uint8", where=weight.name)
+                    f"byte; convert the original again with {spelled('quant_storage', 'uint8')}", where=weight.name)
             if packed_length(n, code) * itemsize(code) != need:
                 raise PrequantError(
                     f"its {n:,} 4-bit codes take {need:,} bytes, which {storage} storage cannot hold whole "
                     f"(bitsandbytes sizes it as (n + 1) // (2 * itemsize) elements and would drop the last byte); "
-                    "keep this checkpoint's storage, or convert the original again with that module in --skip",
+                    "keep this checkpoint's storage, or convert the original again with "
+                    f"{skipping(weight.name.removesuffix('.weight'))}",
                     where=weight.name)
             packed.add(weight.name)
     return refs, metadata, packed

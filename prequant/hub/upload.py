@@ -23,7 +23,7 @@ from typing import Self, TypeVar
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
 from huggingface_hub.errors import RepositoryNotFoundError
 
-from ..errors import PrequantError, UsageError
+from ..errors import PrequantError, UsageError, flag
 from ..util.progress import Progress
 from . import cache
 from .client import API_TIMEOUT_S, api, parse_repo_spec, retrying
@@ -99,9 +99,10 @@ class Publisher:
     def _refuse_public(self, private: bool | None) -> None:
         if private is False and self.asked_private:
             raise PrequantError(
-                f"refusing to upload to {self.repo_id}: it exists and is public, and --private does not change an "
-                f"existing repo's visibility; make it private first (its settings on the Hub, or huggingface_hub's "
-                f"update_repo_settings({self.repo_id!r}, private=True)), or upload without --private"
+                f"refusing to upload to {self.repo_id}: it exists and is public, and {flag('private')} does not "
+                f"change an existing repo's visibility; make it private first (its settings on the Hub, or "
+                f"huggingface_hub's update_repo_settings({self.repo_id!r}, private=True)), or upload without "
+                f"{flag('private')}"
             )
 
     def _call(self, attempt: Callable[[], T], action: str) -> T:

@@ -41,7 +41,7 @@ from ..conversion.plan import OutTensor, Plan, Step, make_plan
 from ..conversion.record import KeptCheck, Recorder, source_identity, write_config
 from ..conversion.run import Job, run_job
 from ..conversion.summary import Summary
-from ..errors import PrequantError, UsageError, flag, spelled
+from ..errors import PrequantError, UsageError, flag, on_command_line, spelled
 from ..source.resolve import contents, resolve, scan
 from ..source.spec import Source, hub_spec
 from ..util import trace
@@ -71,20 +71,19 @@ def merge(adapter: str | Path, output_dir: str | Path, *, base: str | Path | Non
     `trust_remote_code`."""
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
-    check_device(opts.device, cli=opts.cli)  # a dry run refuses what the real run would, without starting CUDA
+    check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
     _check_settings(opts, quantize)
     lora = open_adapter(str(adapter))
     trace.mark("adapter-read")
     base_spec = str(base) if base is not None else lora.base_model
-    give_base = spelled("base", "SOURCE", cli=opts.cli)
+    give_base = spelled("base", "SOURCE")
     if not base_spec:
         raise UsageError(f"the adapter's {CONFIG_NAME} names no base_model_name_or_path; pass the base with "
                          f"{give_base}")
     if not isinstance(base_spec, str):
         raise UsageError(f"'base_model_name_or_path' is {json.dumps(base_spec)[:80]}, not a model's folder or Hub "
                          f"repo id; pass the base with {give_base}", where=lora.directory / CONFIG_NAME)
-    out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run,
-                        cli=opts.cli)
+    out = output.target(output_dir, base_spec, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
     src, tensors, config, four = _base(base_spec, opts)
     # Which weights are GPT-2 Conv1D (stored [in, out]): a 4-bit base's prequant.json says, else the layout
     # transformers gives the base (a 16-bit base's is needed anyway to quantize it).
@@ -259,7 +258,7 @@ def _check_settings(opts: ConvertOptions, quantize: bool) -> None:
     """Refuse 4-bit settings given for a 16-bit output (no `quantize`): they would be ignored."""
     if (given := _given(opts)) and not quantize:
         raise UsageError(f"{_said(opts, given[0])} applies to a 4-bit output only; add "
-                         f"{flag('quantize', cli=opts.cli)} to write one, or leave it out")
+                         f"{flag('quantize')} to write one, or leave it out")
 
 
 def _check_base_settings(opts: ConvertOptions, base: Settings) -> None:
@@ -283,8 +282,8 @@ def _said(opts: ConvertOptions, name: str) -> str:
     """A 4-bit setting as its caller wrote it (a flag's negative form for a boolean, one --skip pattern)."""
     value = getattr(opts, name)
     if isinstance(value, bool):
-        return flag(name, value, cli=opts.cli)
-    if opts.cli and name == "skip":
+        return flag(name, value)
+    if on_command_line() and name == "skip":
         return opts.said(name, value[0])
     return opts.said(name, list(value) if name == "skip" else value)
 
@@ -346,8 +345,7 @@ def _plan(tensors: list[TensorRef], config: dict, changed: dict[str, Target], fo
         plan = make_plan(kept, Layout(decisions, config["quantization_config"].get("llm_int8_skip_modules"),
                                       "merge into the 4-bit base"), s, opts.shard_limit, outputs=outputs,
                          # A packed weight is reported by the parameter it holds, as a 16-bit base's would be
-                         shapes={k: shapes[k] for k in four},
-                         cli=opts.cli)
+                         shapes={k: shapes[k] for k in four})
         return replace(plan, sixteen_bit=not quantize)
     if quantize:
         assert decided is not None
@@ -355,7 +353,7 @@ def _plan(tensors: list[TensorRef], config: dict, changed: dict[str, Target], fo
         require_known(layout)
         layout = replace(layout, decisions={k: replace(d, reason=reason(k, d.reason), action=action(k, d.quantize))
                                             for k, d in layout.decisions.items()})
-        return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip, cli=opts.cli),
+        return replace(make_plan(tensors, layout, opts.settings, opts.shard_limit, opts.skip),
                        settled=settled)
     decisions = {t.name: Decision(False, reason(t.name, "kept"), action=action(t.name, False)) for t in tensors}
     return replace(make_plan(tensors, Layout(decisions, None, "merge into the 16-bit base"),

@@ -16,7 +16,7 @@ from ..checkpoint import quantized
 from ..checkpoint.hf_files import check_index, read_config
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError, UsageError
+from ..errors import UsageError, flag
 from .spec import Contents, Source, hub, local, where
 
 
@@ -78,6 +78,6 @@ def check_delete(src: Source, delete: bool) -> None:
     """Deleting source shards is for a Hub source's downloads only, never for a user's directory."""
     if delete and src.hub is None:
         raise UsageError(
-            f"--delete-source-shards only applies to a Hub source; {src.path} is a local directory, and prequant "
+            f"{flag('delete_source_shards')} only applies to a Hub source; {src.path} is a local directory, and prequant "
             "never deletes files there"
         )

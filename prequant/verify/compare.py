@@ -18,7 +18,7 @@ from ..checkpoint.hf_files import read_config
 from ..checkpoint.manifest import MANIFEST
 from ..checkpoint.reader import TensorReader, scan_files
 from ..checkpoint.tensors import TensorRef
-from ..errors import PrequantError
+from ..errors import PrequantError, skipping
 from ..source.resolve import resolve
 from ..source.spec import Source
 from ..util.progress import Progress
@@ -163,7 +163,7 @@ def _judge(name: str, st: stats.TensorStats, expected: float, limit: float, repo
                     f"{st.absmax_max:.4g}: not 4-bit rounding, the data is damaged")
     elif st.rel_error > OUTLIER_FACTOR * expected:
         report.warn(name, f"relative error {st.rel_error:.4f} is an outlier (about {expected} expected for "
-                    "Gaussian-like weights): heavy-tailed weights; consider --skip for this module")
+                    f"Gaussian-like weights): heavy-tailed weights; consider {skipping(name.removesuffix('.weight'))}")
 
 
 def _same_bytes(out: torch.Tensor, source: torch.Tensor, chunk: int = 1 << 24) -> bool:

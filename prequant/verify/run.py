@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..checkpoint.hf_files import CONFIG
 from ..checkpoint.manifest import MANIFEST
-from ..errors import PrequantError, UsageError
+from ..errors import PrequantError, UsageError, on_command_line, spelled
 from .check import Report, check_config, check_files, check_manifest, check_quantized, check_shards
 from .compare import compare_source
 
@@ -48,14 +48,14 @@ def verify(
     return report
 
 
-def check_arguments(source: str | Path | None, max_rel_error: float | None, *, cli: bool = False) -> None:
+def check_arguments(source: str | Path | None, max_rel_error: float | None) -> None:
     """Refuse arguments that cannot mean anything (UsageError), naming them as the caller wrote them: the CLI's
-    flags when `cli`, else the keyword arguments."""
+    flags or the keyword arguments."""
     if max_rel_error is None:
         return
-    limit = f"--max-rel-error {max_rel_error}" if cli else f"max_rel_error={max_rel_error!r}"
+    limit = spelled("max_rel_error", max_rel_error)
     if source is None:
-        needs = "--source SOURCE" if cli else "source="
+        needs = "--source SOURCE" if on_command_line() else "source="
         raise UsageError(f"{limit} limits each tensor's error against the original weights, which only {needs} "
                          "compares; pass the source too, or leave the limit out")
     number = isinstance(max_rel_error, (int, float)) and not isinstance(max_rel_error, bool)

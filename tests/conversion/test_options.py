@@ -4,6 +4,8 @@ refusal names the option as its caller wrote it (a keyword argument from Python,
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 
 import pytest
 import torch
@@ -108,3 +110,42 @@ def test_another_job_in_a_finished_output_dir_is_refused_in_python_words(checkpo
 def test_names_in_any_case_are_taken_from_python_as_from_the_cli():
     options = ConvertOptions(compute_dtype="BFloat16", quant_type="NF4", quant_storage="UINT8")
     assert (options.compute_dtype, options.quant_type, options.quant_storage) == ("bfloat16", "nf4", "uint8")
+
+
+def _poke_nan(path, tensor: str) -> None:
+    """Make the first element of a bfloat16 tensor NaN, in place."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin = 8 + n + json.loads(raw[8 : 8 + n])[tensor]["data_offsets"][0]
+    with open(path, "r+b") as f:
+        f.seek(begin)
+        f.write(b"\xc0\x7f")
+
+
+# What the run finds in the tensors, at planning or while quantizing, deep below the options' checks:
+# (tensor made NaN or None, keywords, what the Python error says, CLI arguments, what the CLI error says)
+FOUND = [
+    ("model.norm.weight", {}, "or pass allow_nan=True to copy it", [], "or pass --allow-nan to copy it"),
+    ("model.layers.0.mlp.down_proj.weight", {}, "keep that module unquantized with "
+     "skip=['model.layers.0.mlp.down_proj']", [], "keep that module unquantized with --skip model.layers.0.mlp.down_proj"),
+    (None, {"delete_source_shards": True}, "delete_source_shards=True only applies to a Hub source",
+     ["--delete-source-shards"], "--delete-source-shards only applies to a Hub source"),
+    (None, {"skip": ["model"]}, "check the source, or skip patterns", ["--skip", "model"],
+     "check the source, or --skip patterns"),
+]
+
+
+@pytest.mark.parametrize("nan, keywords, python_says, args, cli_says", FOUND,
+                         ids=["kept NaN", "quantized NaN", "delete a local source", "nothing to quantize"])
+def test_what_the_run_finds_is_said_in_its_callers_words(checkpoints, tmp_path, nan, keywords, python_says, args,
+                                                          cli_says):
+    src = shutil.copytree(checkpoints("llama"), tmp_path / "src")
+    if nan is not None:
+        _poke_nan(src / "model.safetensors", nan)
+    with pytest.raises(prequant.PrequantError) as refused:
+        prequant.convert(src, tmp_path / "py", device="cpu", progress=False, **keywords)
+    assert python_says in str(refused.value) and "--" not in str(refused.value), str(refused.value)
+    code, stdout, stderr = run_main("convert", str(src), str(tmp_path / "cli"), "--device", "cpu", *args)
+    lines = stderr.strip().splitlines()
+    assert code in (1, 2) and stdout == "" and lines[-1].startswith("Error: "), stderr
+    assert cli_says in lines[-1] and "=" not in lines[-1].split(cli_says)[0][-20:], lines[-1]

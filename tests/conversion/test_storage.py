@@ -143,7 +143,8 @@ def test_wider_storage_that_would_drop_a_byte_is_refused_by_name(odd, tmp_path):
     with pytest.raises(PrequantError) as error:
         change_storage(tmp_path / "u8", tmp_path / "out", "bfloat16", progress=False)
     assert str(error.value).startswith("blocks.0.proj.weight: its 325 4-bit codes take 163 bytes, which bfloat16")
-    assert "--skip" in str(error.value) and not (tmp_path / "out").exists()
+    assert "convert the original again with skip=['blocks.0.proj']" in str(error.value)
+    assert "--" not in str(error.value) and not (tmp_path / "out").exists()
 
 
 def _as_bnb_stores_it_in_bf16(u8: Path) -> Path:
@@ -179,7 +180,10 @@ def test_a_wide_storage_that_already_dropped_a_byte_cannot_become_uint8(odd, tmp
     with pytest.raises(PrequantError) as error:
         change_storage(tmp_path / "bf16", tmp_path / "out", "uint8", progress=False)
     assert str(error.value).startswith("blocks.0.proj.weight: its 325 4-bit codes need 163 bytes but its BF16")
-    assert "--quant-storage uint8" in str(error.value)
+    assert "convert the original again with quant_storage='uint8'" in str(error.value)
+    code, _, stderr = run_main("change-storage", str(tmp_path / "bf16"), str(tmp_path / "cli"), "--quant-storage",
+                               "uint8")
+    assert code == 1 and "convert the original again with --quant-storage uint8" in stderr, stderr
 
 
 def test_unknown_storage_is_a_usage_error(both, tmp_path):

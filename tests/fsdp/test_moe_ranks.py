@@ -262,7 +262,6 @@ def _job(job: dict, rank: int, world: int) -> dict:
 
 
 def _worker(spec: dict) -> None:
-    import torch.distributed as dist
 
     records = {}
     world = int(os.environ["WORLD_SIZE"])
