@@ -162,9 +162,19 @@ class Plan:
                 "fuses this model's MoE experts into 3-D parameters and bitsandbytes quantizes only nn.Linear "
                 f"layers, so transformers keeps them in their original dtype too (bitsandbytes#1849); {sizes}")
 
+    def tensor_counts(self) -> tuple[int, int, dict[str, int]]:
+        """(quantized, kept as stored, the others by what became of them: {"merged": 4}), over every tensor."""
+        others: dict[str, int] = {}
+        for st in self.steps:
+            if st.action not in ("quantize", "keep"):
+                others[_DONE.get(st.action, st.action)] = others.get(_DONE.get(st.action, st.action), 0) + 1
+        quantized = sum(st.quantize for st in self.steps)
+        return quantized, len(self.steps) - quantized - sum(others.values()), others
+
     def to_dict(self) -> dict:
+        quantized, kept, others = self.tensor_counts()
         return {
-            "settings": vars(self.settings),
+            "settings": None if self.sixteen_bit else vars(self.settings),
             "quantize_experts": self.quantize_experts,
             "method": self.method,
             "notes": self.all_notes(),
@@ -185,8 +195,9 @@ class Plan:
                 for s in self.steps
             ],
             "shards": self.shard_bytes(),
-            "quantized_tensors": sum(s.quantize for s in self.steps),
-            "kept_tensors": sum(not s.quantize for s in self.steps),
+            "quantized_tensors": quantized,
+            "kept_tensors": kept,
+            **({"other_tensors": others} if others else {}),
             "quantized_parameters": sum(s.numel for s in self.steps if s.quantize),
             "unquantized_parameters": self.unquantized(),
             "input_bytes": self.input_bytes,
@@ -219,14 +230,10 @@ class Plan:
             lines.append(f"shard {name}: {_human(size)}")
         for reason, n in self.unquantized().items():
             lines.append(f"unquantized: {n:,} parameters ({reason})")
-        q = sum(st.quantize for st in self.steps)
-        others = {}  # merged, dequantized: neither quantized nor kept as stored
-        for st in self.steps:
-            if st.action not in ("quantize", "keep"):
-                others[st.action] = others.get(st.action, 0) + 1
+        quantized, kept, others = self.tensor_counts()
         lines.append(
-            f"total: {q} tensors quantized, {len(self.steps) - q - sum(others.values())} kept, "
-            + "".join(f"{n} {_DONE.get(a, a)}, " for a, n in others.items())
+            f"total: {quantized} tensors quantized, {kept} kept, "
+            + "".join(f"{n} {done}, " for done, n in others.items())
             + f"{_human(self.input_bytes)} -> {_human(self.output_bytes)} in {len(self.shards)} "
             + ("shard" if len(self.shards) == 1 else "shards")
         )

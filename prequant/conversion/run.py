@@ -224,14 +224,16 @@ def _summary(job: Job, written: dict, *, complete: bool = False, hub_url: str | 
              quantizer: Quantizer | Starting | None = None, notes: list[str] | None = None) -> Summary:
     out, plan = job.output_dir, job.plan
     device = quantizer.device if quantizer is not None else None
+    quantized, kept, others = plan.tensor_counts()
     return Summary(
         output_dir=str(out),
         source=job.source.describe(),
         device=str(device) if device is not None else written.get("device", "cpu"),
         input_bytes=plan.source_bytes,
         output_bytes=sum((out / name).stat().st_size for name in plan.shards),
-        tensors_quantized=sum(s.quantize for s in plan.steps),
-        tensors_kept=sum(not s.quantize for s in plan.steps),
+        tensors_quantized=quantized,
+        tensors_kept=kept,
+        tensors_other=others,
         shards=len(plan.shards),
         seconds=time.monotonic() - job.started,
         peak_gpu_bytes=_peak_gpu_bytes(device),

@@ -15,7 +15,7 @@ class Summary:
     input_bytes: int
     output_bytes: int
     tensors_quantized: int
-    tensors_kept: int
+    tensors_kept: int  # as stored
     shards: int
     seconds: float
     peak_gpu_bytes: int | None = None
@@ -26,6 +26,7 @@ class Summary:
     already_complete: bool = False  # this conversion was found finished in OUTPUT_DIR: nothing was written
     non_finite: dict[str, dict[str, int]] = field(default_factory=dict)  # kept tensors with NaN / Inf: the counts
     notes: list[str] = field(default_factory=list)  # the plan's notes (e.g. most parameters kept: fused experts)
+    tensors_other: dict[str, int] = field(default_factory=dict)  # neither quantized nor kept: {"merged": 4}
 
     @property
     def gb_per_s(self) -> float | None:
@@ -37,13 +38,14 @@ class Summary:
     def to_dict(self) -> dict:
         rate = self.gb_per_s
         d = {**asdict(self), "gb_per_s": None if rate is None else round(rate, 3)}
-        for key in ("already_complete", "non_finite"):  # said only when there is something to say
+        for key in ("already_complete", "non_finite", "tensors_other"):  # said only when there is something to say
             if not d[key]:
                 del d[key]
         return d
 
     def to_text(self) -> str:
-        counts = f"{self.tensors_quantized} tensors quantized, {self.tensors_kept} kept, {self.shards} shard(s)"
+        others = "".join(f", {n} {done}" for done, n in self.tensors_other.items())
+        counts = f"{self.tensors_quantized} tensors quantized, {self.tensors_kept} kept{others}, {self.shards} shard(s)"
         lines = [
             f"already complete: {self.output_dir} holds this conversion, finished earlier; nothing was written ({counts})"
             if self.already_complete else f"wrote {self.output_dir}: {counts}",

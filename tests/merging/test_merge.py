@@ -381,10 +381,23 @@ def test_a_merge_into_a_4bit_base_reports_real_parameters_shapes_and_actions(fou
     assert header.startswith("plan: 16-bit, nothing quantized;") and "nf4" not in header
     row = next(r.split() for r in rows if q_proj in r)
     assert row[0] == "merge" and row[3] == "64x64"
+    # No 4-bit settings for a 16-bit output; tensors counted by what becomes of them, in the plan and the summary.
+    merged_count = sum(t["action"] == "merge" for t in plan_16["tensors"])
+    for plan in (plan_16, plan_4):
+        assert plan["settings"] is None and plan["quantized_tensors"] == 0
+        assert plan["other_tensors"]["merged"] == merged_count > 0
+        assert plan["kept_tensors"] + sum(plan["other_tensors"].values()) == len(plan["tensors"])
+    assert plan_4["other_tensors"]["dequantized"] == sum(t["action"] == "dequantize" for t in plan_4["tensors"]) > 0
     done = run_cli(*args, "--base", str(converted))
     assert done.returncode == 0, done.stderr
     merged = next(line for line in done.stdout.splitlines() if "merged with the adapter" in line)
     assert f"{plan_16['unquantized_parameters']['merged with the adapter']:,} parameters" in merged
+    first = done.stdout.splitlines()[0]
+    assert (f"0 tensors quantized, {plan_4['kept_tensors']} kept, {merged_count} merged, "
+            f"{plan_4['other_tensors']['dequantized']} dequantized, 1 shard(s)") in first, first
+    summary = json.loads(run_cli(*args, "--base", str(base), "--json", "--overwrite").stdout)
+    assert summary["tensors_other"] == {"merged": merged_count}
+    assert summary["tensors_kept"] == plan_16["kept_tensors"] and summary["tensors_quantized"] == 0
 
 
 def test_merge_quantize_takes_convert_s_4bit_options_on_the_command_line(checkpoints, tmp_path):
