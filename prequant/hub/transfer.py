@@ -37,6 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import PrequantError
+from ..util import failpoints
 from . import cache
 from .failures import IncompleteDownload, is_transient, short
 
@@ -100,6 +101,7 @@ def download(repo_id: str, sha: str, filename: str, *, token: str | None, waits:
                     partial.unlink()
                 raise
             os.replace(partial, blob)
+            failpoints.hit("blob-downloaded")
         pointer = cache.snapshot_path(repo_id, sha, filename)
         _link(blob, pointer)
     return pointer

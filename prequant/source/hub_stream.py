@@ -120,6 +120,7 @@ class HubShardReader(TensorReader):
         self.downloaded: list[str] = []  # file names, in the order this run downloaded them
         self._begun: list[str] = []  # file names whose download this run began (journaled first)
         self._record: Callable[[str], None] | None = None  # `on_download`'s
+        self._claimed: set[str] = set()  # downloaded by the interrupted run this one resumes (`claim`)
         self.evicted: list[str] = []
 
     # -- the pipeline's side
@@ -163,10 +164,12 @@ class HubShardReader(TensorReader):
 
     def claim(self, names: Iterable[str]) -> None:
         """Shards that an interrupted run of this conversion downloaded (its journal says which): with delete, this
-        run's to delete once converted, as if it had downloaded them itself; the link of one whose eviction the
-        interruption cut short (its blob gone) is removed. Call before the first read."""
+        run's to delete once converted, as if it had downloaded them itself; so is one whose blob that run finished
+        but had not linked yet, once this run links it; the link of one whose eviction the interruption cut short
+        (its blob gone) is removed. Call before the first read."""
         wanted = set(names)
         with self._cond:
+            self._claimed = wanted
             for path in self._planned:
                 if self._name(path) not in wanted or path in self.scratch.owned:
                     continue
@@ -291,7 +294,9 @@ class HubShardReader(TensorReader):
         trace.mark(f"download-done:{name}")
         log.debug("downloaded %s in %.1fs", name, time.monotonic() - started)
         blob = fetched.resolve()
-        owned = not cached and blob.name not in before  # put in the cache by this run: its to delete
+        # Put in the cache by this run, or by the interrupted run it resumes (a blob that run finished and had not
+        # yet linked when it was killed): its to delete.
+        owned = not cached and (blob.name not in before or name in self._claimed)
         if owned:
             with self._cond:
                 self.downloaded.append(name)

@@ -587,6 +587,26 @@ def test_shards_a_killed_run_downloaded_are_deleted_by_its_resume(
     assert not list(cache_repo(REPO).glob("snapshots/*/*.safetensors"))  # the killed run's download too
 
 
+def test_a_shard_whose_blob_a_killed_run_finished_but_never_linked_is_deleted_by_its_resume(
+    hub_server: HubServer, tiny: Path, tmp_path: Path
+) -> None:
+    """Killed between a download's last byte (the blob in place) and its snapshot link: the blob is the killed run's
+    (its journal says so), not the user's, though the resume finds it in the cache: deleted once converted."""
+    etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
+    repo, out = cache_repo(REPO), tmp_path / "out"
+    killed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
+                     env={"PREQUANT_FAILPOINT": "blob-downloaded:1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [p for p in (repo / "blobs").iterdir() if p.name in etags]  # a whole shard, no link to it
+    assert not list(repo.glob("snapshots/*/*.safetensors"))
+    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
+    assert outputs(out) == outputs(tmp_path / "local")
+    assert not [p for p in (repo / "blobs").iterdir() if p.name.split(".", 1)[0] in etags]
+    assert not list(repo.glob("snapshots/*/*.safetensors"))
+
+
 def _stopped(pid: int) -> bool:
     """Whether process `pid` is stopped (SIGSTOP), from /proc."""
     try:
