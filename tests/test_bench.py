@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "scripts" / "bench"
 
 
+@pytest.mark.slow
 def test_bench_reports_read_floor_and_prequant_with_ratios_memory_and_timeline(tmp_path):
     report_file = tmp_path / "bench.json"
     subprocess.run(
@@ -39,6 +40,7 @@ def test_bench_reports_read_floor_and_prequant_with_ratios_memory_and_timeline(t
     assert not (tmp_path / "work" / "out-prequant").exists()  # outputs removed unless --keep
 
 
+@pytest.mark.slow
 def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_path):
     report_file = tmp_path / "window.json"
     subprocess.run(
@@ -71,6 +73,7 @@ def test_window_bench_runs_every_device_and_window_in_turn_with_one_floor(tmp_pa
     assert not (tmp_path / "work" / "out-window").exists()
 
 
+@pytest.mark.slow
 def test_bench_modes_report_consistent_ratios_and_equal_bytes(tmp_path):
     """--also-device, --memory-limit-gib and --hub on the CPU: each path has its ratios, the same weight bytes,
     and the Hub path its wall-time ratio, disk bound and the local server's throughput."""
@@ -100,6 +103,7 @@ def test_bench_modes_report_consistent_ratios_and_equal_bytes(tmp_path):
     assert "figure (issue 17)" in summary  # prints with every input missing (a step that failed)
 
 
+@pytest.mark.slow
 def test_cpu_kernel_bench_reports_scaling_by_thread_count_beside_bitsandbytes(tmp_path):
     """cpu_kernel.py --threads 1,2: per count each implementation (prequant, bitsandbytes), the ratio,
     efficiency against one thread and the statistics' speed; summary.py reads it."""
@@ -274,6 +278,7 @@ def test_fsdp_summary_of_each_gpu_driver_prints_and_writes_what_it_found(tmp_pat
         assert "no report" in done.stdout and (tmp_path / "summary.md").read_text() == done.stdout
 
 
+@pytest.mark.slow
 def test_cpu_kernel_profile_reports_each_measurement_by_thread_count():
     """profile_cpu_kernel.py: single operations, the kernel (its own piece rule and a fixed piece), the statistics,
     double quantization and worker processes, each row with its speed-up against the first thread count."""
@@ -402,6 +407,7 @@ def test_cold_start_reads_back_exactly_the_resident_runs_and_groups_them(tmp_pat
     assert cold_start.group("/tmp/pycache/x/torch/nn/functional.cpython-312.pyc") == "python"
 
 
+@pytest.mark.slow
 def test_merge_bench_merges_into_both_bases_against_the_floor(tmp_path):
     report_file = tmp_path / "merge.json"
     subprocess.run(
@@ -420,6 +426,7 @@ def test_merge_bench_merges_into_both_bases_against_the_floor(tmp_path):
     assert not (tmp_path / "work" / "out-merge16").exists()
 
 
+@pytest.mark.slow
 def test_publish_bench_times_push_against_convert_then_upload(tmp_path):
     """scripts/bench/publish.py end to end on a small checkpoint: both modes publish the output in one commit."""
     report_file = tmp_path / "publish.json"

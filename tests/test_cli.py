@@ -177,6 +177,7 @@ def test_json_help_says_what_each_command_prints():
     assert "with --dry-run, the plan" in " ".join(run_cli("convert", "--help").stdout.split())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
 def test_max_rel_error_must_be_a_number_above_zero(converted_llama, value):
     src, out = converted_llama

@@ -303,18 +303,16 @@ def unmatched_skips(skip: Sequence[str], tensors: list[TensorRef]) -> list[str]:
 
 def _check_quantizable(t: TensorRef, decision: Decision, settings: Settings) -> None:
     """Refuse, before any work, a weight bitsandbytes cannot quantize, or whose packed storage would lose bytes."""
-    module = t.name.removesuffix(".weight")
-    skip = skipping(module)
     if (decision.dtype or t.dtype) not in QUANTIZABLE:
         raise PrequantError(
             f"tensor {t.name!r} has dtype {t.dtype}; only F32, F16 and BF16 weights can be quantized to 4 bit "
-            f"(convert the checkpoint first, or keep that module with {skip})"
+            f"(convert the checkpoint first, or keep that module with {skipping(t.name.removesuffix('.weight'))})"
         )
     if loses_codes(t.numel, settings.storage_code):
         raise PrequantError(
             f"tensor {t.name!r} has {t.numel:,} elements ({'x'.join(map(str, t.shape))}), and bitsandbytes' "
             f"{settings.quant_storage} storage for that many 4-bit codes is a byte short: the tensor could not be "
-            f"dequantized; use {spelled('quant_storage', 'uint8')} (or {skip})"
+            f"dequantized; use {spelled('quant_storage', 'uint8')} (or {skipping(t.name.removesuffix('.weight'))})"
         )
 
 

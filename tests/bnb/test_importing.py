@@ -48,6 +48,7 @@ def _probe(mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_lean_import_skips_the_compiler_and_gives_the_same_results():
     lean, normal = _probe("lean"), _probe("normal")
     assert not lean["compiler"], "inductor's compile_fx was imported: bitsandbytes' compilations ran"

@@ -32,6 +32,7 @@ def test_load_dtype_is_the_one_from_pretrained_uses(checkpoints, tmp_path, store
     assert expected == ("F16" if stored else "BF16")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["(", "*.down_proj", "[", "", "  "])
 def test_skip_patterns_transformers_cannot_compile_are_refused(checkpoints, tmp_path, pattern):
     proc = run_cli("convert", str(checkpoints("llama")), str(tmp_path / "out"), "--skip", pattern, "--dry-run")

@@ -582,6 +582,7 @@ def _looks_like_a_checkpoint(names: set[str]) -> set[str]:
     return {n for n in names if n == "config.json" or n.endswith((".safetensors", ".index.json", ".bin"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_input_is_refused_cleanly(case: Case, checkpoints, tmp_path: Path) -> None:
     ctx = Ctx(tmp_path, checkpoints("llama"), checkpoints("llama", SHARDED), [])

@@ -58,6 +58,7 @@ def _transformers_plan(src_dir) -> dict:
     return make_plan(tensors, layout, options.settings, options.shard_limit).to_dict()
 
 
+@pytest.mark.slow
 @SETTLES_HERE
 def test_a_settled_conversion_plans_as_transformers_without_its_modeling_code(checkpoints, tmp_path):
     for kind in ("llama", "gpt2"):

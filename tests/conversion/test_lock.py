@@ -57,6 +57,7 @@ def frozen(source, tmp_path):
             proc.communicate(timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [(), ("--overwrite",), ("--resume",)], ids=["plain", "overwrite", "resume"])
 def test_second_conversion_is_refused_naming_the_first(source, frozen, flags):
     first, out = frozen
@@ -69,6 +70,7 @@ def test_second_conversion_is_refused_naming_the_first(source, frozen, flags):
     assert _hashes(out / ".prequant-staging") == staged  # the first one's work untouched
 
 
+@pytest.mark.slow
 def test_first_conversion_then_finishes_as_if_alone(source, clean, frozen):
     first, out = frozen
     assert run_cli("convert", str(source), str(out), *ARGS).returncode == 1  # refused while it is stopped

@@ -69,6 +69,7 @@ def test_resume_of_a_finished_conversion_says_already_complete_and_writes_nothin
     assert '"already_complete": true' in as_json.stdout
 
 
+@pytest.mark.slow
 def test_an_already_complete_run_says_no_speed(checkpoints, finished):
     """Nothing was read: a rate ("0.0 s, 67.9 GB/s of input") would be meaningless, in the text and in the JSON."""
     proc = run_cli("convert", str(checkpoints("llama")), str(finished), *ARGS)

@@ -43,6 +43,7 @@ def _looks_like_checkpoint(out: Path) -> bool:
     return (out / "config.json").exists() or any(out.glob("*.safetensors")) or (out / "model.safetensors.index.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "failpoint",
     [
@@ -64,6 +65,7 @@ def test_sigkill_then_resume_gives_identical_files(source, clean, tmp_path, fail
     assert _hashes(out) == clean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failpoint", ["step-journaled:3", "shard-journaled:1", "publish-file:2"])
 def test_the_same_command_run_again_continues_the_interrupted_run(source, clean, tmp_path, failpoint):
     """No --resume: the staging folder of the same job is continued, not thrown away, and the run says so."""
@@ -79,6 +81,7 @@ def test_the_same_command_run_again_continues_the_interrupted_run(source, clean,
     assert _hashes(out) == clean
 
 
+@pytest.mark.slow
 def test_another_jobs_interrupted_run_is_refused_unless_overwrite(source, tmp_path):
     out, fp4 = tmp_path / "out", tmp_path / "fp4"
     run_cli("convert", str(source), str(out), *ARGS, env={"PREQUANT_FAILPOINT": "step-journaled:3"})
@@ -127,6 +130,7 @@ def test_resume_without_previous_run_starts_fresh(source, clean, tmp_path):
     assert _hashes(tmp_path / "out") == clean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly_and_says_how_to_resume(tmp_path, sig):
     from helpers import model_config  # noqa: F401 - a bigger model so the run is still going when signalled

@@ -81,6 +81,7 @@ def _plain_load(out: Path) -> str:
             f"model = AutoModelForCausalLM.from_pretrained({json.dumps(str(out))}, device_map='cpu')\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", ["bfloat16", "uint8"])
 def test_transformers_4_57_loads_it_correctly_as_the_card_says(tf4, outputs, storage):
     src, out = outputs["llama", storage]
@@ -90,6 +91,7 @@ def test_transformers_4_57_loads_it_correctly_as_the_card_says(tf4, outputs, sto
     assert len(result["errors"]) == 14 and max(result["errors"].values()) < 0.12, result
 
 
+@pytest.mark.slow
 def test_transformers_4_57_without_dtype_casts_bf16_packed_weights_as_numbers(tf4, outputs):
     """Why the card passes dtype: 4.57 loads bitsandbytes models in float16 when none is given, and converts the
     bfloat16-stored codes to float16 as numbers."""
@@ -98,6 +100,7 @@ def test_transformers_4_57_without_dtype_casts_bf16_packed_weights_as_numbers(tf
     assert result["packed"] == "torch.float16" and min(result["errors"].values()) > 1.0, result
 
 
+@pytest.mark.slow
 def test_transformers_4_57_never_casts_uint8_packed_weights(tf4, outputs):
     src, out = outputs["llama", "uint8"]
     result = load_in_tf4(tf4, out, src, _plain_load(out))

@@ -69,6 +69,7 @@ def _snippet(out: Path) -> str:
 
 @pytest.mark.parametrize(("kind", "storage"), [*((k, "bfloat16") for k in HANDLED), ("mixtral", "uint8"),
                                                ("qwen2_moe", "uint8")])
+@pytest.mark.slow
 def test_transformers_4_57_loads_4bit_experts_with_load_model_s_logits(tf4, tmp_path, kind, storage):
     try:  # the reference logits come from load_model, which needs a recent transformers in this environment
         require_transformers()

@@ -32,6 +32,7 @@ def _dequantized_errors(model, src: Path, transposed: set[str]) -> dict[str, flo
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
 def test_converts_loads_and_verifies(kind, checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -79,6 +80,7 @@ def test_storage_round_trip_verifies(checkpoints, tmp_path):
     assert verify(tmp_path / "u8", src, progress=False).ok
 
 
+@pytest.mark.slow
 def test_fsdp_qlora_steps_on_two_ranks(checkpoints, tmp_path):
     """load_for_fsdp (peft, torch.distributed with gloo) on the converted checkpoint: packed bytes intact."""
     src, out = checkpoints("llama"), tmp_path / "out"

@@ -94,6 +94,7 @@ def test_check_fsdp_trains_a_remote_code_grok_with_every_loader(grok, tmp_path):
         assert all(abs(h - params / NPROC) <= 0.05 * params / NPROC for h in held), held  # ... each rank about 1/N
 
 
+@pytest.mark.slow
 def test_check_fsdp_refuses_remote_code_without_the_flag(grok):
     proc = _check(str(grok), "--nproc", str(NPROC), "--loader", "prequant")
     assert proc.returncode == 2 and proc.stdout == ""

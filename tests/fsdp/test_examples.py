@@ -37,6 +37,7 @@ def demo(tmp_path_factory) -> Path:
     return work
 
 
+@pytest.mark.slow
 def test_demo_checkpoint_carries_a_tokenizer_with_a_chat_template_and_the_models_vocabulary(demo):
     from transformers import AutoConfig, AutoTokenizer
 

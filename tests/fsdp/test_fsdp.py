@@ -137,6 +137,7 @@ def test_load_for_fsdp_outside_a_launcher_says_how_to_run_it(tiny, monkeypatch):
 # ----------------------------------------------------------------------------------------- 2 ranks, gloo
 
 
+@pytest.mark.slow
 def test_shards_put_together_are_the_checkpoint_bytes(tiny, ranks):
     ckpt = read_checkpoint(tiny)
     keys = ranks[0]["keys"]
@@ -187,6 +188,7 @@ def test_first_step_loss_equals_unsharded_transformers_peft(tiny, ranks):
     assert ranks[0]["loss"] == ranks[1]["loss"] == loss
 
 
+@pytest.mark.slow
 def test_tied_embeddings_are_sharded_once(tmp_path):
     import prequant
 
@@ -223,6 +225,7 @@ def test_compat_parameter_defaults_requires_grad_by_dtype():
         torch.nn.Parameter(torch.zeros(4, 1, dtype=torch.uint8))
 
 
+@pytest.mark.slow
 def test_forced_compat_fixes_change_nothing_on_a_torch_that_has_them(tiny, ranks, tmp_path):
     """The fixes for torch without non-float FSDP2 parameters (run for real on 2.11 by the GPU check) give, when
     forced on this torch, the same shards, bytes, loss and grads as torch's own support."""

@@ -107,6 +107,7 @@ def mixed(request, tmp_path_factory) -> dict:
     return _train(request.param, root, quantize_experts=True, skip=(MIXED[request.param],))
 
 
+@pytest.mark.slow
 def test_two_ranks_train_lora_on_every_expert(trained):
     record = trained["record"]
     assert record["first_batches"][0] != record["first_batches"][1]  # the trainer gave each rank its own rows
@@ -119,6 +120,7 @@ def test_two_ranks_train_lora_on_every_expert(trained):
     assert any(record["lora"][n].abs().sum() > 0 for n in experts)  # trained
 
 
+@pytest.mark.slow
 def test_adapter_names_each_expert_and_reloads_with_the_same_logits(trained):
     from peft import PeftModel
     from safetensors import safe_open
@@ -136,6 +138,7 @@ def test_adapter_names_each_expert_and_reloads_with_the_same_logits(trained):
     _assert_probe_logits_match(model, trained["record"])
 
 
+@pytest.mark.slow
 def test_two_ranks_train_a_checkpoint_with_16bit_experts_as_transformers_fuses_them(kept):
     """Without --quantize-experts the experts stay 16-bit: the model holds transformers 5's fused experts (gate rows,
     then up rows), filled from the checkpoint's per-expert weights, their rows split between the ranks; LoRA goes on
@@ -161,6 +164,7 @@ def test_two_ranks_train_a_checkpoint_with_16bit_experts_as_transformers_fuses_t
     assert record["experts_local_rows"] == [2, 2]  # four experts, two per rank
 
 
+@pytest.mark.slow
 def test_adapter_of_16bit_experts_reloads_with_the_same_logits(kept):
     from peft import PeftModel
 
@@ -170,6 +174,7 @@ def test_adapter_of_16bit_experts_reloads_with_the_same_logits(kept):
     _assert_reloaded_as_trained(model, kept["record"])
 
 
+@pytest.mark.slow
 def test_trained_adapter_merged_into_the_4bit_base_loads_with_the_trained_logits(trained, tmp_path):
     """`prequant merge` of what the ranks trained: a 16-bit checkpoint transformers loads as it is (experts fused
     again), with the sharded model's logits."""
@@ -193,6 +198,7 @@ def _merged(run: dict, out: Path):
     return AutoModelForCausalLM.from_pretrained(out, dtype="auto").eval()
 
 
+@pytest.mark.slow
 def test_adapter_of_16bit_experts_on_4bit_experts_is_refused_in_one_line(kept, tmp_path):
     """An adapter trained on fused 16-bit experts, loaded on the same model with 4-bit experts one linear each: peft
     would drop the experts' LoRA with a warning; loading it as documented (`lora_targets_as_named`) is refused,
@@ -211,10 +217,12 @@ def test_adapter_of_16bit_experts_on_4bit_experts_is_refused_in_one_line(kept, t
             PeftModel.from_pretrained(model, Path(kept["out"]) / "final")
 
 
+@pytest.mark.slow
 def test_adapter_of_16bit_experts_merges_and_loads_with_the_trained_logits(kept, tmp_path):
     _assert_probe_logits_match(_merged(kept, tmp_path / "merged"), kept["record"])
 
 
+@pytest.mark.slow
 def test_adapter_of_4bit_and_kept_experts_merges_and_loads_with_the_trained_logits(mixed, tmp_path):
     """The kept layer's LoRA is on transformers' fused parameters (target_parameters): merged into that layer's
     per-expert 16-bit tensors, the 4-bit layer's into its dequantized experts."""
@@ -227,6 +235,7 @@ def test_adapter_of_4bit_and_kept_experts_merges_and_loads_with_the_trained_logi
     _assert_probe_logits_match(model, mixed["record"])
 
 
+@pytest.mark.slow
 def test_two_ranks_train_4bit_experts_beside_kept_ones(mixed):
     """Layer 0's experts kept by --skip: transformers' fused experts, filled from the source's weights, their rows split
     between the ranks, LoRA on their fused parameters; layer 1's experts 4-bit, LoRA on each expert's linears."""
@@ -252,6 +261,7 @@ def test_two_ranks_train_4bit_experts_beside_kept_ones(mixed):
     assert record["experts_local_rows"] == [2, 2]  # four experts, two per rank
 
 
+@pytest.mark.slow
 def test_adapter_of_4bit_and_kept_experts_reloads_with_the_same_logits(mixed):
     from peft import PeftModel
 

@@ -30,6 +30,8 @@ import pytest
 import torch
 from helpers import finish_worker, torchrun
 
+pytestmark = pytest.mark.slow  # every test runs ranks in processes
+
 KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe"]
 LAYOUTS = ["4bit", "16bit", "mixed"]
 # The first MoE block of each kind (3 layers; DeepSeek-V3's and GLM-4-MoE's layer 0 is dense), as the checkpoint

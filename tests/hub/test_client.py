@@ -93,6 +93,7 @@ def test_resolve_pins_an_old_commit(hub_server: HubServer, tiny: str) -> None:
     assert set(source.files) == set(FILES)
 
 
+@pytest.mark.slow
 def test_resolve_rides_out_a_connection_reset_and_a_burst_of_server_errors(
     hub_server: HubServer, tiny: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -247,6 +248,7 @@ def test_evict_removes_the_file_from_disk(tiny: str) -> None:
     assert hub.download(source, "model-00001-of-00002.safetensors").read_bytes() == SHARD_1  # comes back
 
 
+@pytest.mark.slow
 def test_connection_cut_mid_file_names_the_file(hub_server: HubServer, tiny: str) -> None:
     name = "model-00001-of-00002.safetensors"
     hub_server.fail(REPO, name, "drop", after_bytes=100_000)  # every attempt, resumes included
@@ -306,6 +308,7 @@ def test_a_host_name_that_does_not_resolve_is_not_retried(wrap, code: int) -> No
     assert not is_transient(wrap(unknown))
 
 
+@pytest.mark.slow
 def test_a_cut_whose_resume_meets_a_burst_of_server_errors_is_ridden_out(
     hub_server: HubServer, tiny: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -103,6 +103,7 @@ def test_a_download_stopped_mid_body_is_resumed_by_the_next_one_from_the_byte_on
     assert not list(cached(REPO).rglob("*.incomplete"))
 
 
+@pytest.mark.slow
 def test_a_cut_whose_resume_meets_a_burst_of_503_keeps_its_bytes(
     hub_server: HubServer, repo: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

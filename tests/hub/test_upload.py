@@ -136,6 +136,7 @@ WRITES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["status", "reset"])
 @pytest.mark.parametrize("call", list(WRITES))
 def test_each_write_call_is_retried(

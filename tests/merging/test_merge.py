@@ -262,6 +262,7 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_killed_merge_continues_to_the_same_files_and_a_changed_adapter_is_another_job(four_bit, tmp_path):
     import signal
 
@@ -356,6 +357,7 @@ def test_gpt2_4bit_base_merges_in_the_stored_conv1d_layout(converted_gpt2, tmp_p
         assert torch.equal(value.view(torch.uint8), expected.view(torch.uint8)), key
 
 
+@pytest.mark.slow
 def test_a_merge_into_a_4bit_base_reports_real_parameters_shapes_and_actions(four_bit, tmp_path):
     """The report of a merge into a 4-bit base counts the parameters a 16-bit base's report counts (not packed
     elements), shows the weights' real shapes, says "merge" for a merged tensor, and a 16-bit output's plan names no

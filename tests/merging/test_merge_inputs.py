@@ -155,6 +155,7 @@ class SentinelConfig(LlamaConfig):
 '''
 
 
+@pytest.mark.slow
 def test_the_base_s_code_never_runs_without_trust_remote_code_and_nothing_asks(checkpoints, tmp_path):
     """A base whose config names its own code (auto_map, a model_type transformers does not know): an adapter key
     that the checkpoint's names do not match makes the merge ask transformers for the model's names; it must not run

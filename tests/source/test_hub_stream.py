@@ -250,6 +250,7 @@ def test_next_shard_is_prefetched_and_a_third_waits_for_a_deletion(
         data.close()
 
 
+@pytest.mark.slow
 def test_two_shards_download_at_once_within_the_two_shard_bound(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:
@@ -457,6 +458,7 @@ def _gets(server: HubServer, name: str) -> list[tuple[int | None, str | None]]:
     return [(r.status, r.headers.get("range")) for r in server.request_log if _serves(r, name) and r.to_the_end]
 
 
+@pytest.mark.slow
 def test_a_conversion_rides_out_a_reset_of_every_kind_of_request_and_a_burst_of_503s_on_the_lookup(
     hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -486,6 +488,7 @@ def test_a_conversion_rides_out_a_reset_of_every_kind_of_request_and_a_burst_of_
     assert not list(cache_repo(REPO).rglob("*.incomplete"))
 
 
+@pytest.mark.slow
 def test_a_shard_cut_mid_body_then_refused_with_5xx_converts_to_the_same_bytes(
     hub_server: HubServer, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -502,6 +505,7 @@ def test_a_shard_cut_mid_body_then_refused_with_5xx_converts_to_the_same_bytes(
     assert not list(cache_repo(REPO).rglob("*.incomplete"))
 
 
+@pytest.mark.slow
 def test_an_outage_longer_than_the_retries_stops_in_one_line_and_resume_finishes(
     hub_server: HubServer, tiny: Path, tmp_path: Path
 ) -> None:

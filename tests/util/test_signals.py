@@ -48,6 +48,7 @@ def _interrupted(proc, sig: int, *, send: bool = True) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: signal.Signals(s).name)
 @pytest.mark.parametrize("delay", [0.0, 0.2, 0.6, 1.2])
 def test_convert_start_up(checkpoints, tmp_path, sig, delay):
