@@ -31,7 +31,7 @@ from ..checkpoint.tensors import TensorRef
 from ..errors import Interrupted, flag
 from ..source.resolve import contents, reader, resolve
 from ..source.spec import Source
-from ..util import signals, trace
+from ..util import gcpause, signals, trace
 from ..util.progress import Progress
 from . import card, output, pipeline, readahead
 from .journal import Journal, fingerprint, job_id
@@ -91,17 +91,18 @@ def convert(
     opts = replace(options or ConvertOptions(), **changes)
     started = time.monotonic()
     out = output.target(output_dir, source, overwrite=opts.overwrite, resume=opts.resume, dry_run=opts.dry_run)
-    src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
-    held = contents(src)
-    check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
-    # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
-    weight_bytes = sum(t.nbytes for t in held.tensors)  # what `--device auto` weighs
-    quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, weight_bytes)
-    trace.mark("quantizer-started")  # on a GPU, "cuda-ready" follows once it is built
-    plan = _plan(held.config, src.path, held.tensors, opts)
-    if opts.dry_run:
-        return plan
-    job = Job.planned(src, out, opts, held.tensors, held.config, plan, started)
+    with gcpause.paused():  # the plan's objects stay alive: no collector rescanning them as they are made
+        src = resolve(str(source), stream=True, delete=opts.delete_source_shards)
+        held = contents(src)
+        check_device(opts.device)  # a dry run refuses what the real run would, without starting CUDA
+        # CUDA and bitsandbytes start on a thread while the layout is decided and the plan made; the pipeline waits.
+        weight_bytes = sum(t.nbytes for t in held.tensors)  # what `--device auto` weighs
+        quantizer = None if opts.dry_run else starting.quantizer(opts.settings, opts.device, weight_bytes)
+        trace.mark("quantizer-started")  # on a GPU, "cuda-ready" follows once it is built
+        plan = _plan(held.config, src.path, held.tensors, opts)
+        if opts.dry_run:
+            return plan
+        job = Job.planned(src, out, opts, held.tensors, held.config, plan, started)
     return run_job(job, quantizer, partial(_write, job, quantizer), stats=opts.stats,
                    record_options={"skip": list(opts.skip), "max_shard_size": opts.shard_limit},
                    notes=partial(_base_model_hint, opts))

@@ -24,7 +24,7 @@ import torch
 
 from ..checkpoint.dtypes import itemsize
 from ..errors import PrequantError
-from ..util import failpoints, trace
+from ..util import failpoints, gcpause, trace
 from ..util.fsio import FULL, disk_full, write_error
 from .follow_hash import FollowHash
 
@@ -49,7 +49,10 @@ class ShardLayout:
     """The offsets of a shard's fixed-size tensors and the size of its header (8-byte length + reserved JSON)."""
 
     def __init__(self, entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> None:
-        entries = list(entries)
+        with gcpause.paused():  # a header dict per tensor: 280k of them in one shard of a large MoE model
+            self._lay_out(list(entries), metadata)
+
+    def _lay_out(self, entries: list[Entry], metadata: dict[str, str] | None) -> None:
         self.metadata = metadata or {"format": "pt"}
         self.fixed = sorted((e for e in entries if e.shape is not None), key=lambda e: (-itemsize(e.dtype), e.key))
         self.variable = sorted((e for e in entries if e.shape is None), key=lambda e: e.key)
