@@ -167,7 +167,8 @@ class Plan:
         others: dict[str, int] = {}
         for st in self.steps:
             if st.action not in ("quantize", "keep"):
-                others[_DONE.get(st.action, st.action)] = others.get(_DONE.get(st.action, st.action), 0) + 1
+                done = _DONE.get(st.action, st.action)
+                others[done] = others.get(done, 0) + 1
         quantized = sum(st.quantize for st in self.steps)
         return quantized, len(self.steps) - quantized - sum(others.values()), others
 

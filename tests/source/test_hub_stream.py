@@ -598,11 +598,22 @@ def test_a_shard_whose_blob_a_killed_run_finished_but_never_linked_is_deleted_by
     (its journal says so), not the user's, though the resume finds it in the cache: deleted once converted."""
     etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
     repo, out = cache_repo(REPO), tmp_path / "out"
-    killed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
-                     env={"PREQUANT_FAILPOINT": "blob-downloaded:1"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _killed_at("blob-downloaded", out)
     assert [p for p in (repo / "blobs").iterdir() if p.name in etags]  # a whole shard, no link to it
     assert not list(repo.glob("snapshots/*/*.safetensors"))
+    _resume_leaves_no_shard(tiny, out, tmp_path, etags)
+
+
+def _killed_at(failpoint: str, out: Path) -> None:
+    """Convert REPO with --delete-source-shards into `out`, SIGKILLed at the first hit of `failpoint`."""
+    killed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
+                     env={"PREQUANT_FAILPOINT": f"{failpoint}:1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
+def _resume_leaves_no_shard(tiny: Path, out: Path, tmp_path: Path, etags: set[str]) -> None:
+    """--resume finishes `out` with the local conversion's bytes and leaves no shard (blob or link) in the cache."""
+    repo = cache_repo(REPO)
     resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
@@ -810,18 +821,11 @@ def test_a_run_killed_mid_eviction_leaves_no_blob_behind_and_its_resume_removes_
     shard's worth of disk no run would find again) is left; the resume removes the dangling link and finishes."""
     etags = {hashlib.sha256(p.read_bytes()).hexdigest() for p in tiny.glob("*.safetensors")}
     repo, out = cache_repo(REPO), tmp_path / "out"
-    killed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards",
-                     env={"PREQUANT_FAILPOINT": "blob-evicted:1"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _killed_at("blob-evicted", out)
     links = list(repo.glob("snapshots/*/*.safetensors"))
     dangling = [link for link in links if not link.exists()]
     assert len(dangling) == 1
     for blob in (repo / "blobs").iterdir():  # every blob left is a shard some link still names
         if blob.name in etags:
             assert any(link.resolve() == blob for link in links)
-    resumed = run_cli("convert", REPO, str(out), "--device", "cpu", "--delete-source-shards", "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    prequant.convert(tiny, tmp_path / "local", device="cpu", progress=False)
-    assert outputs(out) == outputs(tmp_path / "local")
-    assert not [p for p in (repo / "blobs").iterdir() if p.name.split(".", 1)[0] in etags]
-    assert not list(repo.glob("snapshots/*/*.safetensors"))
+    _resume_leaves_no_shard(tiny, out, tmp_path, etags)
